@@ -1,0 +1,37 @@
+"""gpuformers: run, serve and train Hugging Face language models on NVIDIA GPUs with the transformers API.
+
+The public names are imported lazily, so `import gpuformers` stays fast and `gpuformers env` works even
+where torch is broken.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "AutoConfig": "gpuformers.models.auto",
+    "AutoModelForCausalLM": "gpuformers.models.auto",
+    "AutoTokenizer": "gpuformers.models.auto",
+    "ModelConfig": "gpuformers.models.config",
+    "PreTrainedTokenizerFast": "gpuformers.tokenizer",
+    "LlamaForCausalLM": "gpuformers.models.llama",
+    "MistralForCausalLM": "gpuformers.models.llama",
+    "Qwen2ForCausalLM": "gpuformers.models.llama",
+    "Qwen3ForCausalLM": "gpuformers.models.qwen3",
+    "CausalLMOutput": "gpuformers.models.outputs",
+    "DynamicCache": "gpuformers.generation.cache",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpuformers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

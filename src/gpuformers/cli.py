@@ -1,0 +1,179 @@
+"""`gpuformers <verb>`: the command line, a table of verbs -> "module:function".
+
+A verb's module is imported only when that verb runs, so `gpuformers env` starts without the model code and
+`gpuformers --help` is instant. Adding a verb is one entry in VERBS, e.g.:
+
+    "generate": Verb("generate text from a prompt", 'gpuformers generate Qwen/Qwen3-0.6B "Hello"',
+                     "gpuformers.generation.cli:run", "gpuformers.generation.cli:add_arguments"),
+
+`run(args: argparse.Namespace) -> int | None` does the work (None means exit code 0); the optional
+`add_arguments(parser)` adds the verb's own flags. Common flags (`--gpus`) go before or after the verb and are
+applied before the verb's module is imported, hence before CUDA can start.
+
+Offers: `Verb`, `VERBS`, `main(argv)`, and the two verbs that live here: `run_env` and `run_doctor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any, Callable, NamedTuple
+
+
+class Verb(NamedTuple):
+    summary: str  # one line for `gpuformers --help`
+    example: str  # shown under the verb's --help
+    run: str  # "module:function" taking the parsed args
+    arguments: str | None = None  # "module:function" adding the verb's flags to its parser
+
+
+VERBS: dict[str, Verb] = {
+    "env": Verb("show versions, CUDA and the GPUs as CUDA numbers them", "gpuformers env --json",
+                "gpuformers.cli:run_env", "gpuformers.cli:add_json_argument"),
+    "doctor": Verb("check the GPU setup and say how to fix what is wrong", "gpuformers --gpus 0,1 doctor",
+                   "gpuformers.cli:run_doctor", "gpuformers.cli:add_json_argument"),
+    "generate": Verb("answer one prompt with a local model, streaming the reply",
+                     'gpuformers generate "What is the capital of France?"',
+                     "gpuformers.generation.cli:run_generate", "gpuformers.generation.cli:add_generate_arguments"),
+    "chat": Verb("chat with a local model in the terminal (/clear, /exit)", "gpuformers chat --temperature 0.7",
+                 "gpuformers.generation.cli:run_chat", "gpuformers.generation.cli:add_chat_arguments"),
+}
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--gpus", metavar="LIST", default=default,
+                        help='GPUs for this run only, as nvidia-smi numbers them: "0,2" (sets CUDA_VISIBLE_DEVICES '
+                             'and CUDA_DEVICE_ORDER=PCI_BUS_ID before CUDA starts); "" runs on the CPU')
+
+
+def _find_verb(argv: list[str]) -> str | None:
+    """The first word that is not a flag or a flag's value, so that only that verb's module is imported."""
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--gpus":
+            next(tokens, None)
+        elif not token.startswith("-"):
+            return token
+    return None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser for all verbs; only `verb`'s own flags are loaded (its module is imported)."""
+    parser = argparse.ArgumentParser(prog="gpuformers", description="Run, serve and train Hugging Face language "
+                                     "models on NVIDIA GPUs.", epilog="example:\n  gpuformers env",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(parser, None)
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name, entry in VERBS.items():
+        sub = verbs.add_parser(name, help=entry.summary, description=entry.summary,
+                               epilog=f"example:\n  {entry.example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        # SUPPRESS: a --gpus given before the verb must not be reset by the sub-parser's default
+        _add_common(sub, argparse.SUPPRESS)
+        if name == verb and entry.arguments:
+            _load(entry.arguments)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `gpuformers` console script and of `python -m gpuformers`."""
+    from gpuformers.device import select_gpus  # device.py imports torch lazily: CUDA cannot start here
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = _find_verb(argv)
+    parser = build_parser(verb if verb in VERBS else None)
+    args = parser.parse_args(argv)
+    if args.gpus is not None:
+        try:
+            select_gpus(args.gpus)
+        except (ValueError, RuntimeError) as error:
+            parser.error(str(error))
+    result = _load(VERBS[args.verb].run)(args)
+    return 0 if result is None else int(result)
+
+
+# ------------------------------------------------------------------------------------------- env and doctor
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON for machines instead of text")
+
+
+def _gib(size: int | None) -> str:
+    return "?" if size is None else f"{size / 2**30:.1f} GiB"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [headers, *rows])
+
+
+def format_env(report: dict[str, Any]) -> str:
+    """The text `gpuformers env` prints for an env_report."""
+    versions, env = report["versions"], report["environ"]
+    names = {"python": "Python", "gpuformers": "gpuformers", "torch": "torch", "torch_cuda": "torch CUDA",
+             "driver": "NVIDIA driver", "triton": "triton", "flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes"}
+    missing = {"torch_cuda": "none (CPU-only build)", "driver": "unknown (no nvidia-smi, no NVML)"}
+    lines = [f"{label:<14}{versions[key] or missing.get(key, 'not installed')}" for key, label in names.items()]
+    if report["torch_error"]:
+        lines.append(f"import torch failed: {report['torch_error']}")
+    order = env["CUDA_DEVICE_ORDER"]
+    lines += ["", f"torch.cuda.is_available(): {report['cuda_available']}   device count: {report['device_count']}",
+              f"CUDA_VISIBLE_DEVICES={'(not set)' if env['CUDA_VISIBLE_DEVICES'] is None else repr(env['CUDA_VISIBLE_DEVICES'])}"
+              f"   CUDA_DEVICE_ORDER={order or '(not set: FASTEST_FIRST)'}"
+              + (f"   (set by --gpus {report['gpus_flag']!r})" if report["gpus_flag"] is not None else ""), ""]
+    if report["gpus"]:
+        rows = [[f"cuda:{g['index']}", "?" if g["nvidia_smi_index"] is None else str(g["nvidia_smi_index"]), g["name"],
+                 "{}.{}".format(*g["capability"]), _gib(g["total_memory"]), _gib(g["free_memory"]),
+                 "yes" if g["bf16"] else "no", g["pci_bus_id"] or "?"] for g in report["gpus"]]
+        lines.append(_table(["device", "nvidia-smi", "name", "capability", "total", "free", "bf16", "PCI bus id"], rows))
+    else:
+        lines.append("No CUDA GPU is visible: gpuformers runs on the CPU.")
+    if report["nvidia"] and not report["gpus"]:
+        rows = [[str(g["index"]), g["name"], _gib(g["total_memory"]), _gib(g["free_memory"]), g["pci_bus_id"]]
+                for g in report["nvidia"]["gpus"]]
+        lines += ["", f"GPUs {report['nvidia']['source']} lists:",
+                  _table(["nvidia-smi", "name", "total", "free", "PCI bus id"], rows)]
+    return "\n".join(lines)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    """`gpuformers env`: versions, CUDA, and the GPUs as CUDA numbers them."""
+    from gpuformers.device import env_report
+
+    report = env_report()
+    print(json.dumps(report, indent=2) if args.json else format_env(report))
+    return 0
+
+
+def format_findings(findings: list[Any]) -> str:
+    """The text `gpuformers doctor` prints: one line per check, then the fix under it."""
+    lines = []
+    for finding in findings:
+        first, *rest = finding.message.split("\n")
+        lines.append(f"[{finding.level}]".ljust(7) + f"{finding.check}: {first}")
+        lines += ["       " + line for line in rest]
+        if finding.fix:
+            lines.append(f"       fix: {finding.fix}")
+    failed = sum(f.level == "fail" for f in findings)
+    warned = sum(f.level == "warn" for f in findings)
+    lines.append(f"\n{failed} failed, {warned} warning(s)")
+    return "\n".join(lines)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """`gpuformers doctor`: exit code 1 when a check fails (warnings alone: 0)."""
+    from dataclasses import asdict
+
+    from gpuformers.device import doctor, env_report
+
+    findings = doctor(env_report())
+    print(json.dumps([asdict(f) for f in findings], indent=2) if args.json else format_findings(findings))
+    return 1 if any(f.level == "fail" for f in findings) else 0

@@ -1,0 +1,521 @@
+"""Devices and dtypes: the one place gpuformers asks which GPUs exist, which one to use and in which precision.
+
+Offers:
+- `parse_dtype(value)` -> torch.dtype or "auto"; `default_dtype(device)`; `resolve_dtype(dtype, checkpoint_dtype=, device=)`
+- `resolve_device(device_or_map)` -> torch.device, with an error that says how to fix a missing GPU (never a CPU fallback)
+- `select_gpus("0,2")`: what `--gpus` does (CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, before CUDA starts)
+- `GPUInfo` / `gpu_info()`: the GPUs as CUDA numbers them; `NvidiaGPU` / `nvidia_gpus()`: as nvidia-smi numbers them
+- `visible_devices_problems(value)`: what is wrong with a CUDA_VISIBLE_DEVICES value
+- `env_report()` -> dict: everything `gpuformers env` shows; `doctor(report)` -> list of `Finding` for `gpuformers doctor`
+
+Two numberings meet here. CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and only those that
+CUDA_VISIBLE_DEVICES lets through; nvidia-smi (NVML) always numbers every GPU in PCI bus order. The PCI bus id is the
+one name both agree on, so reports join the two on it.
+
+Everything that asks CUDA takes `cuda=` (default `torch.cuda`): tests pass a fake with is_available(), device_count(),
+get_device_properties(i), get_device_capability(i), mem_get_info(i), current_device() and is_initialized(), so that
+4 GPUs in a wrong order can be simulated on a machine without one. torch is imported inside functions, not at the top,
+so that `env` and `doctor` still run, and explain, when `import torch` itself fails.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import io
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+_DTYPE_CHOICES = "auto, float32, float16, bfloat16"
+_DEVICE_FORMS = ('None, "cpu", "cuda", "cuda:N", an int N (a GPU index), a torch.device, '
+                 'or a device map {"": one of these}')
+# device_map strategies: they spread a model over every visible GPU, so dtype must suit all of them
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+GPUS_FLAG_VARIABLE = "GPUFORMERS_GPUS"  # set by select_gpus, so doctor can tell --gpus from a variable set by hand
+
+
+def _cuda(cuda: Any = None) -> Any:
+    if cuda is not None:
+        return cuda
+    import torch
+
+    return torch.cuda
+
+
+# ----------------------------------------------------------------------------------------------------- dtypes
+
+
+def parse_dtype(value: Any) -> torch.dtype | Literal["auto"]:
+    """A dtype as users write it -> a torch.dtype, or "auto". None means "auto" (transformers 5's default)."""
+    import torch
+
+    if value is None:
+        return "auto"
+    if isinstance(value, torch.dtype):
+        if value in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            return value
+        raise ValueError(f"dtype {value} is not a compute dtype; use one of: {_DTYPE_CHOICES}")
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        if name == "auto":
+            return "auto"
+        if name in _DTYPE_ALIASES:
+            return getattr(torch, _DTYPE_ALIASES[name])
+    raise ValueError(f'dtype "{value}" is not one of: {_DTYPE_CHOICES}')
+
+
+def _compute_devices(device: Any, cuda: Any) -> list[torch.device]:
+    """Every device that will run layers: one for a device, several for a device map or a strategy."""
+    import torch
+
+    if isinstance(device, str) and device.strip().lower() in _STRATEGIES:
+        gpus = _cuda(cuda)
+        count = gpus.device_count() if gpus.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    if isinstance(device, dict) and set(device) != {""}:
+        # "disk" holds weights that are streamed to the main device; it runs nothing itself
+        return [resolve_device(v, cuda=cuda) for v in set(device.values()) if v != "disk"] or [torch.device("cpu")]
+    return [resolve_device(device, cuda=cuda)]
+
+
+def default_dtype(device: Any = None, *, cuda: Any = None) -> torch.dtype:
+    """bfloat16 on CUDA compute capability >= 8.0, float16 on older GPUs, float32 on the CPU.
+
+    With several GPUs (a device map or "auto"), the oldest one decides: bfloat16 only if every GPU has it.
+    """
+    import torch
+
+    gpus = [d for d in _compute_devices(device, cuda) if d.type == "cuda"]
+    if not gpus:
+        return torch.float32
+    if all(_cuda(cuda).get_device_capability(d.index) >= (8, 0) for d in gpus):
+        return torch.bfloat16
+    return torch.float16
+
+
+def resolve_dtype(dtype: Any, *, checkpoint_dtype: Any = None, device: Any = None, cuda: Any = None) -> torch.dtype:
+    """The dtype to load in. A dtype the user names wins; "auto" takes the checkpoint's (config.json `dtype` /
+    `torch_dtype`) if known, except bfloat16 on a GPU without bfloat16 -> float16 with a warning; else default_dtype."""
+    import torch
+
+    chosen = parse_dtype(dtype)
+    if chosen != "auto":
+        return chosen
+    if checkpoint_dtype is None:
+        return default_dtype(device, cuda=cuda)
+    try:
+        stored = parse_dtype(checkpoint_dtype)
+    except ValueError:
+        raise ValueError(f'the checkpoint says dtype "{checkpoint_dtype}", which dtype="auto" cannot load in; '
+                         f"pass dtype= one of: float32, float16, bfloat16") from None
+    if stored == "auto":
+        return default_dtype(device, cuda=cuda)
+    if stored == torch.bfloat16:
+        old = [d for d in _compute_devices(device, cuda) if d.type == "cuda"
+               and _cuda(cuda).get_device_capability(d.index) < (8, 0)]
+        if old:
+            major, minor = _cuda(cuda).get_device_capability(old[0].index)
+            warnings.warn(f"the checkpoint is bfloat16 but {old[0]} (compute capability {major}.{minor}) has no "
+                          f"bfloat16 support: loading in float16 instead; pass dtype=torch.float32 to keep the "
+                          f"full range", stacklevel=2)
+            return torch.float16
+    return stored
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+
+
+def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
+    """One device as users write it -> a torch.device that exists here, or an error saying how to fix it."""
+    import torch
+
+    value = device_or_map
+    if isinstance(value, dict):
+        if set(value) != {""}:
+            raise ValueError(f"resolve_device takes one device, not a device map over several modules "
+                             f"({sorted(value)[:3]}...); accepted: {_DEVICE_FORMS}")
+        value = value[""]
+    if value is None:
+        return torch.device("cpu")
+    if isinstance(value, torch.device):
+        kind, index = value.type, value.index
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        kind, index = "cuda", value
+    elif isinstance(value, str) and (match := re.fullmatch(r"(cpu|cuda)(?::(\d+))?", value.strip().lower())):
+        kind, index = match[1], None if match[2] is None else int(match[2])
+    else:
+        raise ValueError(f"device {value!r} is not understood; accepted: {_DEVICE_FORMS}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"device {value!r} is not supported by gpuformers; accepted: {_DEVICE_FORMS}")
+    gpus = _cuda(cuda)
+    if not gpus.is_available():
+        raise RuntimeError(_no_cuda_message(value))
+    count = gpus.device_count()
+    if index is None:
+        index = gpus.current_device()  # "cuda" means the current device (torch.cuda.set_device under torchrun)
+    if index >= count:
+        raise RuntimeError(f"device cuda:{index} does not exist: {count} CUDA GPU(s) are visible (cuda:0 to "
+                           f"cuda:{count - 1}) with CUDA_VISIBLE_DEVICES={_shown(os.environ)}; pick an index below "
+                           f"{count}, or choose other GPUs with --gpus (see `gpuformers env`)")
+    return torch.device("cuda", index)
+
+
+def _shown(environ: Any, name: str = "CUDA_VISIBLE_DEVICES") -> str:
+    value = environ.get(name)
+    return "(not set)" if value is None else repr(value)
+
+
+def _no_cuda_message(requested: Any) -> str:
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.version.cuda is None:
+        fix = ("this torch is a CPU-only build: install a CUDA build (https://pytorch.org/get-started/locally/, "
+               "matching the 'CUDA Version' nvidia-smi shows)")
+    elif visible is not None and (visible.strip() in ("", "-1") or visible_devices_problems(visible)):
+        fix = "CUDA_VISIBLE_DEVICES hides every GPU: unset it, or pass --gpus 0"
+    else:
+        fix = "check that `nvidia-smi` lists a GPU and that its driver supports CUDA " + torch.version.cuda
+    return (f"device {requested!r} was asked for, but no CUDA GPU is visible (torch.cuda.is_available() is False; "
+            f"CUDA_VISIBLE_DEVICES={_shown(os.environ)}, torch.version.cuda={torch.version.cuda!r}). Fix: {fix}; "
+            f'or run on the CPU with device_map="cpu". `gpuformers doctor` checks the whole setup.')
+
+
+def _split_gpus(value: str) -> list[str]:
+    return [token.strip() for token in value.split(",")] if value.strip() else []
+
+
+def select_gpus(gpus: str, *, environ: Any = None, cuda: Any = None) -> None:
+    """`--gpus 0,2`: show only those GPUs (as nvidia-smi numbers them) to this process and its children.
+
+    Must run before CUDA starts: CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises. `""` hides every GPU.
+    """
+    environ = os.environ if environ is None else environ
+    tokens = _split_gpus(gpus)
+    bad = [t for t in tokens if not (t.isdigit() or t.startswith(("GPU-", "MIG-")))]
+    if bad or len(set(tokens)) != len(tokens):
+        raise ValueError(f'--gpus "{gpus}" is not a comma-separated list of distinct GPU indices or UUIDs '
+                         f'(e.g. --gpus 0,2 as nvidia-smi numbers them, or --gpus "" for the CPU)')
+    torch = sys.modules.get("torch")  # not imported yet -> CUDA cannot have started
+    if cuda is None and torch is not None:
+        cuda = torch.cuda
+    if cuda is not None and cuda.is_initialized():
+        raise RuntimeError(f"--gpus {gpus} comes too late: CUDA is already initialised in this process, so it would "
+                           f"keep the GPUs it saw; apply --gpus (select_gpus) before anything touches torch.cuda")
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(tokens)
+    environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so that "0,2" means nvidia-smi's 0 and 2
+    environ[GPUS_FLAG_VARIABLE] = ",".join(tokens)
+
+
+def visible_devices_problems(value: str, gpu_count: int | None = None, uuids: tuple[str, ...] = ()) -> list[str]:
+    """What is wrong with a CUDA_VISIBLE_DEVICES value (empty list: nothing). "" and "-1" hide all GPUs on purpose.
+
+    CUDA stops reading at the first bad entry and silently keeps the ones before it, hence a list of reasons.
+    """
+    if value.strip() in ("", "-1"):
+        return []
+    problems, seen = [], set()
+    for token in (t.strip() for t in value.split(",")):
+        if token in seen:
+            problems.append(f"entry {token} appears twice")
+        seen.add(token)
+        if re.fullmatch(r"-?\d+", token):
+            if int(token) < 0:
+                problems.append(f"entry {token} is negative: it hides itself and every entry after it")
+            elif gpu_count is not None and int(token) >= gpu_count:
+                problems.append(f"entry {token} is past the last GPU (nvidia-smi lists {gpu_count}: 0 to {gpu_count - 1})")
+        elif token.startswith(("GPU-", "MIG-")):
+            if uuids and not any(u.startswith(token) for u in uuids):
+                problems.append(f"no GPU has a UUID starting with {token}")
+        else:
+            problems.append(f"entry {token!r} is neither a GPU index nor a GPU-/MIG- UUID")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ GPU discovery
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """One GPU as CUDA numbers it in this process (after CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER)."""
+
+    index: int  # cuda:index
+    name: str
+    capability: tuple[int, int]
+    total_memory: int  # bytes
+    free_memory: int | None  # bytes; None when CUDA could not say (e.g. the GPU is full)
+    bf16: bool  # native bfloat16: compute capability >= 8.0
+    pci_bus_id: str | None  # nvidia-smi's spelling, "00000000:3B:00.0"
+
+
+def _bus_id(domain: int, bus: int, device: int) -> str:
+    return f"{domain:08X}:{bus:02X}:{device:02X}.0"
+
+
+def _normal_bus_id(text: str) -> str:
+    """nvidia-smi says "00000000:3B:00.0", NVML may say "0000:3b:00.0": one spelling so that they compare."""
+    match = re.fullmatch(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.\d", text.strip())
+    return _bus_id(*(int(part, 16) for part in match.groups())) if match else text.strip()
+
+
+def gpu_info(cuda: Any = None) -> list[GPUInfo]:
+    """The GPUs this process can use, as cuda:0, cuda:1, ... Empty without CUDA."""
+    cuda = _cuda(cuda)
+    if not cuda.is_available():
+        return []
+    gpus = []
+    for index in range(cuda.device_count()):
+        props = cuda.get_device_properties(index)
+        try:
+            free = int(cuda.mem_get_info(index)[0])
+        except Exception:  # a context cannot be created on a full or exclusive-mode GPU
+            free = None
+        pci = getattr(props, "pci_bus_id", None)  # torch >= 2.6; older builds lack the PCI fields
+        bus = None if pci is None else _bus_id(getattr(props, "pci_domain_id", 0), pci, props.pci_device_id)
+        gpus.append(GPUInfo(index=index, name=props.name, capability=(props.major, props.minor),
+                            total_memory=int(props.total_memory), free_memory=free,
+                            bf16=(props.major, props.minor) >= (8, 0), pci_bus_id=bus))
+    return gpus
+
+
+@dataclass(frozen=True)
+class NvidiaGPU:
+    """One physical GPU as nvidia-smi numbers it (PCI bus order, blind to CUDA_VISIBLE_DEVICES)."""
+
+    index: int
+    pci_bus_id: str
+    uuid: str
+    name: str
+    total_memory: int | None  # bytes
+    free_memory: int | None  # bytes
+
+
+@dataclass(frozen=True)
+class NvidiaReport:
+    source: str  # "nvidia-smi" or "nvml"
+    driver: str | None
+    gpus: list[NvidiaGPU]
+
+
+_SMI_FIELDS = "index,pci.bus_id,uuid,name,memory.total,memory.free,driver_version"
+
+
+def parse_nvidia_smi(text: str) -> NvidiaReport:
+    """The output of `nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits` (memory in MiB)."""
+
+    def mib(field: str) -> int | None:
+        return int(float(field)) * 2**20 if re.fullmatch(r"[\d.]+", field) else None  # "[N/A]" on some boards
+
+    gpus, driver = [], None
+    for row in csv.reader(io.StringIO(text), skipinitialspace=True):
+        if len(row) < 7:
+            continue
+        index, bus, uuid, name, total, free, driver = (field.strip() for field in row[:7])
+        gpus.append(NvidiaGPU(int(index), _normal_bus_id(bus), uuid, name, mib(total), mib(free)))
+    return NvidiaReport("nvidia-smi", driver, gpus)
+
+
+def nvidia_gpus(run: Callable[..., Any] = subprocess.run) -> NvidiaReport | None:
+    """The physical GPUs and the driver: from nvidia-smi, else NVML (pynvml / nvidia-ml-py), else None."""
+    if shutil.which("nvidia-smi"):
+        try:
+            done = run(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=20)
+            if done.returncode == 0:
+                return parse_nvidia_smi(done.stdout)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        def text(value: Any) -> str:
+            return value.decode() if isinstance(value, bytes) else str(value)
+
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(NvidiaGPU(index, _normal_bus_id(text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
+                                  text(pynvml.nvmlDeviceGetUUID(handle)), text(pynvml.nvmlDeviceGetName(handle)),
+                                  int(memory.total), int(memory.free)))
+        return NvidiaReport("nvml", text(pynvml.nvmlSystemGetDriverVersion()), gpus)
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+# ----------------------------------------------------------------------------------------------- env and doctor
+
+
+def _package_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)  # reads metadata only: importing bitsandbytes is slow and noisy
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | None] = nvidia_gpus,
+               environ: Any = None, versions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything `gpuformers env` prints, as plain data (json-ready). `versions` overrides detected versions."""
+    import gpuformers
+
+    environ = os.environ if environ is None else environ
+    nvidia = probe_nvidia()
+    report: dict[str, Any] = {
+        "versions": {"python": platform.python_version(), "gpuformers": gpuformers.__version__, "torch": None,
+                     "torch_cuda": None, "driver": nvidia.driver if nvidia else None,
+                     "triton": _package_version("triton", "pytorch-triton", "triton-windows"),
+                     "flash_attn": _package_version("flash-attn", "flash-attn-3"),
+                     "bitsandbytes": _package_version("bitsandbytes")},
+        "torch_error": None, "cuda_available": False, "device_count": 0, "cuda_error": None,
+        "environ": {name: environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")},
+        "gpus_flag": environ.get(GPUS_FLAG_VARIABLE),
+        "gpus": [],
+        "nvidia": None if nvidia is None else {"source": nvidia.source, "gpus": [asdict(g) for g in nvidia.gpus]},
+    }
+    try:
+        import torch
+
+        report["versions"].update(torch=torch.__version__, torch_cuda=torch.version.cuda)
+        cuda = torch.cuda if cuda is None else cuda
+    except Exception as error:  # a broken wheel or a missing CUDA library: report it, do not crash
+        report["torch_error"] = f"{type(error).__name__}: {error}"
+    report["versions"].update(versions or {})
+    if cuda is None:
+        return report
+    report["cuda_available"] = bool(cuda.is_available())
+    report["device_count"] = cuda.device_count() if report["cuda_available"] else 0
+    if not report["cuda_available"] and report["versions"]["torch_cuda"] and nvidia and nvidia.gpus:
+        try:
+            cuda.init()  # torch.cuda.is_available() hides the reason; init() raises it
+        except Exception as error:
+            report["cuda_error"] = f"{type(error).__name__}: {error}"
+    by_bus = {g.pci_bus_id: g.index for g in nvidia.gpus} if nvidia else {}
+    for gpu in gpu_info(cuda):
+        report["gpus"].append({**asdict(gpu), "nvidia_smi_index": by_bus.get(gpu.pci_bus_id)})
+    return report
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of `gpuformers doctor`: level "ok", "info", "warn" or "fail", and how to fix it."""
+
+    level: str
+    check: str
+    message: str
+    fix: str | None = None
+
+
+def gpu_mapping(report: dict[str, Any]) -> list[str]:
+    """ "cuda:0 -> nvidia-smi 2 -> 00000000:3B:00.0" for each visible GPU."""
+    return [f"cuda:{g['index']} -> nvidia-smi {'?' if g['nvidia_smi_index'] is None else g['nvidia_smi_index']} "
+            f"-> {g['pci_bus_id'] or 'PCI bus unknown'} ({g['name']})" for g in report["gpus"]]
+
+
+def doctor(report: dict[str, Any]) -> list[Finding]:
+    """Check an env_report for what goes wrong in practice. A "fail" makes `gpuformers doctor` exit non-zero.
+
+    It sees this process's environment only: a CUDA_VISIBLE_DEVICES exported in the shell and one set for a single
+    command look the same from here, so any value not set by --gpus gets the warning (docs/gpus.md).
+    """
+    found: list[Finding] = []
+    versions, env, gpus = report["versions"], report["environ"], report["gpus"]
+    physical = report["nvidia"]["gpus"] if report["nvidia"] else []
+    visible, order = env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]
+
+    if report["torch_error"]:
+        found.append(Finding("fail", "torch", f"import torch fails: {report['torch_error']}",
+                             "reinstall torch for your CUDA (https://pytorch.org/get-started/locally/)"))
+    elif physical and versions["torch_cuda"] is None:
+        found.append(Finding("fail", "torch", f"nvidia-smi lists {len(physical)} GPU(s) but torch "
+                             f"{versions['torch']} is a CPU-only build", "install a CUDA build of torch: "
+                             "pip install torch --index-url https://download.pytorch.org/whl/cu126 (pick the CUDA "
+                             "version nvidia-smi supports)"))
+    else:
+        found.append(Finding("ok", "torch", f"torch {versions['torch']} imports"
+                             + (f", built for CUDA {versions['torch_cuda']}" if versions["torch_cuda"] else "")))
+
+    if visible is not None:
+        problems = visible_devices_problems(visible, len(physical) or None, tuple(g["uuid"] for g in physical))
+        from_flag = report["gpus_flag"] == visible
+        if problems:
+            found.append(Finding("fail", "CUDA_VISIBLE_DEVICES", f"CUDA_VISIBLE_DEVICES={visible!r} is invalid: "
+                                 + "; ".join(problems) + " (CUDA silently drops that entry and all after it)",
+                                 "use indices as nvidia-smi lists them, e.g. --gpus 0,1"))
+        elif visible.strip() in ("", "-1"):
+            found.append(Finding("info" if from_flag else "warn", "CUDA_VISIBLE_DEVICES",
+                                 f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU: runs use the CPU",
+                                 None if from_flag else 'unset CUDA_VISIBLE_DEVICES, or use --gpus "" for one run'))
+        if from_flag:
+            found.append(Finding("ok", "CUDA_VISIBLE_DEVICES", f"GPUs {visible!r} chosen by --gpus for this run"))
+        else:
+            found.append(Finding("warn", "CUDA_VISIBLE_DEVICES", f"CUDA_VISIBLE_DEVICES={visible!r} is set in the "
+                                 "environment; if it is exported, every later command in this shell inherits it",
+                                 "unset CUDA_VISIBLE_DEVICES and pass --gpus (or set it in front of one command: "
+                                 "CUDA_VISIBLE_DEVICES=0 cmd); `export -p | grep CUDA_` shows what is exported"))
+    else:
+        found.append(Finding("ok", "CUDA_VISIBLE_DEVICES", "not set: every GPU is visible"))
+
+    if order not in (None, "FASTEST_FIRST", "PCI_BUS_ID"):
+        found.append(Finding("warn", "CUDA_DEVICE_ORDER", f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows; "
+                             "it falls back to FASTEST_FIRST", "export CUDA_DEVICE_ORDER=PCI_BUS_ID"))
+    elif max(len(physical), len(gpus)) > 1 and order != "PCI_BUS_ID":
+        moved = [g for g in gpus if g["nvidia_smi_index"] not in (None, g["index"])]
+        found.append(Finding("warn", "CUDA_DEVICE_ORDER", "several GPUs and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA "
+                             "numbers them fastest first, so cuda:i and CUDA_VISIBLE_DEVICES indices may not be "
+                             "nvidia-smi's" + (" (here they differ)" if moved else "") + "\n" + "\n".join(gpu_mapping(report)),
+                             "export CUDA_DEVICE_ORDER=PCI_BUS_ID (--gpus sets it for its run)"))
+
+    if report["cuda_available"]:
+        found.append(Finding("ok", "CUDA", f"torch.cuda.is_available() True, {report['device_count']} GPU(s)"))
+    elif physical and versions["torch_cuda"] and not (visible is not None and visible.strip() in ("", "-1")):
+        found.append(Finding("fail", "CUDA", f"nvidia-smi lists {len(physical)} GPU(s) but torch cannot use them: "
+                             f"{report['cuda_error'] or 'torch.cuda.is_available() is False'}",
+                             f"update the NVIDIA driver (torch needs one for CUDA {versions['torch_cuda']}), or in "
+                             "a container start it with --gpus all"))
+    elif physical:
+        found.append(Finding("info", "CUDA", f"torch sees none of the {len(physical)} GPU(s) nvidia-smi lists "
+                             "(see above): gpuformers runs on the CPU"))
+    else:
+        found.append(Finding("info", "CUDA", "no CUDA GPU: gpuformers runs on the CPU"))
+
+    for gpu in gpus:
+        if not gpu["bf16"]:
+            major, minor = gpu["capability"]
+            found.append(Finding("warn", "capability", f"cuda:{gpu['index']} {gpu['name']} has compute capability "
+                                 f"{major}.{minor} < 8.0: no bfloat16 (dtype='auto' picks float16) and no "
+                                 "FlashAttention 2", "use attn_implementation='sdpa'; bfloat16 needs an Ampere or newer GPU"))
+    for package, what in (("triton", "the fused kernels (use_kernels=True)"),
+                          ("flash_attn", "attn_implementation='flash_attention_2'")):
+        if versions[package]:
+            found.append(Finding("ok", package, f"{package} {versions[package]}"))
+        elif gpus:
+            found.append(Finding("warn", package, f"{package} is not installed: {what} is unavailable",
+                                 f"pip install {'triton' if package == 'triton' else 'flash-attn --no-build-isolation'}"))
+        else:
+            found.append(Finding("info", package, f"{package} is not installed (only needed on a GPU)"))
+    return found

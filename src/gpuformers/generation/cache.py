@@ -1,0 +1,160 @@
+"""KV caches for incremental decoding with `forward(..., past_key_values=cache, use_cache=True)`.
+
+A cache holds, per layer, keys and values of shape (batch, kv_heads, tokens, head_dim). The model asks it three
+things: `get_seq_length()` (tokens already stored: the next token's cache position), `kv_length(new_tokens)`
+(the key length attention will see after this step, to size the mask) and `update(layer_idx, k, v)`
+(store this step's keys and values, return everything attention should see).
+
+Offers: Cache (the interface), DynamicCache (grows by concatenation), StaticCache (preallocated, written in place,
+fixed shapes for CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Cache:
+    """The interface between a decoder and its KV storage."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise NotImplementedError
+
+    def kv_length(self, new_tokens: int) -> int:
+        return self.get_seq_length() + new_tokens
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Select batch rows (beam search keeps the beams it extends)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support reorder_cache")
+
+
+class DynamicCache(Cache):
+    """Grows by concatenating each step's keys and values; the default for `generate` and `use_cache=True`."""
+
+    def __init__(self):
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.key_cache)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.key_cache):
+            return 0
+        return self.key_cache[layer_idx].shape[2]
+
+    def update(self, layer_idx, key, value):
+        if layer_idx == len(self.key_cache):
+            self.key_cache.append(key)
+            self.value_cache.append(value)
+        else:
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key], dim=2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value], dim=2)
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def reorder_cache(self, beam_idx):
+        for i in range(len(self.key_cache)):
+            device = self.key_cache[i].device
+            self.key_cache[i] = self.key_cache[i].index_select(0, beam_idx.to(device))
+            self.value_cache[i] = self.value_cache[i].index_select(0, beam_idx.to(device))
+
+    def crop(self, max_length: int) -> None:
+        """Keep only the first max_length tokens (used to roll back speculative or rejected tokens)."""
+        for i in range(len(self.key_cache)):
+            self.key_cache[i] = self.key_cache[i][:, :, :max_length]
+            self.value_cache[i] = self.value_cache[i][:, :, :max_length]
+
+    def to_legacy_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return tuple(zip(self.key_cache, self.value_cache))
+
+
+class StaticCache(Cache):
+    """Keys and values preallocated to `max_cache_len` tokens and written in place, so every decode step sees
+    tensors of the same shape at the same addresses (what CUDA graphs and torch.compile need).
+
+    Per layer: key and value of shape (batch, kv_heads, max_cache_len, head_dim), allocated on the first update
+    (batch, device and dtype come from that step's keys unless given here). `update` writes the new tokens at
+    their cache positions with index_copy_ and returns the whole buffers; the slots not written yet hold zeros and
+    the attention mask hides them, because `kv_length` reports max_cache_len and query i sits at cache position
+    past_len + i. The count of tokens written is a Python int per layer, so reading it never waits on the device.
+    """
+
+    def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        if not isinstance(max_cache_len, int) or max_cache_len <= 0:
+            raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.max_batch_size = max_batch_size
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype
+        self.key_cache: list[torch.Tensor | None] = [None] * self.num_layers
+        self.value_cache: list[torch.Tensor | None] = [None] * self.num_layers
+        self._written = [0] * self.num_layers  # tokens stored per layer (Python ints: no device sync to read)
+        self._positions: torch.Tensor | None = None  # arange(max_cache_len) on the cache device, sliced per update
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def _allocate(self, layer_idx: int, key: torch.Tensor) -> None:
+        batch = self.max_batch_size or key.shape[0]
+        device = self.device or key.device
+        dtype = self.dtype or key.dtype
+        shape = (batch, self.num_kv_heads, self.max_cache_len, self.head_dim)
+        self.key_cache[layer_idx] = torch.zeros(shape, device=device, dtype=dtype)
+        self.value_cache[layer_idx] = torch.zeros(shape, device=device, dtype=dtype)
+        if self._positions is None:
+            self._positions = torch.arange(self.max_cache_len, device=device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._written[layer_idx]
+
+    def kv_length(self, new_tokens: int) -> int:
+        return self.max_cache_len
+
+    def update(self, layer_idx, key, value):
+        # key, value: (batch, kv_heads, new_tokens, head_dim)
+        if self.key_cache[layer_idx] is None:
+            self._allocate(layer_idx, key)
+        start, new = self._written[layer_idx], key.shape[2]
+        if start + new > self.max_cache_len:
+            raise ValueError(
+                f"StaticCache holds at most {self.max_cache_len} tokens but {start} are stored and {new} more came; "
+                f"build it with a larger max_cache_len (prompt length + max_new_tokens)"
+            )
+        keys, values = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        if key.shape[0] != keys.shape[0]:
+            raise ValueError(
+                f"StaticCache was allocated for batch {keys.shape[0]} but got keys for batch {key.shape[0]}; "
+                f"build a new cache (or call reset()) for a different batch size"
+            )
+        positions = self._positions[start:start + new]
+        keys.index_copy_(2, positions, key.to(keys.dtype))
+        values.index_copy_(2, positions, value.to(values.dtype))
+        self._written[layer_idx] = start + new
+        return keys, values
+
+    def reorder_cache(self, beam_idx):
+        # In place, so the buffers keep their addresses (a captured graph reads them there).
+        for keys, values in zip(self.key_cache, self.value_cache):
+            if keys is not None:
+                index = beam_idx.to(keys.device)
+                keys.copy_(keys.index_select(0, index))
+                values.copy_(values.index_select(0, index))
+
+    def crop(self, max_length: int) -> None:
+        """Forget the tokens from position max_length on (the slots are overwritten by the next update)."""
+        self._written = [min(n, max_length) for n in self._written]
+
+    def reset(self) -> None:
+        """Empty the cache for a new prompt of the same batch size, keeping the buffers (and their addresses)."""
+        for keys, values in zip(self.key_cache, self.value_cache):
+            if keys is not None:
+                keys.zero_()
+                values.zero_()
+        self._written = [0] * self.num_layers

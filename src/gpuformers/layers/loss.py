@@ -1,0 +1,37 @@
+"""The causal language-modelling loss: token t predicts token t+1, as transformers computes it.
+
+Labels are shifted by one (the last position has no target), -100 is ignored, and the logits are upcast to
+float32 first. With `num_items_in_batch` (gradient accumulation over several micro-batches) the sum is divided
+by that count instead of averaging per micro-batch.
+
+Offers: causal_lm_loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """logits (batch, seq, vocab), labels (batch, seq) -> scalar loss."""
+    logits = logits.float()
+    labels = labels.to(logits.device)
+    # (batch, seq): append one ignored label, then drop the first, so position t is scored against labels[t+1].
+    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(
+        logits.view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=ignore_index, reduction=reduction
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

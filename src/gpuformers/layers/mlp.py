@@ -1,0 +1,26 @@
+"""The gated MLP of the llama family: down(silu(gate(x)) * up(x)).
+
+A mixture-of-experts block stands in the same place of a decoder layer (its `mlp` attribute) and takes the
+same (batch, seq, hidden) input, so a MoE family only swaps this module.
+
+Offers: GatedMLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    kernel_layer_name = "SwiGLUMLP"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

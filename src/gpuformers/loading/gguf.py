@@ -1,0 +1,549 @@
+"""GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face llama checkpoint.
+
+A GGUF file holds the model config, the tokenizer and the (often quantized) weights, all under
+llama.cpp's names. This module turns each of those into what the rest of gpuformers reads from an HF
+folder, so `from_pretrained(path, gguf_file=...)` only has to glue them in:
+
+    ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ckpt.config                      # a config.json-style dict (model_type "llama")
+    ckpt.generation_config           # a generation_config.json-style dict
+    for name in ckpt.tensor_names():  # HF names: model.layers.0.self_attn.q_proj.weight, ...
+        ckpt.load_tensor(name, torch.bfloat16, "cuda")
+    tokenizer, tokenizer_config = ckpt.tokenizer_parts()
+
+Offers: `read_gguf`, `GGUFCheckpoint`, `SUPPORTED_ARCHITECTURES`, `supported_quant_types()`.
+
+Weights are dequantized with the `gguf` package one tensor, and within a tensor one slab of rows,
+at a time, straight into the requested dtype and device: a model is never held in float32 whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Elements dequantized per slab (16 MiB of float32): bounds the extra memory a big tensor needs.
+_SLAB_ELEMENTS = 1 << 22
+
+# llama.cpp block name -> HF module name inside model.layers.{i}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors with no HF parameter: rope_freqs becomes config.rope_scaling, attn_rot_embd is an old cache.
+_NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+
+# Pre-tokenizer regexes, by the name llama.cpp writes in tokenizer.ggml.pre.
+# Llama 3: letters with one leading non-letter, numbers in groups of up to 3, contractions case-blind.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2: the same, but every digit on its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZER_KINDS = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "smollm": "gpt2_digits",
+    "starcoder": "gpt2_digits",
+    "refact": "gpt2_digits",
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "smaug-bpe": "llama3",
+    "dbrx": "llama3",
+    "falcon3": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+}
+
+
+def read_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
+    """Open a GGUF file and check that gpuformers can load it (architecture, quant types, tensors)."""
+    return GGUFCheckpoint(path)
+
+
+@functools.cache
+def _can_dequantize(qtype: int) -> bool:
+    """Whether the installed `gguf` package dequantizes this ggml type (probed on one zero block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(qtype)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        return True
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+    except Exception:  # NotImplementedError, or a type whose helper tables are missing in this version
+        return False
+    return True
+
+
+def supported_quant_types() -> list[str]:
+    """Names of the ggml tensor types the installed `gguf` package can dequantize (F32, F16, Q4_K, ...)."""
+    from gguf import GGMLQuantizationType
+
+    return [t.name for t in GGMLQuantizationType if _can_dequantize(int(t))]
+
+
+class GGUFCheckpoint:
+    """One GGUF file, memory-mapped: HF-style config, tensors under HF names, and the tokenizer."""
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            from gguf import GGUFReader
+        except ImportError as error:
+            raise ImportError(
+                "Loading a GGUF file needs the `gguf` package: pip install 'gpuformers[gguf]' (or pip install gguf)"
+            ) from error
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {str(self.path)!r} does not exist (or is not a file)")
+        with open(self.path, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":
+            raise ValueError(
+                f"{str(self.path)!r} is not a GGUF file: it starts with {magic!r} instead of b'GGUF'. "
+                "Pass a llama.cpp .gguf file as gguf_file, or load .safetensors checkpoints without gguf_file."
+            )
+        self._reader = GGUFReader(self.path, "r")
+        self._fields = self._reader.fields
+        arch = self._meta("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} ({self.path.name}) is not supported; "
+                f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if (self._meta("llama.expert_count") or 0) > 0:
+            raise ValueError(
+                f"{self.path.name} is a mixture-of-experts llama ({self._meta('llama.expert_count')} experts); "
+                "only dense llama GGUF files are supported"
+            )
+        self._tensors = self._map_tensor_names()
+        self._check_quant_types()
+        self.config = self._build_config()
+        self.generation_config = self._build_generation_config()
+
+    # ----- metadata -----
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        """The metadata value under `key` as a Python value (str, int, float, bool or list)."""
+        from gguf import GGUFValueType
+
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            item = field.types[1] if len(field.types) > 1 else None
+            if item == GGUFValueType.STRING:
+                return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            if item == GGUFValueType.ARRAY or not field.data:
+                return [] if not field.data else default
+            return np.concatenate([field.parts[i] for i in field.data]).tolist()
+        if kind == GGUFValueType.STRING:
+            return bytes(field.parts[field.data[0]]).decode("utf-8")
+        value = field.parts[field.data[0]][0]
+        if kind == GGUFValueType.FLOAT32:
+            # the shortest decimal that rounds to this float32: 1e-05, not 9.999999747378752e-06
+            return float(str(value))
+        if kind == GGUFValueType.BOOL:
+            return bool(value)
+        return value.item()
+
+    def _build_config(self) -> dict:
+        meta = lambda key, default=None: self._meta(f"llama.{key}", default)  # noqa: E731
+        hidden = meta("embedding_length")
+        heads = meta("attention.head_count")
+        kv_heads = meta("attention.head_count_kv", heads)
+        head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
+        tokens = self._fields.get("tokenizer.ggml.tokens")
+        vocab_size = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        if vocab_size is None:
+            vocab_size = self.tensor_shape("model.embed_tokens.weight")[0]
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": meta("feed_forward_length"),
+            "num_hidden_layers": meta("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": meta("context_length", 2048),
+            "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": meta("rope.freq_base", 10000.0),
+            # llama.cpp writes output.weight only when it differs from the embedding
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "mlp_bias": "model.layers.0.mlp.up_proj.bias" in self._tensors,
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
+            "dtype": self._float_dtype_name(),
+        }
+        rope_scaling = self._rope_scaling(head_dim, config["rope_theta"])
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
+        missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                   if config[key] is None]
+        if missing:
+            raise ValueError(f"{self.path.name} lacks llama.* metadata for {', '.join(missing)}; is the file complete?")
+        return config
+
+    def _float_dtype_name(self) -> str:
+        """The dtype the weights were written in: float16 / bfloat16 files keep it, quantized ones use float32."""
+        kinds = {info.tensor_type.name for info, _ in self._tensors.values() if len(info.shape) > 1}
+        for name, dtype in (("BF16", "bfloat16"), ("F16", "float16")):
+            if kinds == {name}:
+                return dtype
+        return "float32"
+
+    def _rope_scaling(self, head_dim: int, rope_theta: float) -> dict | None:
+        """HF rope_scaling from llama.rope.scaling.* keys, or from the rope_freqs tensor of a Llama 3.x file."""
+        kind = self._meta("llama.rope.scaling.type")
+        factor = self._meta("llama.rope.scaling.factor")
+        original = self._meta("llama.rope.scaling.original_context_length")
+        if kind in ("linear", "yarn") and factor:
+            scaling = {"rope_type": kind, "factor": factor}
+            if kind == "yarn" and original:
+                scaling["original_max_position_embeddings"] = original
+            return scaling
+        if kind not in (None, "none"):
+            raise ValueError(f"llama.rope.scaling.type {kind!r} in {self.path.name} is not one of: none, linear, yarn")
+        if "rope_freqs.weight" not in [info.name for info in self._reader.tensors]:
+            return None
+        return self._llama3_rope_scaling(head_dim, rope_theta, original)
+
+    def _llama3_rope_scaling(self, head_dim: int, rope_theta: float, original: int | None) -> dict:
+        """Recover Llama 3's rope parameters from the per-frequency divisors llama.cpp stores in rope_freqs.
+
+        llama.cpp bakes `factor`, `low_freq_factor`, `high_freq_factor` and the original context into one
+        (head_dim/2,) tensor. We take factor = its largest entry, rebuild the tensor from Llama 3's usual
+        (1, 4, 8192) and accept them only if every entry matches.
+        """
+        info = next(info for info in self._reader.tensors if info.name == "rope_freqs.weight")
+        stored = torch.from_numpy(np.array(info.data, dtype=np.float32)).reshape(-1)  # (head_dim/2,)
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        wavelen = 2 * math.pi / inv_freq
+        factor = float(stored.max())
+        for low, high, context in ((1.0, 4.0, original or 8192),):
+            smooth = ((context / wavelen - low) / (high - low)).clamp(0, 1)
+            divisor = 1 / ((1 - smooth) / factor + smooth)  # 1 at high frequencies, factor at low ones
+            if stored.numel() == divisor.numel() and torch.allclose(stored.double(), divisor, rtol=1e-4):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": int(context)}
+        raise ValueError(
+            f"{self.path.name} has a rope_freqs tensor that does not match Llama 3 rope scaling "
+            f"(factor {factor}, low/high frequency factors 1/4, original context {original or 8192}); "
+            "this rope variant is not supported"
+        )
+
+    def _build_generation_config(self) -> dict:
+        eos = self._meta("tokenizer.ggml.eos_token_id")
+        # end-of-turn / end-of-message tokens also stop chat models (Llama 3 <|eot_id|>, <|eom_id|>)
+        stops = [eos] + [self._meta(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
+        stops = list(dict.fromkeys(token for token in stops if token is not None))
+        config = {
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": stops[0] if len(stops) == 1 else (stops or None),
+            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
+        }
+        return {key: value for key, value in config.items() if value is not None}
+
+    # ----- tensors -----
+
+    def _map_tensor_names(self) -> dict:
+        """HF name -> (ReaderTensor, llama.cpp name), refusing tensors this loader does not understand."""
+        tensors, unknown = {}, []
+        for info in self._reader.tensors:
+            hf_name = _hf_name(info.name)
+            if hf_name is not None:
+                tensors[hf_name] = (info, info.name)
+            elif not _NOT_PARAMETERS.fullmatch(info.name):
+                unknown.append(info.name)
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise ValueError(
+                f"{self.path.name} holds tensors a dense llama has no place for: {shown}. "
+                "Only llama.cpp's dense llama layout is supported."
+            )
+        return tensors
+
+    def _check_quant_types(self) -> None:
+        for info, gguf_name in self._tensors.values():
+            if not _can_dequantize(int(info.tensor_type)):
+                raise ValueError(
+                    f"tensor {gguf_name} in {self.path.name} is stored as {info.tensor_type.name}, which the installed "
+                    f"gguf package cannot dequantize; supported types: {', '.join(supported_quant_types())}. "
+                    "Upgrading gguf may add it."
+                )
+
+    def tensor_names(self) -> list[str]:
+        """HF parameter names in file order; lm_head.weight is absent when tied to the embedding."""
+        return list(self._tensors)
+
+    def _info(self, hf_name: str):
+        if hf_name not in self._tensors:
+            raise KeyError(f"{hf_name!r} is not in {self.path.name}; its tensors are: {', '.join(self._tensors)}")
+        return self._tensors[hf_name][0]
+
+    def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The HF (torch-order) shape of a tensor, read from the header without touching its data."""
+        # ggml lists dimensions fastest-moving first; torch the other way round
+        return tuple(int(d) for d in reversed(self._info(hf_name).shape.tolist()))
+
+    def quant_type(self, hf_name: str) -> str:
+        """The ggml type the tensor is stored as: F32, F16, BF16, Q8_0, Q4_K, ..."""
+        return self._info(hf_name).tensor_type.name
+
+    def load_tensor(self, hf_name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """One tensor under its HF name, dequantized slab by slab into `dtype` on `device`."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        info = self._info(hf_name)
+        shape = self.tensor_shape(hf_name)
+        qtype = info.tensor_type
+        # (rows, row_bytes) for block types, (rows, cols) for float types; one row = the fastest dimension
+        data = np.asarray(info.data)
+        rows = data.reshape(-1, data.shape[-1]) if data.ndim > 0 else data.reshape(1, 1)
+        cols = shape[-1] if shape else 1
+        out = torch.empty((rows.shape[0], cols), dtype=dtype, device=device)
+        step = max(1, _SLAB_ELEMENTS // cols)
+        for start in range(0, rows.shape[0], step):
+            chunk = np.array(rows[start : start + step])  # copy: the mmap is read-only
+            if qtype == GGMLQuantizationType.F16:
+                values = torch.from_numpy(chunk.view(np.float16))
+            elif qtype == GGMLQuantizationType.BF16:
+                values = torch.from_numpy(chunk.view(np.int16)).view(torch.bfloat16)
+            else:
+                values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
+            out[start : start + step] = values.reshape(-1, cols).to(dtype)
+        out = out.reshape(shape)
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            out = _unpermute_rotary_rows(out, self.config["num_attention_heads"])
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            out = _unpermute_rotary_rows(out, self.config["num_key_value_heads"])
+        return out
+
+    # ----- tokenizer -----
+
+    def tokenizer_parts(self):
+        """`(tokenizers.Tokenizer, tokenizer_config dict)` rebuilt from the tokenizer.* metadata.
+
+        The dict holds bos/eos/pad/unk tokens as strings, chat_template, add_bos_token, add_eos_token and
+        model_max_length. The Tokenizer's post-processor already inserts BOS (and EOS) when those flags
+        are set, as an HF tokenizer.json does, so callers must not add them a second time.
+        """
+        model = self._meta("tokenizer.ggml.model")
+        if model not in ("gpt2", "llama"):
+            raise ValueError(
+                f"tokenizer.ggml.model {model!r} in {self.path.name} is not supported; supported: gpt2 (byte-level BPE), "
+                "llama (SentencePiece BPE)"
+            )
+        tokens = self._meta("tokenizer.ggml.tokens")
+        token_types = self._meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        config = {}
+        for name in ("bos", "eos", "pad", "unk"):
+            key = {"pad": "padding", "unk": "unknown"}.get(name, name)
+            token_id = self._meta(f"tokenizer.ggml.{key}_token_id")
+            config[f"{name}_token"] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
+        config["add_bos_token"] = bool(self._meta("tokenizer.ggml.add_bos_token", model == "llama"))
+        config["add_eos_token"] = bool(self._meta("tokenizer.ggml.add_eos_token", False))
+        config["chat_template"] = self._meta("tokenizer.chat_template")
+        config["model_max_length"] = self.config["max_position_embeddings"]
+
+        specials = [config[f"{name}_token"] for name in ("bos", "eos", "unk", "pad") if config[f"{name}_token"]]
+        if model == "gpt2":
+            tokenizer = _byte_level_bpe(
+                tokens, token_types, self._meta("tokenizer.ggml.merges"), self._meta("tokenizer.ggml.pre", "default"),
+                specials,
+            )
+        else:
+            tokenizer = _sentencepiece_bpe(
+                tokens, token_types, self._meta("tokenizer.ggml.scores"), self._meta("tokenizer.ggml.merges"),
+                bool(self._meta("tokenizer.ggml.add_space_prefix", True)), specials,
+            )
+        bos = config["bos_token"] if config["add_bos_token"] else None
+        eos = config["eos_token"] if config["add_eos_token"] else None
+        tokenizer.post_processor = _bos_eos_template(tokenizer, bos, eos)
+        return tokenizer, config
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF parameter name, or None when it is not a llama parameter."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{suffix}"
+    return None
+
+
+def _unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head it interleaves the two rotary halves, HF keeps them apart.
+
+    A head's rows in HF order are [x0 .. x(h-1) | y0 .. y(h-1)] (h = head_dim/2, rotated as pairs (xi, yi));
+    llama.cpp stores them as [x0 y0 x1 y1 ...]. Rows are whole, so this works after dequantizing.
+    """
+    rows = tensor.shape[0]
+    half = rows // num_heads // 2
+    # (heads, half, 2, ...) in file order -> (heads, 2, half, ...) in HF order
+    return tensor.reshape(num_heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+# ----- tokenizer builders -----
+
+
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable bytes stand for themselves, the other 68 move to U+0100 upward,
+    so every byte string is spelled with visible characters (space -> "Ġ", newline -> "Ċ")."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(0x100 + shifted)
+            shifted += 1
+    return table
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    kind = _PRE_TOKENIZER_KINDS.get(pre)
+    if kind is None:
+        raise ValueError(
+            f"tokenizer.ggml.pre {pre!r} is not supported; supported pre-tokenizers: {', '.join(_PRE_TOKENIZER_KINDS)}"
+        )
+    if kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "gpt2_digits":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    split = _LLAMA3_SPLIT if kind == "llama3" else _QWEN2_SPLIT
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+def _byte_level_bpe(tokens, token_types, merges, pre, specials):
+    """Byte-level BPE (tokenizer.ggml.model "gpt2"): GPT-2, Llama 3, Qwen2, SmolLM vocabularies."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    spelling = _byte_to_unicode()
+    alphabet = set(spelling.values())
+    # tokens are stored in the byte alphabet already; the odd added token spelled in plain UTF-8 is respelled
+    vocab = {}
+    for index, token in enumerate(tokens):
+        spelled = token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(spelled, index)
+    if merges is None:
+        raise ValueError("a byte-level BPE GGUF tokenizer needs tokenizer.ggml.merges, and this file has none")
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    tokenizer = Tokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    # a control token spelled outside the byte alphabet is a mislabelled ordinary token: not special
+    _add_marked_tokens(tokenizer, tokens, token_types, specials, keep=lambda token: set(token) <= alphabet)
+    return tokenizer
+
+
+def _sentencepiece_bpe(tokens, token_types, scores, merges, add_space_prefix, specials):
+    """SentencePiece-style BPE (tokenizer.ggml.model "llama"): "▁" for spaces, <0xNN> byte fallback."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    if merges is not None:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+    elif scores is not None:
+        pairs = _merges_from_scores(tokens, scores, vocab)
+    else:
+        raise ValueError("a SentencePiece GGUF tokenizer needs tokenizer.ggml.scores or tokenizer.ggml.merges")
+    tokenizer = Tokenizer(BPE(vocab, pairs, dropout=None, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    _add_marked_tokens(tokenizer, tokens, token_types, specials, keep=lambda token: True)
+    return tokenizer
+
+
+def _merges_from_scores(tokens, scores, vocab) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two known pieces,
+    best-scoring result first (ties: longer left part, then longer right part, then vocabulary order)."""
+    candidates = []
+    for index, (piece, score) in enumerate(zip(tokens, scores)):
+        if vocab.get(piece) != index:
+            continue  # a duplicate spelling; the first one wins, as in the vocab
+        splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
+        splits = sorted((s for s in splits if s[0] in vocab and s[1] in vocab), key=lambda s: (vocab[s[0]], vocab[s[1]]))
+        candidates.extend((-score, -len(left), -len(right), index, order, left, right)
+                          for order, (left, right) in enumerate(splits))
+    candidates.sort(key=lambda c: c[:5])
+    return [(left, right) for *_, left, right in candidates]
+
+
+def _add_marked_tokens(tokenizer, tokens, token_types, specials, keep) -> None:
+    """Keep control tokens (<|im_start|>) and user-defined ones (<think>) whole, as HF added tokens do."""
+    from tokenizers import AddedToken
+
+    vocab = tokenizer.get_vocab()
+    control = [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL and keep(t)]
+    control += [t for t in specials if t not in control and t in vocab]
+    user = [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_USER_DEFINED and t in vocab]
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _bos_eos_template(tokenizer, bos: str | None, eos: str | None):
+    """A post-processor that wraps each sequence in BOS / EOS when the file asks for them."""
+    from tokenizers import processors
+
+    prefix = [bos] if bos else []
+    suffix = [eos] if eos else []
+    single = [*prefix, "$A:0", *suffix]
+    pair = [*single, *prefix, "$B:1", *suffix]
+    special = [(token, tokenizer.token_to_id(token)) for token in dict.fromkeys(prefix + suffix)]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

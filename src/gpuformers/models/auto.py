@@ -1,0 +1,249 @@
+"""Entry points users call: AutoConfig, AutoModelForCausalLM, AutoTokenizer.
+
+`from_pretrained` follows transformers' order: resolve files -> config -> model class -> dtype -> build on the
+meta device (no memory, no random init) -> stream each tensor from disk straight into its final dtype and
+device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config.
+
+Offers: AutoConfig, AutoModelForCausalLM, AutoTokenizer, load_pretrained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
+from gpuformers.models.config import ModelConfig
+from gpuformers.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+_NOT_YET = {
+    "use_kernels": "use_kernels=True (fused Triton kernels)",
+    "kernel_config": "kernel_config",
+    "quantization_config": "quantization_config (bitsandbytes / weight-only quantization)",
+    "tp_plan": "tp_plan (tensor parallelism)",
+    "tp_size": "tp_size (tensor parallelism)",
+    "max_memory": "max_memory (device_map planning across devices)",
+}
+_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, **hub_kwargs) -> ModelConfig:
+        return ModelConfig.from_pretrained(name_or_path, **hub_kwargs)
+
+    @staticmethod
+    def for_model(model_type: str, **kwargs) -> ModelConfig:
+        return ModelConfig.from_dict({"model_type": model_type, **kwargs})
+
+
+class AutoModelForCausalLM:
+    """`AutoModelForCausalLM.from_pretrained(id_or_folder, dtype=, device_map=, attn_implementation=, ...)`."""
+
+    def __init__(self):
+        raise TypeError("use AutoModelForCausalLM.from_pretrained(...) or .from_config(config)")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, **kwargs):
+        return load_pretrained(name_or_path, **kwargs)
+
+    @staticmethod
+    def from_config(config: ModelConfig, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None):
+        """A randomly initialised model (for training from scratch and tests)."""
+        from gpuformers.device import parse_dtype
+
+        model = model_class_for(config)(config)
+        model.apply(_init_weights(config.initializer_range))
+        model.tie_weights()
+        if dtype is not None and dtype != "auto":
+            model.to(parse_dtype(dtype))
+        if attn_implementation:
+            model.set_attn_implementation(attn_implementation)
+        return model
+
+
+class AutoTokenizer:
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, **kwargs):
+        from gpuformers.tokenizer import PreTrainedTokenizerFast
+
+        gguf_file = kwargs.pop("gguf_file", None)
+        if gguf_file is not None:
+            from gpuformers.loading.gguf import read_gguf
+
+            tokenizer_object, fields = read_gguf(_gguf_path(name_or_path, gguf_file)).tokenizer_parts()
+            return PreTrainedTokenizerFast(tokenizer_object, **fields, name_or_path=str(name_or_path), **kwargs)
+        return PreTrainedTokenizerFast.from_pretrained(name_or_path, **kwargs)
+
+
+def _init_weights(std: float):
+    def init(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=std)
+
+    return init
+
+
+def _gguf_path(name_or_path, gguf_file) -> Path:
+    path = Path(gguf_file)
+    if not path.is_absolute() and name_or_path not in (None, ""):
+        folder = Path(name_or_path)
+        if not folder.is_dir():
+            folder = resolve_model_dir(name_or_path, [str(gguf_file)])
+        path = folder / gguf_file
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    return path
+
+
+def _resolve_device_map(device_map) -> torch.device:
+    from gpuformers.device import resolve_device
+
+    if isinstance(device_map, str) and device_map in _DEVICE_MAP_STRATEGIES:
+        raise NotImplementedError(
+            f'device_map="{device_map}" (planning a model across several devices) is not implemented yet; '
+            f'pass a single device such as device_map="cuda" or "cpu"'
+        )
+    if isinstance(device_map, dict) and set(device_map) != {""}:
+        raise NotImplementedError(
+            "device_map as a per-module dict is not implemented yet; pass a single device such as "
+            'device_map="cuda" or {"": "cuda:0"}'
+        )
+    return resolve_device(device_map)
+
+
+def load_pretrained(
+    name_or_path: str | os.PathLike,
+    *,
+    model_class=None,
+    config: ModelConfig | None = None,
+    dtype="auto",
+    torch_dtype=None,
+    device_map=None,
+    attn_implementation: str | None = None,
+    gguf_file: str | os.PathLike | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    trust_remote_code: bool = False,
+    output_loading_info: bool = False,
+    progress: bool = True,
+    low_cpu_mem_usage: bool | None = None,  # always true here; accepted for transformers compatibility
+    **kwargs,
+):
+    from gpuformers.device import parse_dtype, resolve_dtype
+
+    for name, feature in _NOT_YET.items():
+        value = kwargs.pop(name, None)
+        if value not in (None, False):
+            raise NotImplementedError(f"{feature} is not implemented yet in gpuformers")
+    if kwargs:
+        raise TypeError(f"from_pretrained() got unexpected arguments: {', '.join(sorted(kwargs))}")
+    if trust_remote_code:
+        logger.warning("trust_remote_code=True is ignored: gpuformers never runs code from a checkpoint")
+    if torch_dtype is not None:  # the old name
+        dtype = torch_dtype
+    dtype = parse_dtype(dtype)
+    device = _resolve_device_map(device_map)
+    hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+
+    if gguf_file is not None:
+        return _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
+                          progress)
+
+    folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
+    if config is None:
+        config = ModelConfig.from_file(folder / "config.json")
+    cls = _pick_class(model_class, config)
+
+    from gpuformers.loading.weights import CheckpointFiles, load_weights
+
+    files = CheckpointFiles.find(folder)
+    checkpoint_dtype = parse_dtype(config.dtype) if config.dtype else files.first_floating_dtype()
+    dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=device)
+
+    with torch.device("meta"):
+        model = cls(config)
+    info = load_weights(model, files, dtype=dtype, device=device, tied=model.tied_weights, progress=progress)
+    model = _finish(model, device, attn_implementation, str(name_or_path))
+    model.generation_config = _generation_config(folder / "generation_config.json", config)
+    return (model, info) if output_loading_info else model
+
+
+def _pick_class(model_class, config: ModelConfig):
+    from gpuformers.models.modeling import PreTrainedModel
+
+    if model_class is None or model_class is PreTrainedModel:
+        return model_class_for(config)
+    expected = model_class_for(config)
+    if not issubclass(model_class, expected) and not issubclass(expected, model_class):
+        raise ValueError(
+            f"{model_class.__name__}.from_pretrained was given a {config.architecture} checkpoint; "
+            f"use AutoModelForCausalLM.from_pretrained or {expected.__name__}"
+        )
+    return model_class
+
+
+def _finish(model, device, attn_implementation, name_or_path):
+    model.tie_weights()
+    model.reset_buffers(device)
+    model.set_attn_implementation(attn_implementation or "sdpa")
+    model.name_or_path = name_or_path
+    model.hf_device_map = {"": str(device)}
+    return model.eval()
+
+
+def _generation_config(path: Path, config: ModelConfig):
+    try:
+        from gpuformers.generation.config import GenerationConfig
+    except ImportError:  # pragma: no cover - while the generation package is being built
+        return None
+    if path.is_file():
+        try:
+            return GenerationConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); fix or delete the file") from err
+    return GenerationConfig.from_model_config(config)
+
+
+def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, progress):
+    from tqdm.auto import tqdm
+
+    from gpuformers.device import resolve_dtype
+    from gpuformers.loading.gguf import read_gguf
+    from gpuformers.loading.weights import assign_tensor
+
+    checkpoint = read_gguf(path)
+    config = ModelConfig.from_dict(checkpoint.config)
+    cls = _pick_class(model_class, config)
+    # GGUF holds quantized or half weights; dequantize into float32 on the CPU unless told otherwise.
+    dtype = resolve_dtype(dtype, checkpoint_dtype=torch.float32, device=device)
+    with torch.device("meta"):
+        model = cls(config)
+    tied = model.tied_weights
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in tied]
+    available = set(checkpoint.tensor_names())
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise ValueError(f"GGUF file {path} lacks tensors for: {', '.join(missing[:10])}")
+    for name in tqdm(names, desc="Dequantizing GGUF tensors", disable=not progress):
+        assign_tensor(model, name, checkpoint.load_tensor(name, dtype=dtype, device=device))
+    model = _finish(model, device, attn_implementation, str(path))
+    try:
+        from gpuformers.generation.config import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_dict(checkpoint.generation_config)
+    except ImportError:  # pragma: no cover
+        pass
+    return model

@@ -1,0 +1,287 @@
+"""ModelConfig: a decoder's `config.json`, read into one checked dataclass.
+
+Every supported family (llama, mistral, qwen2, qwen3) is described by the same fields; the differences between
+them are flags (`attention_bias`, `qk_norm`, sliding-window layers), so there is no table of models here.
+Old and new spellings are both accepted and normalised:
+
+    old: "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2}, "torch_dtype": "bfloat16"
+    new: "rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2}, "dtype": "bfloat16"
+
+Offers: ModelConfig (from_dict, from_pretrained, to_dict, save_pretrained), SUPPORTED_MODEL_TYPES, ROPE_TYPES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+# Keys each rope type needs in rope_parameters, besides rope_theta.
+_ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("long_factor", "short_factor", "original_max_position_embeddings"),
+}
+
+# Per-family defaults where config.json may omit a field (the values transformers' config classes use).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "mistral": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
+                "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
+              "max_window_layers": 28, "head_dim": 128},
+}
+
+_DEFAULT_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only causal LM's hyper-parameters, as in its `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None
+    architectures: list[str] | None = None
+    use_cache: bool = True
+    initializer_range: float = 0.02
+    # Keys we do not interpret, kept so that save_pretrained writes them back.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}); set head_dim explicitly in config.json"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
+        self._normalise_sliding_window()
+        self._check_rope()
+
+    # --- derived values -------------------------------------------------------------------------------------
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises q and k per head before rotary."""
+        return self.model_type == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always has q/k/v biases (and none on o_proj); the others follow attention_bias."""
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_parameters["rope_type"]
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_parameters["rope_theta"]
+
+    @property
+    def architecture(self) -> str:
+        return (self.architectures or [_DEFAULT_ARCHITECTURE[self.model_type]])[0]
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    # --- normalisation --------------------------------------------------------------------------------------
+
+    def _normalise_sliding_window(self):
+        if self.model_type in ("qwen2", "qwen3"):
+            # The window only applies when use_sliding_window is set, and then only from max_window_layers on.
+            if not self.use_sliding_window:
+                self.sliding_window = None
+            if self.layer_types is None:
+                first = self.max_window_layers if self.max_window_layers is not None else 0
+                self.layer_types = [
+                    "sliding_attention" if self.sliding_window is not None and i >= first else "full_attention"
+                    for i in range(self.num_hidden_layers)
+                ]
+        elif self.model_type == "mistral":
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window is not None else "full_attention"
+            ] * self.num_hidden_layers
+        else:
+            self.sliding_window = None
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} not supported; use full_attention or sliding_attention")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+
+    def _check_rope(self):
+        rope = dict(self.rope_parameters)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 10000.0)
+        rope_type = rope["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported rope types: {', '.join(ROPE_TYPES)}")
+        if rope_type in ("llama3", "yarn", "longrope"):
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        missing = [k for k in _ROPE_REQUIRED[rope_type] if rope.get(k) is None]
+        if rope_type == "yarn" and rope.get("factor") is None and "original_max_position_embeddings" in rope:
+            missing = []
+        if missing:
+            raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters (or rope_scaling)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError(
+                f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported by the llama-family decoder"
+            )
+        if rope_type == "longrope":
+            half = self.head_dim // 2
+            for key in ("long_factor", "short_factor"):
+                if len(rope[key]) != half:
+                    raise ValueError(f"rope_parameters.{key} must have head_dim/2 = {half} entries, got {len(rope[key])}")
+        self.rope_parameters = rope
+
+    # --- reading and writing --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        model_type = data.get("model_type")
+        if model_type is None:
+            raise ValueError(
+                f"config.json has no model_type; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key, value in _FAMILY_DEFAULTS[model_type].items():
+            data.setdefault(key, value)
+        # Old spellings -> new.
+        if "torch_dtype" in data:
+            data.setdefault("dtype", data.pop("torch_dtype"))
+        rope = data.pop("rope_parameters", None) or data.pop("rope_scaling", None) or {}
+        data.pop("rope_scaling", None)
+        rope = dict(rope)
+        if "rope_theta" in data:
+            rope.setdefault("rope_theta", data.pop("rope_theta"))
+        if "partial_rotary_factor" in data:
+            rope.setdefault("partial_rotary_factor", data.pop("partial_rotary_factor"))
+        data["rope_parameters"] = rope
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names}
+        for required in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if required not in known:
+                raise ValueError(f"config.json is missing the required field {required!r}")
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **hub_kwargs) -> "ModelConfig":
+        from gpuformers.hub import CONFIG_PATTERNS, HubKwargs, resolve_model_dir
+
+        folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS, HubKwargs(**hub_kwargs))
+        return cls.from_file(folder / "config.json")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            present = sorted(p.name for p in path.parent.iterdir()) if path.parent.is_dir() else []
+            raise FileNotFoundError(
+                f"no config.json in {path.parent} (found: {', '.join(present) or 'nothing'}); "
+                f"a Hugging Face checkpoint folder needs config.json beside its weights"
+            )
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json dict in the current (transformers 5) spelling, readable by transformers 4.5x too."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update(self.extra)
+        out["architectures"] = [self.architecture]
+        if self.model_type in ("llama", "mistral"):
+            out.pop("use_sliding_window")
+            out.pop("max_window_layers")
+            out.pop("layer_types")
+        if self.model_type == "llama":
+            out.pop("sliding_window")
+        # transformers 4.x reads rope_theta at the top level and rope_scaling; 5.x reads rope_parameters.
+        out["rope_theta"] = self.rope_theta
+        if self.rope_type != "default":
+            out["rope_scaling"] = dict(self.rope_parameters)
+        return out
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,210 @@
+"""The llama-family decoder: Llama, Mistral and Qwen2 are this one model with different config flags.
+
+    input_ids -> embed_tokens -> [DecoderLayer x N] -> norm -> lm_head -> logits
+    DecoderLayer: h = h + attn(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h))
+
+Differences between families live in ModelConfig: q/k/v biases (Qwen2), sliding-window layers (Mistral, Qwen2),
+q/k RMSNorm (Qwen3, a subclass in qwen3.py). Module and parameter names are the Hugging Face checkpoint keys.
+
+Offers: LlamaAttention, LlamaDecoderLayer, LlamaModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpuformers.generation.cache import Cache, DynamicCache
+from gpuformers.layers.attention import AttentionInterface, build_attention_mask
+from gpuformers.layers.loss import causal_lm_loss
+from gpuformers.layers.mlp import GatedMLP
+from gpuformers.layers.norm import RMSNorm
+from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from gpuformers.models.config import ModelConfig
+from gpuformers.models.modeling import PreTrainedModel
+from gpuformers.models.outputs import CausalLMOutput
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_bias)
+        self.attention_fn = AttentionInterface.get("sdpa")
+
+    def project_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for families that transform q and k per head before rotary (Qwen3's q/k norm)."""
+        return q, k
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None):
+        batch, seq, _ = hidden_states.shape
+        # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim)
+        q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = self.project_qk(q, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(self.layer_idx, k, v)
+        out, _ = self.attention_fn(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout,
+            sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = self.attention_class(config, layer_idx)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack without the LM head: input_ids -> final hidden states (batch, seq, hidden)."""
+
+    def __init__(self, config: ModelConfig, layer_class=LlamaDecoderLayer):
+        super().__init__()
+        self.config = config
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        # The distinct sliding windows of the layers (None = full attention): one mask each per forward.
+        self._windows = sorted({config.layer_sliding_window(i) for i in range(config.num_hidden_layers)},
+                               key=lambda w: (w is not None, w or 0))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, output_hidden_states=False):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq, _ = inputs_embeds.shape
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        kv_len = past_key_values.kv_length(seq) if past_key_values is not None else seq
+        if position_ids is None:
+            # Like transformers' forward: positions are cache positions; generate() passes padding-aware ones.
+            position_ids = torch.arange(past_len, past_len + seq, device=inputs_embeds.device)[None].expand(batch, -1)
+        if attention_mask is not None and attention_mask.shape[-1] < past_len + seq:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} positions but the cache holds {past_len} and "
+                f"{seq} new tokens were given: pass a mask over past and new tokens ({past_len + seq})"
+            )
+        masks = {w: build_attention_mask(attention_mask, seq, kv_len, past_len, w) for w in self._windows}
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        hidden_states = inputs_embeds
+        all_hidden = [hidden_states] if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states, position_embeddings, masks[layer.self_attn.sliding_window], past_key_values
+            )
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden[-1] = hidden_states
+        return hidden_states, all_hidden
+
+
+class LlamaForCausalLM(PreTrainedModel):
+    decoder_layer_class = LlamaDecoderLayer
+    no_split_modules = ("LlamaDecoderLayer",)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = LlamaModel(config, self.decoder_layer_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        if not self.config.tie_word_embeddings:
+            return {}
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> CausalLMOutput:
+        """input_ids (batch, seq) -> CausalLMOutput(loss, logits (batch, seq or logits_to_keep, vocab), cache).
+
+        `logits_to_keep=k` computes logits for the last k positions only (generation needs one).
+        """
+        if kwargs:
+            raise TypeError(f"forward() got unexpected arguments: {', '.join(sorted(kwargs))}")
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        hidden_states, all_hidden = self.model(
+            input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
+            output_hidden_states,
+        )
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        return CausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the llama decoder with a sliding window on every layer (config.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the llama decoder with q/k/v biases and optional sliding-window layers (config flags)."""

