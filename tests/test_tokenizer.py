@@ -75,14 +75,20 @@ def _tiny_backend() -> Tokenizer:
     return backend
 
 
-SIMPLE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}" \
+SIMPLE_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture
 def tiny() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        _tiny_backend(), bos_token="<s>", eos_token="</s>", unk_token="[UNK]", pad_token="[PAD]",
+        _tiny_backend(),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
         chat_template=SIMPLE_TEMPLATE,
     )
 
@@ -128,12 +134,18 @@ def test_qwen3_special_tokens_match_transformers(qwen3_pair):
     assert ours.special_tokens_map == ref.special_tokens_map
     assert ours.all_special_tokens == ref.all_special_tokens
     assert ours.all_special_ids == ref.all_special_ids
-    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (ref.eos_token_id, ref.pad_token_id, ref.bos_token_id)
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (
+        ref.eos_token_id,
+        ref.pad_token_id,
+        ref.bos_token_id,
+    )
     assert (len(ours), ours.vocab_size) == (len(ref), ref.vocab_size)
     assert ours.model_max_length == ref.model_max_length == 131072
     ids = ours.encode("<|im_start|>user\nhi<|im_end|>")
     assert ours.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
-    assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == ref.convert_ids_to_tokens(ids, skip_special_tokens=True)
+    assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == ref.convert_ids_to_tokens(
+        ids, skip_special_tokens=True
+    )
     assert ours.convert_tokens_to_ids(["<|im_end|>", "hi"]) == ref.convert_tokens_to_ids(["<|im_end|>", "hi"])
 
 
@@ -146,9 +158,14 @@ def test_qwen3_chat_template_matches_transformers(qwen3_pair, template_kwargs):
     ours, ref = qwen3_pair
     text = ours.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False, **template_kwargs)
     assert text == ref.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False, **template_kwargs)
-    assert text.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if template_kwargs.get("enable_thinking") is False else ""))
+    assert text.endswith(
+        "<|im_start|>assistant\n"
+        + ("<think>\n\n</think>\n\n" if template_kwargs.get("enable_thinking") is False else "")
+    )
     ids = ours.apply_chat_template(CONVERSATION, add_generation_prompt=True, return_dict=False, **template_kwargs)
-    assert ids == ref.apply_chat_template(CONVERSATION, add_generation_prompt=True, return_dict=False, **template_kwargs)
+    assert ids == ref.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, return_dict=False, **template_kwargs
+    )
     encoded = ours.apply_chat_template(CONVERSATION, add_generation_prompt=True, **template_kwargs)
     assert isinstance(encoded, BatchEncoding) and encoded.input_ids == ids and encoded.attention_mask == [1] * len(ids)
 
@@ -157,18 +174,26 @@ def test_qwen3_tool_calls_batch_and_continuation_match_transformers(qwen3_pair):
     ours, ref = qwen3_pair
     tool_chat = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}},
+            ],
+        },
         {"role": "tool", "content": '{"temp": 21, "sky": "☀️"}'},
         {"role": "assistant", "content": "It is 21°C.", "reasoning_content": "Read the tool output."},
         {"role": "user", "content": "Thanks", "name": None},  # None-valued keys are dropped, as in transformers
     ]
-    for kwargs in ({"tools": [WEATHER_TOOL], "add_generation_prompt": True}, {"continue_final_message": True}):
-        chat = tool_chat if "tools" in kwargs else [*CONVERSATION, {"role": "assistant", "content": "Tokyo is the"}]
+    # "reasoning" is an alias that transformers copies to reasoning_content, which the Qwen3 template reads.
+    continued = [*CONVERSATION, {"role": "assistant", "content": "Tokyo is the", "reasoning": "Japan's capital."}]
+    for chat, kwargs in (
+        (tool_chat, {"tools": [WEATHER_TOOL], "add_generation_prompt": True}),
+        (continued, {"continue_final_message": True}),
+    ):
         a = ours.apply_chat_template(chat, tokenize=False, **kwargs)
         assert a == ref.apply_chat_template(chat, tokenize=False, **kwargs)
-    assert a.endswith("Tokyo is the")  # the continued message stays open
+    assert a.endswith("<think>\nJapan's capital.\n</think>\n\nTokyo is the")  # the continued message stays open
     batch = [CONVERSATION, CONVERSATION[:2]]
     ours.padding_side = ref.padding_side = "left"
     try:
@@ -191,7 +216,9 @@ def test_qwen3_save_round_trip_loads_in_transformers(qwen3_pair, tmp_path):
     text = MULTILINGUAL[6]
     assert reloaded_ref.encode(text) == reloaded.encode(text) == ref.encode(text)
     assert reloaded_ref.all_special_tokens == reloaded.all_special_tokens == ref.all_special_tokens
-    assert reloaded.apply_chat_template(CONVERSATION, tokenize=False) == ref.apply_chat_template(CONVERSATION, tokenize=False)
+    assert reloaded.apply_chat_template(CONVERSATION, tokenize=False) == ref.apply_chat_template(
+        CONVERSATION, tokenize=False
+    )
 
 
 # ---------------------------------------------------------------------- Jinja features, against transformers
@@ -199,21 +226,28 @@ def test_qwen3_save_round_trip_loads_in_transformers(qwen3_pair, tmp_path):
 
 def test_template_helpers_match_transformers(tiny, tmp_path):
     template = (
+        "  {% if messages %}\n    lstrip and trim blocks\n  {% endif %}\n"
         "{%- set ns = namespace(n=0) -%}"
         "{%- for m in messages -%}{%- if loop.index > 2 %}{% break %}{% endif -%}"
         "{%- set ns.n = ns.n + 1 -%}{{ m | tojson }}|{{ m | tojson(indent=2, sort_keys=True) }}\n"
         "{%- endfor -%}"
         "{{ ns.n }} {{ dict(a=1) | tojson }} {{ bos_token }}{{ eos_token }} {{ custom }} {{ tools | tojson }}"
     )
-    chat = [{"role": "user", "content": "é <b>&'\"</b> 😀"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    chat = [
+        {"role": "user", "content": "é <b>&'\"</b> 😀"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "y"},
+    ]
     rendered = tiny.apply_chat_template(chat, chat_template=template, tokenize=False, custom="kw", tools=[WEATHER_TOOL])
     assert '"é <b>&\'\\"</b> 😀"' in rendered  # plain JSON: no HTML escaping, no \\u escapes
-    assert rendered.count("\n") > 2 and "2 {\"a\": 1} <s></s> kw" in rendered
+    assert rendered.count("\n") > 2 and '2 {"a": 1} <s></s> kw' in rendered
     tiny.save_pretrained(tmp_path)
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(tmp_path)
-    assert rendered == ref.apply_chat_template(chat, chat_template=template, tokenize=False, custom="kw", tools=[WEATHER_TOOL])
+    assert rendered == ref.apply_chat_template(
+        chat, chat_template=template, tokenize=False, custom="kw", tools=[WEATHER_TOOL]
+    )
 
 
 def test_template_raise_exception_strftime_and_sandbox(tiny):
@@ -226,33 +260,51 @@ def test_template_raise_exception_strftime_and_sandbox(tiny):
         )
     from datetime import datetime
 
-    year = tiny.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ strftime_now('%Y') }}", tokenize=False)
+    year = tiny.apply_chat_template(
+        [{"role": "user", "content": "x"}], chat_template="{{ strftime_now('%Y') }}", tokenize=False
+    )
     assert year == str(datetime.now().year)
     with pytest.raises(jinja2.exceptions.SecurityError):
-        tiny.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% set ns = namespace(_x=1) %}", tokenize=False)
+        tiny.apply_chat_template(
+            [{"role": "user", "content": "x"}], chat_template="{% set ns = namespace(_x=1) %}", tokenize=False
+        )
     with pytest.raises(jinja2.exceptions.SecurityError, match="unsafe"):  # templates are untrusted code
-        tiny.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ messages.__class__.__mro__ }}", tokenize=False)
+        tiny.apply_chat_template(
+            [{"role": "user", "content": "x"}], chat_template="{{ messages.__class__.__mro__ }}", tokenize=False
+        )
 
 
 def test_assistant_masks_match_transformers(tiny, tmp_path):
+    # A user message ending in "." puts a token end exactly at the start of the next span: it must stay 0.
     template = (
         "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} {{ eos_token }}"
-        "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+        "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
     )
     chat = [
-        {"role": "user", "content": "hello world"},
+        {"role": "user", "content": "hello world."},
         {"role": "assistant", "content": "the cat sat"},
-        {"role": "user", "content": "the dog"},
+        {"role": "user", "content": "the dog."},
         {"role": "assistant", "content": "on the mat"},
     ]
     ours = tiny.apply_chat_template(chat, chat_template=template, return_assistant_tokens_mask=True)
     tokens = tiny.convert_ids_to_tokens(ours["input_ids"])
-    assert [t for t, m in zip(tokens, ours["assistant_masks"]) if m] == ["the", "cat", "sat", "</s>", "on", "the", "mat", "</s>"]
+    assert [t for t, m in zip(tokens, ours["assistant_masks"]) if m] == [
+        "the",
+        "cat",
+        "sat",
+        "</s>",
+        "on",
+        "the",
+        "mat",
+        "</s>",
+    ]
     tiny.save_pretrained(tmp_path)
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(tmp_path)
-    expected = ref.apply_chat_template(chat, chat_template=template, return_assistant_tokens_mask=True, return_dict=True)
+    expected = ref.apply_chat_template(
+        chat, chat_template=template, return_assistant_tokens_mask=True, return_dict=True
+    )
     assert ours["assistant_masks"] == expected["assistant_masks"] and ours["input_ids"] == expected["input_ids"]
 
 
@@ -319,6 +371,18 @@ def test_special_tokens_skipped_on_decode(tiny):
     assert tiny.pad_token == "</s>"
 
 
+def test_tokenizer_pickles_for_dataloader_workers(tiny):
+    import copy
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(tiny))
+    assert clone(["the cat", "a dog"], padding=True) == tiny(["the cat", "a dog"], padding=True)
+    copy.deepcopy(tiny).pad_token = "</s>"
+    assert tiny.pad_token == "[PAD]"  # the copy is independent
+    with pytest.raises(TypeError, match="batch_decode"):
+        tiny.decode(torch.tensor([[4, 5]]))
+
+
 def test_pad_for_data_collators(tiny):
     rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
     out = tiny.pad(rows, return_tensors="pt", pad_to_multiple_of=4)
@@ -332,7 +396,12 @@ def test_save_round_trip_and_transformers_loads_it(tiny, tmp_path):
     tiny.padding_side = "left"
     tiny.chat_template = {"default": SIMPLE_TEMPLATE, "tool_use": "TOOLS {{ tools | length }}"}
     files = tiny.save_pretrained(tmp_path)
-    assert {Path(f).name for f in files} == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tool_use.jinja"}
+    assert {Path(f).name for f in files} == {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "tool_use.jinja",
+    }
     reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
     texts = ["the cat sat", "a dog ran in the park", "zebra"]
     assert dict(reloaded(texts, padding=True)) == dict(tiny(texts, padding=True))
@@ -347,18 +416,32 @@ def test_save_round_trip_and_transformers_loads_it(tiny, tmp_path):
     got, want = ref(texts, padding=True), tiny(texts, padding=True)
     assert got["input_ids"] == want["input_ids"] and got["attention_mask"] == want["attention_mask"]
     assert ref.padding_side == "left" and ref.pad_token == "[PAD]" and ref.eos_token == "</s>"
-    assert ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
-        tiny.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == "<user>hello world</s>\n<assistant>"
+    assert (
+        ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        == tiny.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        == "<user>hello world</s>\n<assistant>"
+    )
 
 
 def test_loads_legacy_files_and_added_token_dicts(tmp_path):
     _tiny_backend().save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},
-        "model_max_length": 16,
-        "image_token": "<image>",
-        "errors": "replace",
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {
+                    "__type": "AddedToken",
+                    "content": "<s>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                },
+                "model_max_length": 16,
+                "image_token": "<image>",
+                "errors": "replace",
+            }
+        )
+    )
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "[PAD]"}))
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!"}))
     tok = PreTrainedTokenizerFast.from_pretrained(tmp_path, padding_side="left")

@@ -38,20 +38,37 @@ from gpuformers.hub import TOKENIZER_PATTERNS, HubKwargs, resolve_model_dir
 VERY_LARGE_INTEGER = int(1e30)
 LARGE_INTEGER = int(1e20)
 
-# The named special tokens, in the order transformers lists them (all_special_tokens keeps this order).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
 PADDING_STRATEGIES = ("longest", "max_length", "do_not_pad")
 TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second", "do_not_truncate")
 
 # Config keys that are read into attributes (or are meaningless once loaded) rather than kept as extras.
 _CONFIG_KEYS_CONSUMED = {
-    "added_tokens_decoder", "additional_special_tokens", "extra_special_tokens", "chat_template",
-    "model_max_length", "max_len", "padding_side", "truncation_side", "clean_up_tokenization_spaces",
-    "split_special_tokens", "model_input_names", "tokenizer_class", "name_or_path", "auto_map",
-    "add_bos_token", "add_eos_token", "tokenizer_file", "special_tokens_map_file", "init_inputs",
-    "model_specific_special_tokens", "chat_control_tokens", "processor_class", "backend", "files_loaded",
-    "is_local", "local_files_only",
+    "added_tokens_decoder",
+    "additional_special_tokens",
+    "extra_special_tokens",
+    "chat_template",
+    "model_max_length",
+    "max_len",
+    "padding_side",
+    "truncation_side",
+    "clean_up_tokenization_spaces",
+    "split_special_tokens",
+    "model_input_names",
+    "tokenizer_class",
+    "name_or_path",
+    "auto_map",
+    "add_bos_token",
+    "add_eos_token",
+    "tokenizer_file",
+    "special_tokens_map_file",
+    "init_inputs",
+    "model_specific_special_tokens",
+    "chat_control_tokens",
+    "processor_class",
+    "backend",
+    "files_loaded",
+    "is_local",
+    "local_files_only",
 }
 
 
@@ -71,11 +88,15 @@ class BatchEncoding(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(f"BatchEncoding has no field {name!r}; it holds: {', '.join(self) or 'nothing'}") from None
+            raise AttributeError(
+                f"BatchEncoding has no field {name!r}; it holds: {', '.join(self) or 'nothing'}"
+            ) from None
 
     def tokens(self, batch_index: int = 0) -> list[str]:
         if not self.encodings:
-            raise ValueError("tokens() needs the encodings of a tokenizer call; this BatchEncoding was built without them")
+            raise ValueError(
+                "tokens() needs the encodings of a tokenizer call; this BatchEncoding was built without them"
+            )
         return self.encodings[batch_index].tokens
 
     def convert_to_tensors(self, tensor_type: str | None) -> "BatchEncoding":
@@ -135,8 +156,12 @@ def _as_added_token(value: Any, *, special: bool | None = None) -> AddedToken | 
 
 def _added_token_state(token: AddedToken) -> dict:
     return {
-        "content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
-        "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special,
+        "content": token.content,
+        "lstrip": token.lstrip,
+        "normalized": token.normalized,
+        "rstrip": token.rstrip,
+        "single_word": token.single_word,
+        "special": token.special,
     }
 
 
@@ -148,6 +173,10 @@ def _ids_as_list(ids: Any) -> list[int]:
         ids = ids.tolist()
     if isinstance(ids, int):
         return [ids]
+    if ids and isinstance(ids[0], (list, tuple)):
+        raise TypeError(
+            f"decode takes one sequence of ids, got a batch of {len(ids)}; use batch_decode, or decode(ids[0])"
+        )
     return [int(i) for i in ids]
 
 
@@ -242,6 +271,7 @@ class PreTrainedTokenizerFast:
         tokenizer_object.no_padding()
         tokenizer_object.no_truncation()
 
+        # Named tokens in transformers' order, which all_special_tokens keeps; model-specific ones follow.
         self._special_tokens: dict[str, AddedToken | str | None] = {
             "bos_token": _as_added_token(bos_token),
             "eos_token": _as_added_token(eos_token),
@@ -261,7 +291,8 @@ class PreTrainedTokenizerFast:
             self._special_tokens[key] = _as_added_token(extra.pop(key))
 
         added_tokens_decoder = {
-            int(index): _as_added_token(token) for index, token in (extra.pop("added_tokens_decoder", None) or {}).items()
+            int(index): _as_added_token(token)
+            for index, token in (extra.pop("added_tokens_decoder", None) or {}).items()
         }
         self._register_added_tokens(added_tokens_decoder)
         # Whatever is left is kept for save_pretrained (e.g. "errors", "add_prefix_space").
@@ -301,6 +332,14 @@ class PreTrainedTokenizerFast:
             return self.convert_tokens_to_ids(str(value))
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def __getstate__(self) -> dict:
+        # The lock cannot be pickled (DataLoader workers, deepcopy); every copy gets its own.
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ loading and saving
 
     @classmethod
@@ -317,6 +356,12 @@ class PreTrainedTokenizerFast:
         """Load the tokenizer of a folder or Hub id; `kwargs` override tokenizer_config.json (e.g. padding_side)."""
         for ignored in ("trust_remote_code", "use_fast", "subfolder", "force_download"):
             kwargs.pop(ignored, None)
+        if kwargs.get("gguf_file"):
+            raise ValueError(
+                "PreTrainedTokenizerFast.from_pretrained reads tokenizer.json; for a GGUF file use "
+                f"AutoTokenizer.from_pretrained({str(name_or_path)!r}, gguf_file={kwargs['gguf_file']!r}), "
+                "which builds the tokenizer from the GGUF metadata"
+            )
         hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
         folder = resolve_model_dir(name_or_path, allow_patterns=TOKENIZER_PATTERNS + ["chat_templates/*"], hub=hub)
         tokenizer_file = folder / "tokenizer.json"
@@ -464,7 +509,9 @@ class PreTrainedTokenizerFast:
     def all_special_ids(self) -> list[int]:
         return self.convert_tokens_to_ids(self.all_special_tokens)
 
-    def add_tokens(self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False) -> int:
+    def add_tokens(
+        self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False
+    ) -> int:
         """Add tokens to the vocabulary (never split); returns how many were new."""
         if isinstance(new_tokens, (str, AddedToken)):
             new_tokens = [new_tokens]
@@ -483,7 +530,9 @@ class PreTrainedTokenizerFast:
                 self._special_tokens[name] = _as_added_token(value)
                 added += self.add_tokens([value], special_tokens=True)
             else:
-                raise ValueError(f"{name!r} is not a special token name; use bos_token, eos_token, pad_token, ... or extra_special_tokens")
+                raise ValueError(
+                    f"{name!r} is not a special token name; use bos_token, eos_token, pad_token, ... or extra_special_tokens"
+                )
         return added
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
@@ -493,7 +542,9 @@ class PreTrainedTokenizerFast:
             return self.unk_token_id if index is None and tokens != self.unk_token else index
         return [self.convert_tokens_to_ids(token) for token in tokens]
 
-    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str | None | list[str]:
+    def convert_ids_to_tokens(
+        self, ids: int | Sequence[int], skip_special_tokens: bool = False
+    ) -> str | None | list[str]:
         if isinstance(ids, int):
             return self._tokenizer.id_to_token(ids)
         skip = set(self.all_special_ids) if skip_special_tokens else set()
@@ -537,7 +588,9 @@ class PreTrainedTokenizerFast:
         texts = list(text) if batched else [text]
         for item in texts:
             if not isinstance(item, str):
-                raise TypeError(f"text must be a string or a list of strings, got an item of type {type(item).__name__}: {item!r}")
+                raise TypeError(
+                    f"text must be a string or a list of strings, got an item of type {type(item).__name__}: {item!r}"
+                )
         if text_pair is not None:
             pairs = list(text_pair) if isinstance(text_pair, (list, tuple)) else [text_pair]
             if len(pairs) != len(texts):
@@ -546,7 +599,9 @@ class PreTrainedTokenizerFast:
         else:
             inputs = texts
 
-        padding_strategy, truncation_strategy, max_length = self._padding_and_truncation(padding, truncation, max_length)
+        padding_strategy, truncation_strategy, max_length = self._padding_and_truncation(
+            padding, truncation, max_length
+        )
         side = padding_side or self.padding_side
         if side not in ("left", "right"):
             raise ValueError(f'padding_side "{side}" is not one of: left, right')
@@ -564,7 +619,9 @@ class PreTrainedTokenizerFast:
                     length=max_length if padding_strategy == "max_length" else None,
                     pad_to_multiple_of=pad_to_multiple_of,
                 )
-            backend.encode_special_tokens = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+            backend.encode_special_tokens = (
+                self.split_special_tokens if split_special_tokens is None else split_special_tokens
+            )
             try:
                 encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
             finally:
@@ -610,7 +667,9 @@ class PreTrainedTokenizerFast:
         elif str(truncation) in TRUNCATION_STRATEGIES:
             truncation_strategy = str(truncation)
         else:
-            raise ValueError(f"truncation {truncation!r} is not one of: True, False, {', '.join(TRUNCATION_STRATEGIES)}")
+            raise ValueError(
+                f"truncation {truncation!r} is not one of: True, False, {', '.join(TRUNCATION_STRATEGIES)}"
+            )
         if max_length is None:
             # With no max_length, both fall back to model_max_length, or switch off when it is not set.
             known = self.model_max_length <= LARGE_INTEGER
@@ -641,11 +700,13 @@ class PreTrainedTokenizerFast:
         """Pad already-tokenized rows (a dict of lists, or a list of dicts as data collators pass them)."""
         if isinstance(encoded_inputs, Sequence) and not isinstance(encoded_inputs, Mapping):
             rows_as_dicts = list(encoded_inputs)
-            encoded_inputs = {key: [row[key] for row in rows_as_dicts] for key in (rows_as_dicts[0] if rows_as_dicts else {})}
+            encoded_inputs = {
+                key: [row[key] for row in rows_as_dicts] for key in (rows_as_dicts[0] if rows_as_dicts else {})
+            }
         data = {key: (value.tolist() if hasattr(value, "tolist") else value) for key, value in encoded_inputs.items()}
         if "input_ids" not in data:
             raise ValueError(f"pad() needs 'input_ids' among the inputs, got: {', '.join(data) or 'nothing'}")
-        single = bool(data["input_ids"]) and isinstance(data["input_ids"][0], int) or data["input_ids"] == []
+        single = not data["input_ids"] or isinstance(data["input_ids"][0], int)
         if single:
             data = {key: [value] for key, value in data.items()}
         padding_strategy, _, max_length = self._padding_and_truncation(padding, False, max_length)
@@ -663,7 +724,11 @@ class PreTrainedTokenizerFast:
             for key, value in fill.items():
                 if key in data:
                     data[key] = [
-                        ([value] * (target - len(row)) + list(row)) if side == "left" else (list(row) + [value] * (target - len(row)))
+                        (
+                            ([value] * (target - len(row)) + list(row))
+                            if side == "left"
+                            else (list(row) + [value] * (target - len(row)))
+                        )
                         for row in data[key]
                     ]
         if single and return_tensors is None:
@@ -672,16 +737,22 @@ class PreTrainedTokenizerFast:
 
     # ------------------------------------------------------------------ decoding
 
-    def decode(self, token_ids: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
+    def decode(
+        self, token_ids: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> str:
         """Ids -> text. Byte-level BPE pieces are joined as bytes before decoding, so multi-byte characters
         (CJK, emoji) come out whole; a sequence cut inside a character ends in U+FFFD, never in a wrong letter."""
         text = self._tokenizer.decode(_ids_as_list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._clean_up(text, clean_up_tokenization_spaces)
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+    def batch_decode(
+        self, sequences: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> list[str]:
         if hasattr(sequences, "tolist"):
             sequences = sequences.tolist()
-        texts = self._tokenizer.decode_batch([_ids_as_list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+        texts = self._tokenizer.decode_batch(
+            [_ids_as_list(s) for s in sequences], skip_special_tokens=skip_special_tokens
+        )
         return [self._clean_up(text, clean_up_tokenization_spaces) for text in texts]
 
     def _clean_up(self, text: str, clean_up: bool | None) -> str:
@@ -690,8 +761,18 @@ class PreTrainedTokenizerFast:
         # (like transformers) it is skipped there.
         if not clean_up or type(self._tokenizer.model).__name__ == "BPE":
             return text
-        for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                               (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        for spaced, joined in (
+            (" .", "."),
+            (" ?", "?"),
+            (" !", "!"),
+            (" ,", ","),
+            (" ' ", "'"),
+            (" n't", "n't"),
+            (" 'm", "'m"),
+            (" 's", "'s"),
+            (" 've", "'ve"),
+            (" 're", "'re"),
+        ):
             text = text.replace(spaced, joined)
         return text
 
@@ -736,6 +817,7 @@ class PreTrainedTokenizerFast:
         chat_template: str | None = None,
         return_assistant_tokens_mask: bool = False,
         tokenizer_kwargs: dict | None = None,
+        sanitize_control_tokens: bool = False,
         **template_kwargs,
     ) -> str | list[str] | list[int] | list[list[int]] | BatchEncoding:
         """Render a conversation (or a batch of them) with the chat template; tokenize it unless tokenize=False.
@@ -743,6 +825,11 @@ class PreTrainedTokenizerFast:
         As in transformers 5: with tokenize=True a BatchEncoding is returned unless return_dict=False (then the
         ids). Extra keyword arguments (e.g. enable_thinking=False) are template variables.
         """
+        if sanitize_control_tokens:
+            raise NotImplementedError(
+                "sanitize_control_tokens=True (encoding control tokens found in user text as plain text) is not "
+                "supported yet; strip such tokens from the messages before calling apply_chat_template"
+            )
         if return_assistant_tokens_mask and not (tokenize and return_dict):
             raise ValueError("return_assistant_tokens_mask=True needs tokenize=True and return_dict=True")
         if continue_final_message and add_generation_prompt:
@@ -761,8 +848,14 @@ class PreTrainedTokenizerFast:
         conversations = list(conversation) if batched else [conversation]
         variables = {**self.special_tokens_map, **template_kwargs}
         rendered, spans = _render_chats(
-            template, conversations, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, track_generation=return_assistant_tokens_mask, **variables,
+            template,
+            conversations,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            track_generation=return_assistant_tokens_mask,
+            **variables,
         )
         if not tokenize:
             return rendered if batched else rendered[0]
@@ -804,7 +897,9 @@ def _normalise_chat_template(template: str | dict | list | None) -> str | dict |
         except (TypeError, KeyError) as err:
             raise ValueError("chat_template as a list must hold {'name': ..., 'template': ...} entries") from err
     else:
-        raise TypeError(f"chat_template must be a string, a dict of named templates or a list, got {type(template).__name__}")
+        raise TypeError(
+            f"chat_template must be a string, a dict of named templates or a list, got {type(template).__name__}"
+        )
     return named["default"] if list(named) == ["default"] else named
 
 
@@ -848,7 +943,9 @@ def _read_chat_template_files(folder: Path) -> str | dict | None:
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # (rendered blocks so far, generation spans) while a render with assistant masks runs; None otherwise.
-_GENERATION_TRACK: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("chat_generation_track", default=None)
+_GENERATION_TRACK: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "chat_generation_track", default=None
+)
 
 
 @lru_cache(maxsize=1)
@@ -912,7 +1009,9 @@ def _chat_environment():
         @staticmethod
         def _check(name):
             if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates may not set {name!r}: names starting with '_' are refused")
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates may not set {name!r}: names starting with '_' are refused"
+                )
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -928,7 +1027,9 @@ def _chat_environment():
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
+    )
     return env
 
 
@@ -947,8 +1048,6 @@ def _template_data(value: Any) -> Any:
         return value
     if isinstance(value, str):  # subclasses (enums, numpy strings) carry extra methods
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
@@ -959,8 +1058,11 @@ def _template_data(value: Any) -> Any:
         return [_template_data(item) for item in value]
     if isinstance(value, tuple):
         return tuple(_template_data(item) for item in value)
-    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
-        return _template_data(value.item())  # np.bool_(False) must stay falsy
+    if type(value).__module__ == "numpy":
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return _template_data(value.item())  # np.bool_(False) must stay falsy
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {field.name: _template_data(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):  # pydantic models, e.g. OpenAI SDK messages
@@ -1049,7 +1151,9 @@ def _render_chats(
     for conversation in conversations:
         messages = _chat_messages(conversation)
         final = _tag_final_message(messages, continue_final_message, template) if continue_final_message else None
-        context = dict(variables, messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt)
+        context = dict(
+            variables, messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt
+        )
         spans: list[tuple[int, int]] = []
         if track_generation:
             blocks: list[str] = []

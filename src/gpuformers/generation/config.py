@@ -328,7 +328,7 @@ class GenerationConfig:
         if self.num_return_sequences > 1 and not self.do_sample:
             if self.num_beams == 1:
                 raise ValueError(
-                    f"generation config field num_return_sequences={self.num_return_sequences} needs do_sample=True "
+                    f"generation config field num_return_sequences ({self.num_return_sequences}) needs do_sample=True "
                     f"or num_beams >= {self.num_return_sequences}: greedy search returns one sequence per prompt"
                 )
             if self.num_return_sequences > self.num_beams:

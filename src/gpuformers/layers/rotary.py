@@ -119,6 +119,10 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self, device=None):
         """(Re)compute inv_freq; called after a model built on the meta device is loaded."""
+        # Never on the meta device: the frequencies are tiny, and torch's meta kernels for them import the
+        # compiler stack (about a second).
+        if device is None or torch.device(device).type == "meta":
+            device = "cpu"
         inv_freq, self.attention_scaling = rope_inv_freq(self.config, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)

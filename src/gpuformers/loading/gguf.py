@@ -159,10 +159,12 @@ class GGUFCheckpoint:
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
             item = field.types[1] if len(field.types) > 1 else None
+            if not field.data:
+                return []
             if item == GGUFValueType.STRING:
                 return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            if item == GGUFValueType.ARRAY or not field.data:
-                return [] if not field.data else default
+            if item == GGUFValueType.ARRAY:
+                return default  # nested arrays: no llama key uses them
             return np.concatenate([field.parts[i] for i in field.data]).tolist()
         if kind == GGUFValueType.STRING:
             return bytes(field.parts[field.data[0]]).decode("utf-8")
@@ -364,8 +366,8 @@ class GGUFCheckpoint:
         model = self._meta("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
             raise ValueError(
-                f"tokenizer.ggml.model {model!r} in {self.path.name} is not supported; supported: gpt2 (byte-level BPE), "
-                "llama (SentencePiece BPE)"
+                f"tokenizer.ggml.model {model!r} in {self.path.name} is not supported; "
+                "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
             )
         tokens = self._meta("tokenizer.ggml.tokens")
         token_types = self._meta("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -452,11 +454,17 @@ def _byte_level_pre_tokenizer(pre: str):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if kind == "gpt2_digits":
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     split = _LLAMA3_SPLIT if kind == "llama3" else _QWEN2_SPLIT
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 
@@ -518,7 +526,8 @@ def _merges_from_scores(tokens, scores, vocab) -> list[tuple[str, str]]:
         if vocab.get(piece) != index:
             continue  # a duplicate spelling; the first one wins, as in the vocab
         splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
-        splits = sorted((s for s in splits if s[0] in vocab and s[1] in vocab), key=lambda s: (vocab[s[0]], vocab[s[1]]))
+        splits = [s for s in splits if s[0] in vocab and s[1] in vocab]
+        splits.sort(key=lambda s: (vocab[s[0]], vocab[s[1]]))
         candidates.extend((-score, -len(left), -len(right), index, order, left, right)
                           for order, (left, right) in enumerate(splits))
     candidates.sort(key=lambda c: c[:5])

@@ -246,7 +246,11 @@ def write_file(
         if tensor.device.type == "meta":
             raise ValueError(f"cannot save tensor {name!r}: it is on the meta device (its weights were never loaded)")
         nbytes = tensor.numel() * tensor.dtype.itemsize
-        header[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # pad so that the data starts 8-byte aligned

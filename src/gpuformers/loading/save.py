@@ -120,7 +120,8 @@ def _tensors_to_save(source: nn.Module | Mapping[str, torch.Tensor], tied: dict[
             raise TypeError(f"cannot save {name!r}: it is a {type(t).__name__}, not a tensor")
         if t.device.type == "meta" or not t.numel():
             continue
-        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        storage = t.untyped_storage().data_ptr()
+        where = (t.device, storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if where in seen:
             aliases.append(f"{name} (= {seen[where]})")
             del state[name]

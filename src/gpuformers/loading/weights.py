@@ -171,7 +171,12 @@ class LoadingInfo:
 
     def to_dict(self) -> dict[str, list]:
         """The dict transformers returns for output_loading_info=True."""
-        return {"missing_keys": self.missing, "unexpected_keys": self.unexpected, "mismatched_keys": [], "error_msgs": []}
+        return {
+            "missing_keys": self.missing,
+            "unexpected_keys": self.unexpected,
+            "mismatched_keys": [],
+            "error_msgs": [],
+        }
 
 
 @dataclass
@@ -268,7 +273,8 @@ def load_weights(
     # What is still on the meta device: keys an index promised but a shard lacked, allowed missing keys,
     # and tensors a load_from_checkpoint module did not fill.
     missing = [t.names[0] for t in unique if not t.loaded]
-    missing += [f"{prefix}.{n}" if prefix else n for prefix, m in hooked.items() for n, t in _persistent(m) if t.is_meta]
+    for prefix, module in hooked.items():
+        missing += [f"{prefix}.{n}" if prefix else n for n, t in _persistent(module) if t.is_meta]
     _check_missing(missing, ignore_missing, files)
     for target in unique:
         if not target.loaded:
@@ -288,7 +294,9 @@ def assign_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(f"{name!r} is not a parameter or buffer of {type(model).__name__}")
     old = (module._parameters if is_param else module._buffers)[attr]
     if old is not None and tuple(old.shape) != tuple(value.shape):
-        raise ValueError(f"cannot assign {name!r}: the model's shape is {list(old.shape)}, the tensor's {list(value.shape)}")
+        raise ValueError(
+            f"cannot assign {name!r}: the model's shape is {list(old.shape)}, the tensor's {list(value.shape)}"
+        )
     slot = _Target([name], [(module, attr, is_param)], old if old is not None else value)
     slot.assign(value)
 

@@ -18,6 +18,7 @@ import torch
 
 from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
 from gpuformers.models.config import ModelConfig
+from gpuformers.models.modeling import skip_init
 from gpuformers.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def load_pretrained(
     checkpoint_dtype = parse_dtype(config.dtype) if config.dtype else files.first_floating_dtype()
     dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=device)
 
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():
         model = cls(config)
     info = load_weights(model, files, dtype=dtype, device=device, tied=model.tied_weights, progress=progress)
     model = _finish(model, device, attn_implementation, str(name_or_path))
@@ -229,7 +230,7 @@ def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, prog
     cls = _pick_class(model_class, config)
     # GGUF holds quantized or half weights; dequantize into float32 on the CPU unless told otherwise.
     dtype = resolve_dtype(dtype, checkpoint_dtype=torch.float32, device=device)
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():
         model = cls(config)
     tied = model.tied_weights
     names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in tied]

@@ -5,6 +5,7 @@ Offers: PreTrainedModel.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -18,6 +19,24 @@ try:  # generate() and friends; the generation package is optional while it is b
 except ImportError:  # pragma: no cover - only while generation/generate.py does not exist
     class GenerationMixin:  # type: ignore[no-redef]
         pass
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                   "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Build modules without running their random initialisation (it is overwritten by the checkpoint, and on the
+    meta device torch's init functions cost a second per model by importing the compiler stack)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class PreTrainedModel(nn.Module, GenerationMixin):

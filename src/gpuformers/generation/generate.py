@@ -1,0 +1,513 @@
+"""`model.generate()`: greedy, multinomial sampling and beam search over a KV cache, as transformers' generate.
+
+    prompt -> prefill (logits for the last position only) -> decode loop:
+        logits (rows, vocab) -> logits processors -> argmax | sample | beam top-k -> stop checks -> streamer
+        -> the next token goes in as a (rows, 1) step, at position (last prompt position + steps) per row
+
+Left padding: the attention mask covers prompt and generated tokens; positions count real tokens only
+(`mask.cumsum(-1) - 1`), so a padded row continues from where its text ends. Positions and the mask live in
+buffers sized to the final length, built once; a decode step only slices them.
+
+Host syncs. A CUDA decode loop never waits on the GPU for token selection (argmax, or sampling by the exponential
+race below instead of torch.multinomial, which synchronises). The one question that needs the host, "have all rows
+finished?", is asked only when something other than the length limit can finish a row (eos, stop strings,
+max_time, user criteria), and on an accelerator only every `STOP_CHECK_INTERVAL` steps; the extra steps cost
+padding tokens that are cut off at the end, so the output equals checking every step. A streamer needs the tokens
+on the host anyway, so with one the check runs every step. Beam search asks its stop question every step.
+
+Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache),
+so every decode step has the same shapes. On CUDA that step is compiled with
+`torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does; on the
+CPU it runs eagerly.
+
+Offers: GenerationMixin, GenerateDecoderOnlyOutput, GenerateBeamDecoderOnlyOutput, STOP_CHECK_INTERVAL.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
+from gpuformers.generation.config import _FIELD_NAMES, CompileConfig, GenerationConfig
+from gpuformers.models.outputs import ModelOutput
+
+# On an accelerator, ask "have all rows finished?" (a host sync) once per this many decode steps.
+STOP_CHECK_INTERVAL = 8
+# The cache implementations generate() builds itself.
+_CACHES = {"dynamic": DynamicCache, "static": StaticCache}
+# Beam search marks impossible candidates with this score (transformers' value, kept for equal scores).
+_NEG = -1.0e9
+
+
+@dataclass
+class GenerateDecoderOnlyOutput(ModelOutput):
+    """generate(..., return_dict_in_generate=True) for greedy search and sampling."""
+
+    sequences: torch.LongTensor | None = None  # (rows, prompt + new tokens)
+    scores: tuple[torch.Tensor, ...] | None = None  # processed scores, one (rows, vocab) per new token
+    logits: tuple[torch.Tensor, ...] | None = None  # raw logits, one (rows, vocab) per new token
+    past_key_values: Cache | None = None
+
+    @property
+    def cache(self) -> Cache | None:  # transformers 5's name for the field
+        return self.past_key_values
+
+
+@dataclass
+class GenerateBeamDecoderOnlyOutput(ModelOutput):
+    """generate(..., num_beams>1, return_dict_in_generate=True)."""
+
+    sequences: torch.LongTensor | None = None  # (batch * num_return_sequences, length)
+    sequences_scores: torch.Tensor | None = None  # (batch * num_return_sequences,) length-penalised log-probs
+    scores: tuple[torch.Tensor, ...] | None = None  # processed log-probs, one (batch * num_beams, vocab) per step
+    logits: tuple[torch.Tensor, ...] | None = None
+    beam_indices: torch.LongTensor | None = None  # (batch * num_return_sequences, new tokens): source row per step
+    past_key_values: Cache | None = None
+
+    @property
+    def cache(self) -> Cache | None:
+        return self.past_key_values
+
+
+class _StepInputs:
+    """Everything a forward needs besides the tokens: positions, attention mask and cache, kept in buffers sized
+    to the final length so that a decode step only slices them.
+
+    positions: (rows, max_length); a left-padded row counts only its real tokens; padding slots hold 1.
+    mask: (rows, max_length) of 1 for real tokens, or None when nothing is padded (the model then needs no mask).
+    """
+
+    def __init__(self, attention_mask: torch.Tensor | None, rows: int, prompt_length: int, max_length: int,
+                 cache: Cache | None, device: torch.device):
+        self.cache = cache
+        self.full_mask = isinstance(cache, StaticCache)  # a static cache attends over all its slots
+        if attention_mask is None:
+            self.positions = torch.arange(max_length, device=device).expand(rows, max_length)
+            self.mask = None
+        else:
+            self.mask = torch.ones(rows, max_length, dtype=attention_mask.dtype, device=device)
+            self.mask[:, :prompt_length] = attention_mask
+            self.positions = (self.mask.cumsum(-1) - 1).masked_fill_(self.mask == 0, 1)
+
+    def _mask_until(self, length: int) -> torch.Tensor | None:
+        if self.mask is None or self.full_mask:
+            return self.mask
+        return self.mask[:, :length]
+
+    def prefill(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """The whole prompt, minus what a cache passed in by the user already holds."""
+        done = self.cache.get_seq_length() if self.cache is not None else 0
+        length = input_ids.shape[1]
+        return dict(input_ids=input_ids[:, done:], position_ids=self.positions[:, done:length],
+                    attention_mask=self._mask_until(length))
+
+    def step(self, sequences: torch.Tensor, length: int) -> dict[str, Any]:
+        """The newest token (the whole sequence without a cache); `length` tokens exist so far."""
+        if self.cache is None:
+            return dict(input_ids=sequences[:, :length], position_ids=self.positions[:, :length],
+                        attention_mask=self._mask_until(length))
+        return dict(input_ids=sequences[:, length - 1:length], position_ids=self.positions[:, length - 1:length],
+                    attention_mask=self._mask_until(length))
+
+
+class GenerationMixin:
+    """`generate()` for causal LMs; mixed into PreTrainedModel. The model provides forward(), config,
+    generation_config and get_input_embeddings()."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        stopping_criteria=None,
+        streamer=None,
+        attention_mask: torch.Tensor | None = None,
+        tokenizer=None,
+        **kwargs,
+    ):
+        """Continue each prompt row of `inputs` (batch, seq); returns (rows, seq + new) token ids, or a
+        GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput with return_dict_in_generate=True.
+
+        kwargs are GenerationConfig fields (max_new_tokens=, do_sample=, temperature=, num_beams=, ...) that
+        override model.generation_config for this call, plus `input_ids=` and `past_key_values=` (a Cache).
+        `tokenizer=` is needed for stop_strings. Pass the attention_mask of left-padded batches.
+        """
+        from gpuformers.generation.logits import LogitsProcessorList, build_logits_processors
+        from gpuformers.generation.stopping import StoppingCriteriaList, build_stopping_criteria
+
+        input_ids = kwargs.pop("input_ids", None)
+        cache = kwargs.pop("past_key_values", None)
+        cache = kwargs.pop("cache", cache)
+        config = self._prepare_generation_config(generation_config, kwargs)
+        input_ids, attention_mask = self._prepare_prompt(inputs, input_ids, attention_mask, config)
+        batch, prompt_length = input_ids.shape
+        eos = config.eos_token_ids
+        if config.pad_token_id is None and eos:
+            config.pad_token_id = eos[0]  # transformers' fallback: finished rows are padded with eos
+        if attention_mask is None:
+            attention_mask = self._infer_attention_mask(input_ids, config)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # nothing padded: the model needs no mask (one check, before the loop)
+
+        # Lengths are fixed here, once: the stop criteria and the loop bounds read them from the config.
+        max_length = config.max_length_for(prompt_length, self.config.max_position_embeddings)
+        if max_length <= prompt_length:
+            raise ValueError(
+                f"max_length={max_length} leaves no room for new tokens after a prompt of {prompt_length} tokens; "
+                f"set max_new_tokens instead"
+            )
+        config.max_new_tokens = None
+        config.max_length = max_length
+
+        beams = config.num_beams
+        if beams > 1 and streamer is not None:
+            raise ValueError("streamer cannot be used with beam search (num_beams > 1); use num_beams=1")
+        expand = beams if beams > 1 else config.num_return_sequences
+        if expand > 1:
+            input_ids = input_ids.repeat_interleave(expand, dim=0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(expand, dim=0)
+        rows = input_ids.shape[0]
+
+        processors = build_logits_processors(config, prompt_length, device=input_ids.device,
+                                             attention_mask=attention_mask)
+        processors = LogitsProcessorList([*processors, *(logits_processor or [])])
+        criteria = build_stopping_criteria(config, prompt_length, tokenizer=tokenizer)
+        criteria = StoppingCriteriaList([*criteria, *(stopping_criteria or [])])
+
+        cache = self._prepare_cache(cache, config, rows, max_length)
+        step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
+        forward = self._decode_forward(config, cache)
+        if beams > 1:
+            return self._beam_search(input_ids, step_inputs, forward, config, processors, criteria, batch)
+        return self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
+
+    # --- preparation ------------------------------------------------------------------------------------------
+
+    def _prepare_generation_config(self, generation_config, kwargs: dict) -> GenerationConfig:
+        """model.generation_config (or defaults from the model config) < generation_config < kwargs."""
+        base = getattr(self, "generation_config", None)
+        if base is None:
+            base = GenerationConfig.from_model_config(self.config)
+        config = generation_config.merged_with(base) if generation_config is not None else base.copy()
+        unknown = config.update(**kwargs)
+        if unknown:
+            hints = []
+            for name in sorted(unknown):
+                close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+                hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+            raise TypeError(
+                f"generate() got arguments that are neither GenerationConfig fields nor inputs: {', '.join(hints)}; "
+                f"inputs are inputs/input_ids, attention_mask, past_key_values, streamer, tokenizer, "
+                f"logits_processor, stopping_criteria"
+            )
+        return config
+
+    def _prepare_prompt(self, inputs, input_ids, attention_mask, config: GenerationConfig):
+        if inputs is not None and input_ids is not None:
+            raise ValueError("pass the prompt once: either as the first argument (inputs) or as input_ids=, not both")
+        ids = inputs if inputs is not None else input_ids
+        device = self.get_input_embeddings().weight.device
+        if ids is None:
+            if config.bos_token_id is None:
+                raise ValueError("generate() needs a prompt (input_ids) or a bos_token_id to start from")
+            ids = torch.full((1, 1), config.bos_token_id, dtype=torch.long, device=device)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(
+                f"input_ids must be a (batch, seq) tensor of token ids, got {shape}; "
+                f"use tokenizer(text, return_tensors='pt').input_ids (add [None] to a 1-D tensor)"
+            )
+        if ids.shape[1] == 0:
+            raise ValueError("input_ids is empty (no prompt tokens); give at least one token, e.g. the bos token")
+        for name, tensor in (("input_ids", ids), ("attention_mask", attention_mask)):
+            if tensor is not None and tensor.device != device:
+                raise ValueError(
+                    f"{name} is on {tensor.device} but the model's embeddings are on {device}; "
+                    f"move it with {name}.to(model.device)"
+                )
+        if attention_mask is not None and attention_mask.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(ids.shape)}; "
+                f"they must match (pass the mask the tokenizer returned with these ids)"
+            )
+        limit = self.config.max_position_embeddings
+        if ids.shape[1] > limit and self.config.rope_type != "dynamic":
+            raise ValueError(
+                f"the prompt has {ids.shape[1]} tokens but the model handles at most max_position_embeddings="
+                f"{limit} positions (rope_type {self.config.rope_type!r} does not extend beyond them); "
+                f"shorten the prompt, e.g. tokenizer(..., truncation=True, max_length={limit})"
+            )
+        return ids.long(), attention_mask
+
+    @staticmethod
+    def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor | None:
+        """transformers' rule without a mask: pad tokens in the prompt are padding, unless pad is also eos."""
+        pad = config.pad_token_id
+        if pad is None or pad in config.eos_token_ids:
+            return None
+        return (input_ids != pad).long()
+
+    def _prepare_cache(self, cache, config: GenerationConfig, rows: int, max_length: int) -> Cache | None:
+        if cache is not None:
+            if not isinstance(cache, Cache):
+                raise TypeError(f"past_key_values must be a gpuformers Cache, got {type(cache).__name__}")
+            return cache
+        if not config.use_cache:
+            return None
+        name = config.cache_implementation or "dynamic"
+        if name not in _CACHES:
+            raise ValueError(
+                f"cache_implementation {name!r} is not supported by generate(); supported: {', '.join(_CACHES)}"
+            )
+        if name == "dynamic":
+            return DynamicCache()
+        size = config.max_cache_len or max_length
+        if size < max_length:
+            raise ValueError(
+                f"max_cache_len={size} is smaller than the {max_length} tokens this call can reach; "
+                f"raise max_cache_len or lower max_new_tokens"
+            )
+        return StaticCache(self.config, max_cache_len=size, max_batch_size=rows)
+
+    def _decode_forward(self, config: GenerationConfig, cache: Cache | None):
+        """The function a decode step calls: the model itself, or on CUDA with a static cache, the model compiled
+        for CUDA graphs (transformers' auto-compile rule). The compiled function is kept on the model so a second
+        generate() call reuses it."""
+        device = self.get_input_embeddings().weight.device
+        if not isinstance(cache, StaticCache) or device.type != "cuda" or config.disable_compile:
+            return self
+        options = config.compile_config or CompileConfig()
+        key = tuple(sorted(options.to_dict().items(), key=str))
+        compiled = getattr(self, "_compiled_decode", None)
+        if compiled is None or compiled[0] != key:
+            kwargs = dict(fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
+            # torch.compile accepts a mode or options, not both.
+            kwargs.update(options=options.options) if options.options else kwargs.update(mode=options.mode)
+            compiled = (key, torch.compile(self.forward, **kwargs))
+            self._compiled_decode = compiled
+        return compiled[1]
+
+    # --- greedy search and sampling ---------------------------------------------------------------------------
+
+    def _sample(self, input_ids, step_inputs: _StepInputs, forward, config, processors, criteria, streamer):
+        rows, prompt_length = input_ids.shape
+        max_length = config.max_length
+        device = input_ids.device
+        sequences = torch.empty(rows, max_length, dtype=torch.long, device=device)
+        sequences[:, :prompt_length] = input_ids
+        # Only eos pads finished rows (transformers' rule); rows stopped by other criteria keep their tokens.
+        pad = config.pad_token_id if config.eos_token_ids else None
+        can_stop_early = bool(config.eos_token_ids or config.stop_strings or config.max_time is not None
+                              or len(criteria) > _length_criteria(criteria))
+        interval = 1 if device.type == "cpu" or streamer is not None else STOP_CHECK_INTERVAL
+        unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        any_unfinished = []  # per step, a 0-d bool tensor (read once at the end when checks were spaced out)
+        scores_out = [] if config.return_dict_in_generate and config.output_scores else None
+        logits_out = [] if config.return_dict_in_generate and config.output_logits else None
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        outputs = self(**step_inputs.prefill(input_ids), past_key_values=step_inputs.cache,
+                       use_cache=step_inputs.cache is not None, logits_to_keep=1)
+        length = prompt_length
+        while True:
+            logits = outputs.logits[:, -1].float()  # (rows, vocab)
+            del outputs
+            scores = processors(sequences[:, :length], logits) if processors else logits
+            if scores_out is not None:
+                scores_out.append(scores)
+            if logits_out is not None:
+                logits_out.append(logits.clone() if processors else logits)  # a processor may work in place
+            tokens = _select_tokens(scores) if config.do_sample else scores.argmax(-1)
+            if pad is not None:
+                tokens = torch.where(unfinished, tokens, pad)
+            sequences[:, length] = tokens
+            length += 1
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if can_stop_early:
+                unfinished &= ~criteria(sequences[:, :length], scores)
+                if interval > 1:
+                    any_unfinished.append(unfinished.any())
+                if (length - prompt_length) % interval == 0 and not bool(unfinished.any()):
+                    break
+            if length >= max_length:
+                break
+            outputs = forward(**step_inputs.step(sequences, length), past_key_values=step_inputs.cache,
+                              use_cache=step_inputs.cache is not None)
+
+        if interval > 1 and any_unfinished:
+            # Steps run after every row had finished (between two checks) are cut off here.
+            alive = torch.stack(any_unfinished).cpu()
+            done = (~alive).nonzero()
+            if len(done):
+                length = prompt_length + int(done[0]) + 1
+        if streamer is not None:
+            streamer.end()
+        sequences = sequences[:, :length]
+        if not config.return_dict_in_generate:
+            return sequences
+        steps = length - prompt_length
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=tuple(scores_out[:steps]) if scores_out is not None else None,
+            logits=tuple(logits_out[:steps]) if logits_out is not None else None,
+            past_key_values=step_inputs.cache,
+        )
+
+    # --- beam search ------------------------------------------------------------------------------------------
+
+    def _beam_search(self, input_ids, step_inputs: _StepInputs, forward, config, processors, criteria, batch):
+        """Beam search as transformers' (same candidates, length penalty, early stopping and scores).
+
+        Each step keeps `keep` = max(2, 1 + #eos) * beams candidates per prompt so that beams survive when the
+        best candidates end; candidates that end go to a per-prompt list of the best `beams` finished sequences,
+        scored by sum of log-probs / new_length ** length_penalty.
+        """
+        beams, max_length = config.num_beams, config.max_length
+        rows, prompt_length = input_ids.shape
+        device = input_ids.device
+        vocab = None
+        length_penalty, early_stopping = config.length_penalty, config.early_stopping
+        keep = max(2, 1 + len(config.eos_token_ids)) * beams
+        is_top = torch.arange(keep, device=device) < beams  # candidates that may enter the finished list
+        # transformers' fill value for unused slots: pad (unless it is 0) else eos[0], or -1 without eos
+        eos = config.eos_token_ids
+        fill = (config.pad_token_id or eos[0]) if eos else -1
+
+        # running: the beams still growing; finished: the best ended sequences. (batch, beams, ...)
+        running = torch.full((batch, beams, max_length), fill, dtype=torch.long, device=device)
+        running[:, :, :prompt_length] = input_ids.view(batch, beams, prompt_length)
+        finished = running.clone()
+        running_scores = torch.zeros(batch, beams, device=device)
+        running_scores[:, 1:] = _NEG  # all beams start equal: only the first one may expand at step one
+        finished_scores = torch.full((batch, beams), _NEG, device=device)
+        running_origin = torch.full((batch, beams, max_length - prompt_length), -1, dtype=torch.long, device=device)
+        finished_origin = running_origin.clone()
+        finished_done = torch.zeros(batch, beams, dtype=torch.bool, device=device)
+        can_improve = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        row_offset = torch.arange(batch, device=device)[:, None] * beams  # (batch, 1): beam -> flat row
+        scores_out = [] if config.return_dict_in_generate and config.output_scores else None
+        logits_out = [] if config.return_dict_in_generate and config.output_logits else None
+
+        outputs = self(**step_inputs.prefill(input_ids), past_key_values=step_inputs.cache,
+                       use_cache=step_inputs.cache is not None, logits_to_keep=1)
+        length = prompt_length
+        while True:
+            logits = outputs.logits[:, -1].float()  # (batch * beams, vocab)
+            del outputs
+            vocab = logits.shape[-1]
+            log_probs = processors(running[:, :, :length].reshape(rows, length), F.log_softmax(logits, dim=-1))
+            if scores_out is not None:
+                scores_out.append(log_probs)
+            if logits_out is not None:
+                logits_out.append(logits)
+            total = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
+
+            # (batch, keep) candidate continuations, best first
+            if config.do_sample:
+                picked = torch.multinomial(F.softmax(total, dim=-1), num_samples=keep)
+                cand_scores, order = total.gather(1, picked).sort(dim=-1, descending=True)
+                picked = picked.gather(1, order)
+            else:
+                cand_scores, picked = total.topk(keep, dim=-1)
+            source, token = picked // vocab, picked % vocab
+            cand = _gather(running, source)
+            cand[:, :, length] = token
+            cand_origin = _gather(running_origin, source)
+            cand_origin[:, :, length - prompt_length] = source + row_offset
+            ends = criteria(cand[:, :, :length + 1].reshape(batch * keep, length + 1), None).view(batch, keep)
+
+            # The best `beams` candidates that did not end keep running.
+            alive_scores = cand_scores + ends.float() * _NEG
+            best = alive_scores.topk(beams, dim=-1).indices
+            running, running_scores = _gather(cand, best), _gather(alive_scores, best)
+            running_origin = _gather(cand_origin, best)
+
+            # Ended candidates among the top `beams` join the finished list if they beat its members.
+            just_ended = ends & is_top
+            final_scores = cand_scores / ((length + 1 - prompt_length) ** length_penalty)
+            if early_stopping is True:
+                final_scores = final_scores + finished_done.all(-1, keepdim=True).float() * _NEG
+            final_scores = final_scores + (~can_improve).float() * _NEG + (~just_ended).float() * _NEG
+            merged_scores = torch.cat((finished_scores, final_scores), dim=1)
+            best = merged_scores.topk(beams, dim=-1).indices
+            finished = _gather(torch.cat((finished, cand), dim=1), best)
+            finished_scores = _gather(merged_scores, best)
+            finished_origin = _gather(torch.cat((finished_origin, cand_origin), dim=1), best)
+            finished_done = _gather(torch.cat((finished_done, just_ended), dim=1), best)
+
+            if step_inputs.cache is not None:
+                step_inputs.cache.reorder_cache(running_origin[:, :, length - prompt_length].reshape(rows))
+            length += 1
+            can_improve = can_improve & self._beam_can_improve(
+                running_scores, finished_scores, finished_done, length, prompt_length, max_length,
+                length_penalty, early_stopping)
+            all_full = bool(finished_done.all()) and early_stopping is True
+            if length >= max_length or not bool(can_improve.any()) or all_full or bool(ends.all()):
+                break
+            flat = running.view(rows, max_length)
+            outputs = forward(**step_inputs.step(flat, length), past_key_values=step_inputs.cache,
+                              use_cache=step_inputs.cache is not None)
+
+        returned = config.num_return_sequences
+        sequences = finished[:, :returned].reshape(batch * returned, max_length)
+        sequence_scores = finished_scores[:, :returned].reshape(batch * returned)
+        origin = finished_origin[:, :returned].reshape(batch * returned, -1)
+        new_tokens = int((origin >= 0).sum(dim=1).max())
+        sequences, origin = sequences[:, :prompt_length + new_tokens], origin[:, :new_tokens]
+        if not config.return_dict_in_generate:
+            return sequences
+        return GenerateBeamDecoderOnlyOutput(
+            sequences=sequences,
+            sequences_scores=sequence_scores if config.output_scores else None,
+            scores=tuple(scores_out) if scores_out is not None else None,
+            logits=tuple(logits_out) if logits_out is not None else None,
+            beam_indices=origin,
+            past_key_values=step_inputs.cache,
+        )
+
+    @staticmethod
+    def _beam_can_improve(running_scores, finished_scores, finished_done, length, prompt_length, max_length,
+                          length_penalty, early_stopping) -> torch.Tensor:
+        """(batch, 1): may a running beam still beat the worst finished one? transformers' heuristic: the best
+        running score is judged at the current length, or at max_length with early_stopping="never" and a
+        positive length penalty (longer can only be better then)."""
+        if early_stopping == "never" and length_penalty > 0.0:
+            best_length = max_length - prompt_length
+        else:
+            best_length = length - prompt_length
+        best_running = running_scores[:, :1] / (best_length ** length_penalty)
+        worst_finished = torch.where(finished_done, finished_scores.min(dim=1, keepdim=True).values, _NEG)
+        return (best_running > worst_finished).any(dim=-1, keepdim=True)
+
+
+def _select_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row from softmax(scores) (rows, vocab) -> (rows,).
+
+    On the CPU torch.multinomial (the same random stream as transformers under torch.manual_seed). On an
+    accelerator the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, and
+    unlike torch.multinomial it never makes the host wait for the device.
+    """
+    probs = F.softmax(scores, dim=-1)
+    if probs.device.type == "cpu":
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    return probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pick along dim 1 (the beam dim): tensor (batch, n, ...), index (batch, k) -> (batch, k, ...)."""
+    index = index.view(*index.shape, *([1] * (tensor.dim() - 2)))
+    return tensor.take_along_dim(index, dim=1)
+
+
+def _length_criteria(criteria) -> int:
+    """How many of the stopping criteria only enforce the length limit (which the loop bound already does)."""
+    return sum(1 for c in criteria if type(c).__name__ in ("MaxLengthCriteria", "MaxNewTokensCriteria"))
