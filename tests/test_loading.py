@@ -463,6 +463,8 @@ _RSS_SCRIPT = textwrap.dedent("""
     before = status("VmRSS")
     load_weights(model, CheckpointFiles.find(sys.argv[1]), dtype=torch.float32, device="cpu", progress=False)
     assert float(model.w3[5]) == 3.0
+    # CPU loads may map the file (pages come in on first touch): touch every weight before measuring.
+    assert sum(float(p.sum()) for p in model.parameters()) == sum(i * numel for i in range(n))
     print(status("VmHWM") - before)
 """)
 

@@ -47,6 +47,7 @@ _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_mtp": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "prefill_chunk_size": None,
 }
 
+
 @dataclass
 class CompileConfig:
     """How generate() compiles the decode step (`torch.compile` arguments), as transformers' CompileConfig."""
@@ -63,8 +64,8 @@ class CompileConfig:
 
 @dataclass(init=False)
 class GenerationConfig:
-    """Settings of `generate()`. Build it with keyword arguments (`GenerationConfig(max_new_tokens=32, do_sample=True)`),
-    from a dict or from a folder holding `generation_config.json`. Unknown keys are kept in `extra` and written back."""
+    """Settings of `generate()`. Build it with keyword arguments (`GenerationConfig(max_new_tokens=32)`), from a
+    dict or from a folder holding `generation_config.json`. Unknown keys are kept in `extra` and written back."""
 
     # --- length -----------------------------------------------------------------------------------------------
     max_length: int = 20  # prompt + new tokens; when nobody sets it, generate() reads it as 20 *new* tokens

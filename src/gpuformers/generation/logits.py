@@ -397,6 +397,8 @@ class EtaLogitsWarper(LogitsProcessor):
             raise ValueError(f"eta_cutoff must be between 0 and 1 (exclusive), got {epsilon!r}")
         _check_min_tokens(min_tokens_to_keep)
         self.epsilon = epsilon
+        # sqrt taken in float32, as the reference does; a host float, so no tensor is copied to the device per step
+        self._sqrt_epsilon = torch.tensor(epsilon, dtype=torch.float32).sqrt().item()
         self.filter_value = filter_value
         self.min_tokens_to_keep = min_tokens_to_keep
 
@@ -404,8 +406,7 @@ class EtaLogitsWarper(LogitsProcessor):
         log_probs = scores.log_softmax(dim=-1)
         probs = log_probs.exp()
         entropy = -(probs * log_probs).nansum(dim=-1, keepdim=True)  # (batch, 1)
-        eps = torch.tensor(self.epsilon, dtype=scores.dtype, device=scores.device)
-        eta = torch.minimum(eps, eps.sqrt() * torch.exp(-entropy))
+        eta = (self._sqrt_epsilon * torch.exp(-entropy)).clamp(max=self.epsilon)
         drop = _keep_top_tokens(scores, probs < eta, self.min_tokens_to_keep)
         return scores.masked_fill(drop, self.filter_value)
 

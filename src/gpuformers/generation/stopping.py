@@ -213,9 +213,9 @@ _TOKEN_BYTES_CACHE: "weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Te
 def token_bytes(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The bytes each token id adds to decoded text, packed as (flat uint8 bytes, (vocab + 1,) offsets).
 
-    Works for a gpuformers or transformers fast tokenizer, or a bare tokenizers.Tokenizer: byte-level BPE (GPT-2, Llama 3, Qwen) maps token
-    characters back to bytes; byte fallback (`<0x0A>`) gives its byte; a sentencepiece "▁" becomes a space; other
-    tokens use the tokenizer's own convert_tokens_to_string. Cached per tokenizer object.
+    Works for a gpuformers or transformers fast tokenizer, or a bare tokenizers.Tokenizer: byte-level BPE (GPT-2,
+    Llama 3, Qwen) maps token characters back to bytes; byte fallback (`<0x0A>`) gives its byte; a sentencepiece
+    "\u2581" becomes a space; other tokens use the tokenizer's own convert_tokens_to_string. Cached per tokenizer.
     """
     try:
         cached = _TOKEN_BYTES_CACHE.get(tokenizer)

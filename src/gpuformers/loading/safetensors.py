@@ -19,6 +19,7 @@ Offers: SafetensorsFile, TensorInfo, SafetensorsError, write_file, DTYPES, dtype
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class SafetensorsFile:
         self.path = Path(path)
         # Unbuffered: readinto then reads straight into the destination memory, with no copy through a buffer.
         self._file = open(self.path, "rb", buffering=0)
+        self._map: mmap.mmap | None = None
         try:
             self.metadata, self.tensors = self._parse_header()
         except BaseException:
@@ -209,7 +211,19 @@ class SafetensorsFile:
         self.read_into(name, out)
         return out
 
+    def mapped(self, name: str) -> torch.Tensor | None:
+        """Tensor `name` as a copy-on-write view of the file's pages (no read now; pages come in on first touch
+        and writes stay private to this process), or None when its bytes are not aligned for its dtype."""
+        info = self.info(name)
+        if info.start % info.dtype.itemsize or not prod(info.shape):
+            return None
+        if self._map is None:
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(self._map, dtype=info.dtype, count=prod(info.shape), offset=info.start)
+        return flat.view(info.shape)
+
     def close(self) -> None:
+        # An mmap outlives the file descriptor; tensors made by mapped() keep it alive.
         self._file.close()
 
     def __enter__(self) -> "SafetensorsFile":

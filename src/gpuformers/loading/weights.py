@@ -382,6 +382,12 @@ def _read_tensor(reader, key: str, target: _Target, dtype, device, shard_fn, sta
         )
     floating = target.meta.is_floating_point()
     final = (dtype or stored.dtype) if floating else target.meta.dtype
+    if isinstance(reader, SafetensorsFile) and slices is None and device.type == "cpu" and final == stored.dtype:
+        # Zero-copy: the parameter is a copy-on-write map of the file (the page cache is shared, nothing is
+        # read twice, and resident memory stays at one copy of the weights).
+        mapped = reader.mapped(key)
+        if mapped is not None:
+            return mapped
     out = torch.empty(shape, dtype=final, device=device)
     if not out.numel():
         return out
