@@ -356,11 +356,44 @@ def smollm2(tmp_path_factory):
     return folder, path.name, read_gguf(path)
 
 
+@pytest.fixture(scope="module")
+def smollm2_transformers(smollm2):
+    """transformers' own float32 GGUF load of the SmolLM2 file (the slow part: done once)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name, _ = smollm2
+    return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).eval()
+
+
 @pytest.mark.slow
-def test_smollm2_tensors_match_transformers(smollm2):
+def test_smollm2_tensors_match_transformers(smollm2, smollm2_transformers):
     folder, name, ckpt = smollm2
     assert ckpt.config["num_hidden_layers"] == 30 and ckpt.config["tie_word_embeddings"] is True
-    assert_same_tensors(ckpt, transformers_state_dict(folder, name), atol=1e-3)
+    reference = {k: v.detach() for k, v in smollm2_transformers.state_dict().items()}
+    assert_same_tensors(ckpt, reference, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_like_transformers(smollm2, smollm2_transformers):
+    """The embedded default model: our GGUF load gives transformers' logits, and greedy decoding of the chat
+    prompt names Paris with the same tokens as transformers' generate."""
+    from gpuformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name, _ = smollm2
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        ours = model(ids).logits
+        theirs = smollm2_transformers(ids).logits
+        assert (ours - theirs).abs().max().item() < 1e-3
+        out = model.generate(ids, attention_mask=inputs["attention_mask"], max_new_tokens=16, do_sample=False)
+        expected = smollm2_transformers.generate(ids, attention_mask=inputs["attention_mask"], max_new_tokens=16,
+                                                 do_sample=False)
+    assert out.tolist() == expected.tolist()
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 @pytest.mark.slow

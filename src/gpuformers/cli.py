@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -94,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             select_gpus(args.gpus)
         except (ValueError, RuntimeError) as error:
             parser.error(str(error))
-    result = _load(VERBS[args.verb].run)(args)
+    try:
+        result = _load(VERBS[args.verb].run)(args)
+    except (FileNotFoundError, ValueError, NotImplementedError, RuntimeError) as error:
+        # Errors a user can act on get one line, not a traceback (GPUFORMERS_DEBUG=1 shows the traceback).
+        if os.environ.get("GPUFORMERS_DEBUG"):
+            raise
+        print(f"gpuformers {args.verb}: error: {error}", file=sys.stderr)
+        return 2
     return 0 if result is None else int(result)
 
 

@@ -306,7 +306,7 @@ class GenerationMixin:
         pad = config.pad_token_id if config.eos_token_ids else None
         can_stop_early = bool(config.eos_token_ids or config.stop_strings or config.max_time is not None
                               or len(criteria) > _length_criteria(criteria))
-        interval = 1 if device.type == "cpu" or streamer is not None else STOP_CHECK_INTERVAL
+        interval = _stop_check_interval(device, streamer)
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         any_unfinished = []  # per step, a 0-d bool tensor (read once at the end when checks were spaced out)
         scores_out = [] if config.return_dict_in_generate and config.output_scores else None
@@ -487,6 +487,12 @@ class GenerationMixin:
         best_running = running_scores[:, :1] / (best_length ** length_penalty)
         worst_finished = torch.where(finished_done, finished_scores.min(dim=1, keepdim=True).values, _NEG)
         return (best_running > worst_finished).any(dim=-1, keepdim=True)
+
+
+def _stop_check_interval(device: torch.device, streamer) -> int:
+    """Decode steps between two "have all rows finished?" checks: every step where a check costs nothing (the
+    CPU) or the tokens go to the host anyway (a streamer), else STOP_CHECK_INTERVAL."""
+    return 1 if device.type == "cpu" or streamer is not None else STOP_CHECK_INTERVAL
 
 
 def _select_tokens(scores: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ Tied parameters (the same Parameter object in two modules, or a `tied` target ->
 once and shared. A module that defines `load_from_checkpoint(name, tensor)` (a quantized Linear, say)
 receives its tensors instead, and owns how they are stored.
 
+`device` is one device, or a placement per tensor (a device_map dict resolved by longest module prefix, or a
+function name -> device); the target "disk" writes the tensor to an offload folder (`DiskOffload`) and leaves a
+meta tensor in the model, which loading/device_map.py streams in when its layer runs.
+
 Offers: CheckpointFiles, LoadingInfo, load_weights, assign_tensor.
 """
 
@@ -219,8 +223,9 @@ def load_weights(
     files: CheckpointFiles,
     *,
     dtype: torch.dtype | None,
-    device: torch.device | str,
+    device: torch.device | str | dict | Callable[[str], object],
     tied: dict[str, str] | None = None,
+    offload=None,
     ignore_missing: Sequence[str] = (),
     shard_fn: ShardFn | None = None,
     progress: bool = True,
@@ -228,7 +233,9 @@ def load_weights(
     """Materialise every parameter and persistent buffer of `model` (built on the meta device) from `files`.
 
     dtype: floating tensors become this dtype (None keeps the stored one); integer and bool tensors keep the
-      model's dtype. device: where every tensor is created.
+      model's dtype. device: where every tensor is created: one device, a device_map dict (module prefix -> device,
+      the longest prefix wins) or a function name -> device; a tensor placed on "disk" goes to `offload` (a
+      loading.device_map.DiskOffload) and stays a meta tensor in the model (buffers are never offloaded: CPU).
     tied: target -> source names; the target becomes the source's Parameter and the checkpoint's copy of the
       target is skipped (it is read only when the source is absent).
     ignore_missing: regexes (re.search) of names the checkpoint may lack; those are created as zeros and listed
@@ -237,9 +244,7 @@ def load_weights(
       slice along dim 0 reads only those rows from a safetensors file.
     Non-persistent buffers are left on the meta device: the caller computes them.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {str(device)!r} was asked for, but torch sees no CUDA GPU; load on 'cpu' instead")
+    place = _placement(device, offload)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype {dtype} is not a floating dtype; pass torch.float32, torch.float16 or torch.bfloat16")
     targets, hooked = _collect_targets(model, tied or {})
@@ -253,20 +258,23 @@ def load_weights(
         target.key = next((n for n in target.names if n in checkpoint_keys), None)
     _check_missing([t.names[0] for t in unique if t.key is None], ignore_missing, files)
 
-    staging = _Staging(device)
+    stagings: dict[str, _Staging] = {}
     many = len(files.files) > 1
     for path in _progress(files.files, "Loading checkpoint shards", progress and many):
         with files.open(path) as reader:
             for key in _progress(reader.keys(), "Loading weights", progress and not many):
                 target = targets.get(key)
                 if target is None:
-                    if not _hand_to_module(hooked, key, reader, device):
+                    if not _hand_to_module(hooked, key, reader, place):
                         info.unexpected.append(key)
                     continue
                 if key != target.key or target.loaded:
                     continue  # a tied copy, or a key listed twice
-                value = _read_tensor(reader, key, target, dtype, device, shard_fn, staging)
-                target.assign(value)
+                where = place(target.names[0])
+                load_device = _CPU if where == "disk" else where
+                staging = stagings.setdefault(load_device.type, _Staging(load_device))
+                value = _read_tensor(reader, key, target, dtype, load_device, shard_fn, staging)
+                _assign(target, value, where, offload)
                 info.num_loaded += 1
                 info.bytes_read += value.numel() * reader.info(key).dtype.itemsize
 
@@ -279,7 +287,9 @@ def load_weights(
     for target in unique:
         if not target.loaded:
             final = dtype if (dtype is not None and target.meta.is_floating_point()) else target.meta.dtype
-            target.assign(torch.zeros(target.meta.shape, dtype=final, device=device))
+            where = place(target.names[0])
+            zeros = torch.zeros(target.meta.shape, dtype=final, device=_CPU if where == "disk" else where)
+            _assign(target, zeros, where, offload)
     info.missing = missing
     return info
 
@@ -357,16 +367,65 @@ def _check_missing(missing: list[str], ignore_missing: Sequence[str], files: Che
         )
 
 
-def _hand_to_module(hooked: dict[str, nn.Module], key: str, reader, device: torch.device) -> bool:
+def _hand_to_module(hooked: dict[str, nn.Module], key: str, reader, place) -> bool:
     """Give `key` to the innermost enclosing module that defines load_from_checkpoint; False if there is none."""
     parts = key.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         module = hooked.get(".".join(parts[:cut]))
         if module is not None:
             # Stored dtype, on the load device: the module decides how to convert or quantize it.
+            device = place(key)
+            if device == "disk":
+                raise NotImplementedError(f"{key!r} belongs to a module that loads itself (a quantized layer); "
+                                          f"offloading such modules to disk is not supported: put it on a device")
             module.load_from_checkpoint(".".join(parts[cut:]), reader.read(key).to(device))
             return True
     return False
+
+
+_CPU = torch.device("cpu")
+
+
+def _placement(device, offload) -> Callable[[str], "torch.device | str"]:
+    """`device` as load_weights takes it -> a function tensor name -> torch.device or "disk"."""
+    if isinstance(device, dict):
+        from gpuformers.loading.device_map import device_for
+
+        plan = device
+        choose = lambda name: device_for(plan, name)  # noqa: E731
+    elif callable(device):
+        choose = device
+    else:
+        single = device
+        choose = lambda name: single  # noqa: E731
+    known: dict[object, torch.device | str] = {}
+
+    def place(name: str) -> torch.device | str:
+        value = choose(name)
+        key = str(value)
+        if key not in known:
+            if value == "disk":
+                if offload is None:
+                    raise ValueError(f"{name!r} is placed on \"disk\" but no offload folder was given; pass "
+                                     f"offload_folder=\"some/folder\" (or more max_memory for the GPUs and the CPU)")
+                known[key] = "disk"
+            else:
+                resolved = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+                if resolved.type == "cuda" and not torch.cuda.is_available():
+                    raise RuntimeError(f"device {str(resolved)!r} was asked for, but torch sees no CUDA GPU; "
+                                       f"load on 'cpu' instead")
+                known[key] = resolved
+        return known[key]
+
+    return place
+
+
+def _assign(target: _Target, value: torch.Tensor, where, offload) -> None:
+    """Put a loaded tensor in the model; a parameter placed on "disk" goes to the offload folder, leaving meta."""
+    if where == "disk" and target.slots[0][2]:
+        offload.save(target.names[0], value, target.names[1:])
+        value = torch.empty_like(value, device="meta")
+    target.assign(value)
 
 
 def _read_tensor(reader, key: str, target: _Target, dtype, device, shard_fn, staging: _Staging) -> torch.Tensor:

@@ -1,0 +1,345 @@
+"""The continuous batching engine: its settings, its outputs, and the manager that runs the engine loop.
+
+    add_request ─> inbox ─> Scheduler.schedule ─> ModelRunner.run ─> Scheduler.postprocess ─> outputs
+                                 ^                                          │
+                                 └────────────── unfinished ────────────────┘
+
+`ContinuousBatchingManager` runs that loop in a background thread (`start()` / `stop()`, or a `with` block) and
+takes requests at any time; `generate_batch` runs the same loop in the caller's thread until every request is done.
+Names follow transformers: init_continuous_batching, add_request(s), cancel_request, get_result, request_id_iter.
+
+Offers: ContinuousBatchingConfig, GenerationOutput, ContinuousBatchingManager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from gpuformers.engine.block_manager import BlockManager
+from gpuformers.engine.model_runner import ModelRunner, kv_bytes_per_block
+from gpuformers.engine.scheduler import SCHEDULER_TYPES, ScheduledBatch, Scheduler
+from gpuformers.engine.sequence import RequestStatus, SamplingParams, Sequence
+
+logger = logging.getLogger(__name__)
+
+_CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Engine settings; None means decided from the device at start-up (see `resolve`)."""
+
+    block_size: int | None = None  # tokens per block: 256 on a GPU, 64 on the CPU; any power of two
+    num_blocks: int | None = None  # default: from free memory times max_memory_percent
+    max_batch_tokens: int | None = None  # tokens computed per step (decodes + prefill chunks)
+    max_memory_percent: float = 0.9
+    max_requests_per_batch: int | None = None
+    allow_block_sharing: bool = True  # prefix caching
+    use_async_batching: bool | None = None
+    use_cuda_graph: bool | None = None
+    scheduler_type: str = "fifo"
+    return_logprobs: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type {self.scheduler_type!r} is not one of: {', '.join(SCHEDULER_TYPES)}")
+        if not 0 < self.max_memory_percent <= 1:
+            raise ValueError(f"max_memory_percent={self.max_memory_percent} must be in (0, 1]")
+        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int (or None for automatic)")
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (16, 32, ..., 256)")
+
+    def resolve(self, model) -> "ContinuousBatchingConfig":
+        """A copy with every automatic setting decided for this model on its device."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        cuda = model.device.type == "cuda"
+        values["block_size"] = self.block_size or (256 if cuda else 64)
+        if self.num_blocks is None:
+            per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype)
+            values["num_blocks"] = max(1, int(_free_memory(model.device) * self.max_memory_percent) // per_block)
+        values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
+        values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
+        if self.use_cuda_graph and not cuda:
+            raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
+        values["use_cuda_graph"] = cuda if self.use_cuda_graph is None else self.use_cuda_graph
+        if self.use_async_batching:
+            raise NotImplementedError("use_async_batching=True is not implemented yet; leave it None or False")
+        values["use_async_batching"] = False
+        return ContinuousBatchingConfig(**values)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = _CPU_CACHE_CAP
+    return min(available, _CPU_CACHE_CAP)
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result (or, while streaming, its progress so far)."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    created_time: float = 0.0
+    finished_time: float | None = None
+
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
+def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig, prompt_length: int,
+                         **overrides) -> SamplingParams:
+    """Per-request SamplingParams: the generation config's values, then this request's overrides."""
+    config = generation_config
+    max_new = overrides.pop("max_new_tokens", None)
+    if max_new is None:
+        max_new = config.max_length_for(prompt_length) - prompt_length
+    values = dict(
+        max_new_tokens=max_new,
+        do_sample=config.do_sample,
+        temperature=config.temperature,
+        top_k=config.top_k or 0,
+        top_p=config.top_p,
+        eos_token_ids=tuple(config.eos_token_ids),
+        seed=cb_config.seed,
+        return_logprobs=cb_config.return_logprobs,
+    )
+    unknown = set(overrides) - {f.name for f in fields(SamplingParams)}
+    if unknown:
+        raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(f.name for f in fields(SamplingParams))}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)
+
+
+class ContinuousBatchingManager:
+    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+        from gpuformers.generation.config import GenerationConfig
+
+        base = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
+        self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
+        self.config = (continuous_batching_config or ContinuousBatchingConfig()).resolve(model)
+        self.model = model.eval()
+        if not model.attn_implementation.startswith("paged|"):
+            # The paged backends fall back to the plain ones outside engine steps, so generate() keeps working.
+            base_name = model.attn_implementation if model.attn_implementation in ("sdpa", "eager") else "sdpa"
+            model.set_attn_implementation(f"paged|{base_name}")
+        cfg = self.config
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
+                                   cfg.scheduler_type)
+        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        if cfg.use_cuda_graph:
+            from gpuformers.engine.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.runner, cfg.max_requests_per_batch)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: queue.Queue = queue.Queue()  # finished requests, for get_result(None)
+        self._finished: dict[str, GenerationOutput] = {}
+        self._streams: dict[str, queue.Queue] = {}
+        self._done = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_id = 0
+        self.num_steps = 0
+
+    # --- the engine -------------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One engine step: schedule -> run -> postprocess. Returns False when there was nothing to run."""
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_work:
+                raise RuntimeError(f"the scheduler could not schedule any of {len(self.scheduler.waiting)} waiting "
+                                   f"requests with {self.block_manager.num_free_blocks} free blocks")
+            return False
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as error:  # a failed step fails its requests, not the engine
+            logger.exception("engine step failed")
+            self._fail_batch(batch, f"{type(error).__name__}: {error}")
+            return True
+        finished = self.scheduler.postprocess(batch, sampled)
+        self._publish(batch, sampled, finished)
+        self.num_steps += 1
+        return True
+
+    def run_until_done(self, progress_bar: bool = False) -> None:
+        """Step in the caller's thread until every queued request has finished (generate_batch's loop)."""
+        bar = None
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(self.scheduler.waiting) + len(self.scheduler.running), desc="generate_batch")
+        finished_before = len(self._finished)
+        while self.step() or not self._inbox.empty():
+            if bar is not None:
+                bar.update(len(self._finished) - finished_before - bar.n)
+        if bar is not None:
+            bar.update(len(self._finished) - finished_before - bar.n)
+            bar.close()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if not self.scheduler.add(item):
+                    self._publish_one(item, final=True)
+            else:
+                seq = self.scheduler.cancel(item)
+                if seq is not None:
+                    self._publish_one(seq, final=True)
+
+    def _publish(self, batch: ScheduledBatch, sampled: list, finished: list[Sequence]) -> None:
+        for seq, sample in zip(batch.sequences, sampled):
+            if seq.is_finished:
+                self._publish_one(seq, final=True)
+            elif sample is not None and seq.streaming:
+                self._publish_one(seq, final=False)
+
+    def _publish_one(self, seq: Sequence, final: bool) -> None:
+        output = GenerationOutput(
+            request_id=seq.request_id,
+            prompt_ids=list(seq.prompt_ids),
+            generated_tokens=list(seq.generated_ids),
+            logprobs=list(seq.logprobs),
+            error=seq.error,
+            status=seq.status,
+            created_time=seq.created_time,
+            finished_time=time.time() if final else None,
+        )
+        stream = self._streams.get(seq.request_id)
+        if stream is not None:
+            stream.put(output)
+        if final:
+            with self._done:
+                self._finished[seq.request_id] = output
+                self._done.notify_all()
+            self._outputs.put(output)
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> None:
+        for seq in batch.sequences:
+            self.scheduler.cancel(seq.request_id)
+            seq.error = message
+            self._publish_one(seq, final=True)
+
+    # --- the background thread --------------------------------------------------------------------------------
+
+    def start(self) -> "ContinuousBatchingManager":
+        if self.is_running():
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="continuous-batching", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                time.sleep(0.002)  # idle: wait for requests without spinning a core
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        self._stop.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> "ContinuousBatchingManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, **sampling) -> str:
+        """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
+        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs."""
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        if request_id is None:
+            request_id = f"req_{self._next_id}"
+            self._next_id += 1
+        params = sampling_params_from(self.generation_config, self.config, len(input_ids),
+                                      max_new_tokens=max_new_tokens, **sampling)
+        seq = Sequence(request_id, list(input_ids), params, streaming=streaming)
+        seq.created_time = time.time()
+        if streaming:
+            self._streams[request_id] = queue.Queue()
+        self._inbox.put(("add", seq))
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     **sampling) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming, **sampling)
+                for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next finished request (any, or the one named); None when none finishes within timeout seconds."""
+        if request_id is None:
+            try:
+                output = self._outputs.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            with self._done:
+                self._finished.pop(output.request_id, None)
+            return output
+        with self._done:
+            if not self._done.wait_for(lambda: request_id in self._finished, timeout):
+                return None
+            return self._finished.pop(request_id)
+
+    def request_id_iter(self, request_id: str):
+        """Yield a streaming request's progress after each new token, ending with its final output."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            output = self.get_result(request_id)
+            if output is not None:
+                yield output
+            return
+        while True:
+            output = stream.get()
+            yield output
+            if output.is_finished():
+                del self._streams[request_id]
+                return
+
+    # --- facts ------------------------------------------------------------------------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.block_manager.prefix_hits

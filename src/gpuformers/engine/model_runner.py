@@ -1,0 +1,138 @@
+"""The model runner: one scheduled step in, one sampled token per finishing sequence out.
+
+It owns the paged KV cache tensors (per layer K and V of shape (num_blocks * block_size, kv_heads, head_dim)),
+flattens a ScheduledBatch into one row of tokens with positions, slot mappings and block tables, runs the model's
+decoder over it with the paged attention backend, computes logits only at the rows that sample, and samples with
+each request's own parameters (greedy rows in one argmax; sampled rows with their own seeded generator).
+
+Offers: ModelRunner, kv_bytes_per_block, sample_tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
+from gpuformers.engine.scheduler import ScheduledBatch
+from gpuformers.engine.sequence import Sequence
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers: K and V, block_size tokens, kv_heads x head_dim each."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
+        self.model = model
+        config = model.config
+        self.device = model.device
+        self.dtype = dtype or model.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        shape = (slots, config.num_key_value_heads, config.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                           for _ in range(config.num_hidden_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             for _ in range(config.num_hidden_layers)]
+        self.decoder = model.model  # the stack without the LM head: we need logits only where we sample
+        self.lm_head = model.get_output_embeddings()
+        self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
+
+    # --- inputs -------------------------------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
+        """-> input_ids (1, total), position_ids (1, total), the step's PagedContext, rows of the tokens to sample."""
+        bs = self.block_size
+        tokens, positions, slots, query_start, context_lens, sample_rows = [], [], [], [0], [], []
+        num_decodes = 0
+        for index, (seq, n) in enumerate(zip(batch.sequences, batch.num_tokens)):
+            start = seq.num_computed_tokens
+            tokens.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            context_lens.append(start + n)
+            if n == 1 and num_decodes == index:
+                num_decodes += 1
+            if batch.samples(index):
+                sample_rows.append(query_start[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq in batch.sequences)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.sequences]
+        device = self.device
+
+        def as_tensor(values):
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        context = PagedContext(
+            slot_mapping=as_tensor(slots),
+            block_tables=as_tensor(tables),
+            context_lens=as_tensor(context_lens),
+            query_start=query_start,
+            context_lens_list=context_lens,
+            num_decodes=num_decodes,
+            block_size=bs,
+            key_caches=self.key_caches,
+            value_caches=self.value_caches,
+        )
+        return as_tensor(tokens)[None], as_tensor(positions)[None], context, sample_rows
+
+    # --- the step -----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None] | None]:
+        """Compute the batch; per sequence, (token, logprob or None) when it sampled, else None."""
+        input_ids, position_ids, context, sample_rows = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(batch, context):
+            logits = self.graphs.run(input_ids, position_ids, context)
+        else:
+            with paged_context(context):
+                hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
+                                         past_key_values=PagedKVCache(context))
+            # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
+            logits = self.lm_head(hidden[0, sample_rows])
+        sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
+        results = iter(sample_tokens(logits, sampling))
+        return [next(results) if batch.samples(i) else None for i in range(len(batch))]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits (vocab,) with the tokens outside top-k and outside the top-p mass set to -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple[int, float | None]]:
+    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs)."""
+    logits = logits.float()
+    tokens = logits.argmax(-1)  # greedy rows: one call for all of them
+    scores = logits
+    sampled = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
+    if sampled:
+        tokens, scores = tokens.clone(), logits.clone()
+        for i in sampled:
+            params = sequences[i].params
+            row = _filter_top_k_top_p(logits[i] / params.temperature, params.top_k, params.top_p)
+            if params.seed is not None and sequences[i].generator is None:
+                sequences[i].generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+            probs = row.softmax(-1)
+            tokens[i] = torch.multinomial(probs, 1, generator=sequences[i].generator)[0]
+            scores[i] = row
+    want_logprobs = [i for i, seq in enumerate(sequences) if seq.params.return_logprobs]
+    logprobs = {}
+    if want_logprobs:
+        rows = torch.tensor(want_logprobs, device=logits.device)
+        chosen = torch.log_softmax(scores[rows], -1).gather(1, tokens[rows, None])[:, 0]
+        logprobs = dict(zip(want_logprobs, chosen.tolist()))
+    return [(token, logprobs.get(i)) for i, token in enumerate(tokens.tolist())]

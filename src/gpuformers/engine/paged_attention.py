@@ -1,0 +1,145 @@
+"""Paged attention in torch (the CPU path and the reference for GPU kernels), and how the model reaches it.
+
+The engine runs the model over one flattened batch: input_ids (1, total_tokens), no padding, each token with its
+own position. Keys and values live in a paged cache, per layer of shape (num_blocks * block_size, kv_heads,
+head_dim); `slot_mapping[t]` is where token t's key and value go and `block_tables[i]` lists sequence i's blocks.
+
+The decoder layers are not changed: the model runner passes a `PagedKVCache` as `past_key_values` (its `update`
+writes this step's keys and values into their slots and hands back the whole layer cache) and sets a
+`PagedContext` for the step; the attention backends registered as "paged|sdpa" and "paged|eager" read the context
+to find each sequence's queries and keys. Outside a step (plain `generate`) they behave exactly like "sdpa" and
+"eager", so a model switched to a paged backend still works everywhere.
+
+    flattened queries  [ d0 | d1 | d2 | p3 p3 p3 p3 | p4 p4 ]    d = decode (1 token), p = prefill chunk
+    query_start         0    1    2    3             7      9
+    context_lens       ctx0 ctx1 ctx2 ctx3          ctx4           (tokens in cache, this step's included)
+
+Decodes (first in the batch) are attended together: their keys are gathered up to the longest context and
+padded keys masked out. Each prefill chunk is attended on its own, causally, after its cached prefix.
+
+Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, PAGED_BACKENDS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from gpuformers.generation.cache import Cache
+from gpuformers.layers.attention import AttentionInterface, build_attention_mask, eager_attention, sdpa_attention
+
+
+@dataclass
+class PagedContext:
+    """What the attention backend needs to know about one step's flattened batch."""
+
+    slot_mapping: torch.Tensor  # (total_tokens,) int64: cache slot of each new token
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with 0
+    context_lens: torch.Tensor  # (num_seqs,) int64: cached tokens after this step
+    query_start: list[int]  # num_seqs + 1 offsets into the flattened tokens
+    context_lens_list: list[int]  # the same as context_lens, on the host (no device sync to read)
+    num_decodes: int  # the first num_decodes sequences have exactly one query token each
+    block_size: int
+    key_caches: list[torch.Tensor]  # per layer (num_blocks * block_size, kv_heads, head_dim)
+    value_caches: list[torch.Tensor]
+    max_decode_context: int | None = None  # keys gathered for the decodes; fixed when a CUDA graph replays
+
+
+_local = threading.local()
+
+
+def current_context() -> PagedContext | None:
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def paged_context(context: PagedContext):
+    """Make `context` the one the paged backends see in this thread, for the duration of one forward."""
+    previous = current_context()
+    _local.context = context
+    try:
+        yield context
+    finally:
+        _local.context = previous
+
+
+class PagedKVCache(Cache):
+    """The Cache the decoder layers talk to during an engine step: writes go to slots, reads are the whole layer."""
+
+    def __init__(self, context: PagedContext):
+        self.context = context
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Positions come from position_ids and masking from the paged backend: to the model every step looks like a
+        # fresh causal pass over the flattened tokens, so it builds no mask of its own.
+        return 0
+
+    def update(self, layer_idx, key, value):
+        # key, value: (1, kv_heads, total_tokens, head_dim) -> slots (total_tokens, kv_heads, head_dim)
+        ctx = self.context
+        k_cache, v_cache = ctx.key_caches[layer_idx], ctx.value_caches[layer_idx]
+        k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+        return k_cache, v_cache
+
+
+def _gather_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """(num_seqs, max_blocks) block ids -> (num_seqs, length) slots of positions 0..length-1."""
+    positions = torch.arange(length, device=block_tables.device)
+    blocks = block_tables.index_select(1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
+                    base=sdpa_attention, **kwargs):
+    """query (1, heads, total_tokens, head_dim); key, value: the layer's paged cache from PagedKVCache.update.
+    Returns (output (1, total_tokens, heads, head_dim), None)."""
+    ctx = current_context()
+    if ctx is None:  # not inside an engine step: an ordinary forward
+        return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                    sliding_window=sliding_window, **kwargs)
+    heads, total, head_dim = query.shape[1:]
+    out = query.new_empty(total, heads, head_dim)
+    nd = ctx.num_decodes
+    if nd:
+        length = ctx.max_decode_context or max(ctx.context_lens_list[:nd])
+        slots = _gather_slots(ctx.block_tables[:nd], length, ctx.block_size)  # (nd, length)
+        # (nd, length, kv_heads, head_dim) -> (nd, kv_heads, length, head_dim)
+        k = key[slots].transpose(1, 2)
+        v = value[slots].transpose(1, 2)
+        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # (nd, heads, 1, head_dim)
+        positions = torch.arange(length, device=query.device)
+        lens = ctx.context_lens[:nd, None]
+        mask = positions[None, :] < lens  # (nd, length): real keys
+        if sliding_window is not None:
+            mask = mask & (positions[None, :] >= lens - sliding_window)
+        o, _ = base(module, q, k, v, mask[:, None, None, :], scaling=scaling)
+        out[:nd] = o[:, 0]  # (nd, 1, heads, head_dim)
+    for i in range(nd, len(ctx.query_start) - 1):
+        start, end = ctx.query_start[i], ctx.query_start[i + 1]
+        n, ctx_len = end - start, ctx.context_lens_list[i]
+        slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]  # (ctx_len,)
+        k = key[slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx_len, head_dim)
+        v = value[slots].transpose(0, 1).unsqueeze(0)
+        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window)
+        if mask is not None:
+            mask = mask.to(query.device)
+        o, _ = base(module, query[:, :, start:end], k, v, mask, scaling=scaling)
+        out[start:end] = o[0]
+    return out.unsqueeze(0), None
+
+
+def paged_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    return paged_attention(module, query, key, value, attention_mask, base=sdpa_attention, **kwargs)
+
+
+def paged_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    return paged_attention(module, query, key, value, attention_mask, base=eager_attention, **kwargs)
+
+
+PAGED_BACKENDS = {"paged|sdpa": paged_sdpa_attention, "paged|eager": paged_eager_attention}
+for _name, _fn in PAGED_BACKENDS.items():
+    AttentionInterface.register(_name, _fn)

@@ -1,0 +1,138 @@
+"""One request's state in the continuous batching engine: its tokens, its blocks and its sampling parameters.
+
+The scheduler and the block manager move only integers and lists held here, never tensors. A sequence's tokens
+are `prompt_ids + generated_ids`; `num_computed_tokens` of them already have their keys and values in the paged
+cache. Each step computes the next `chunk` uncomputed tokens; when a chunk reaches the last token, the step samples
+one new token from its logits (so a decode step is simply a chunk of one token).
+
+    prompt_ids            generated_ids
+    [p0 p1 p2 p3 p4 p5 p6][g0 g1]
+    |<---- computed ------------>|   <- decode: the last token g1 is the one uncomputed token
+
+Offers: RequestStatus, SamplingParams, Sequence.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class RequestStatus(str, enum.Enum):
+    """Where a request is in its life (the names transformers' GenerationOutput uses)."""
+
+    PENDING = "pending"  # waiting for admission (also after a preemption)
+    PREFILLING = "prefilling"  # admitted, prompt (or recomputed prefix) not fully in the cache yet
+    DECODING = "decoding"  # producing one token per step
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. temperature 0 or do_sample=False is greedy decoding.
+
+    stop: token ids (ints) or token-id sequences (lists) that end generation when the output ends with them.
+    seed: a per-request generator seed, so a sampled request gives the same tokens whatever it is batched with.
+    """
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop: list[int | list[int]] = field(default_factory=list)
+    seed: int | None = None
+    return_logprobs: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.stop = [[s] if isinstance(s, int) else [int(t) for t in s] for s in self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+_arrivals = itertools.count()
+
+
+class Sequence:
+    """A request: prompt, generated tokens, paged-cache blocks and progress counters."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, streaming: bool = False):
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token id")
+        self.request_id = request_id
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.generated_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.params = params
+        self.streaming = streaming
+        self.status = RequestStatus.PENDING
+        self.error: str | None = None
+        self.arrival = next(_arrivals)  # the order of arrival: preemption takes the newest first
+        self.block_table: list[int] = []  # physical block ids, one per block_size tokens
+        self.block_hashes: list[int] = []  # prefix hash of each full, computed block (prefix sharing)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # tokens found in the prefix cache instead of computed (over all admissions)
+        self.num_preemptions = 0
+        self.generator = None  # a torch.Generator made by the model runner when params.seed is set
+
+    # --- derived values -----------------------------------------------------------------------------------------
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens whose keys and values the cache must hold at most: the last generated token is never fed back."""
+        return len(self.prompt_ids) + self.params.max_new_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+    # --- updates ------------------------------------------------------------------------------------------------
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        """Add a sampled token and decide whether the request is done (eos, a stop sequence or the length)."""
+        self.generated_ids.append(int(token_id))
+        if logprob is not None:
+            self.logprobs.append(float(logprob))
+        params = self.params
+        done = len(self.generated_ids) >= params.max_new_tokens
+        done = done or (not params.ignore_eos and token_id in params.eos_token_ids)
+        done = done or any(self.generated_ids[-len(s):] == s for s in params.stop)
+        if done:
+            self.status = RequestStatus.FINISHED
+        else:
+            self.status = RequestStatus.DECODING
+
+    def fail(self, message: str) -> None:
+        self.status = RequestStatus.FAILED
+        self.error = message

@@ -1,0 +1,15 @@
+"""Fused Triton kernels that `use_kernels=True` swaps into a model, each beside its torch reference.
+
+Files: rms_norm.py (RMSNorm and fused residual-add + RMSNorm), swiglu.py (SiLU and SiLU-and-mul), rotary.py
+(rotary embedding of q and k), attention.py (FlashAttention-style forward and backward), fused_linear_cross_entropy.py
+(linear + cross-entropy without the full logits, and cross-entropy over given logits), mapping.py (KernelConfig,
+Mode, kernelize, the layer-name registry), checks.py (launcher checks and "can Triton run here").
+
+Importing this package does not import triton; the kernel files do, when first used.
+
+Offers: KernelConfig, Mode, kernelize, kernels_available.
+"""
+
+from gpuformers.kernels.mapping import KernelConfig, Mode, kernelize, kernels_available
+
+__all__ = ["KernelConfig", "Mode", "kernelize", "kernels_available"]

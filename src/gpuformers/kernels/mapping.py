@@ -1,0 +1,308 @@
+"""use_kernels=True: which layers a Triton kernel may replace, KernelConfig to choose per layer, and kernelize.
+
+Layers declare what they are with a class attribute `kernel_layer_name` ("RMSNorm", "SwiGLUMLP"; torch's nn.SiLU
+counts as "SiLU"); functions do it with the `use_kernel_function(name)` decorator ("rotary_pos_emb",
+"ForCausalLMLoss"). `kernelize(model, mode=...)` then
+
+    module layer   -> its forward is replaced on that instance (the class and the weights are untouched)
+    function layer -> while the model's forward runs, calls to the function go to the kernel (a ContextVar set by
+                      forward hooks on the model, so two models in one process keep their own choice)
+
+Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place), Mode.TRAINING (kernels with a backward),
+Mode.TORCH_COMPILE (added to either: our kernels are not torch.library ops yet, so under compile the torch layers
+stay and torch.compile fuses them itself). `model.train()` / `model.eval()` call kernelize again for the new mode.
+
+Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests); elsewhere the torch layers are
+kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
+
+Offers: Mode, KernelConfig, kernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
+register_layer_kernel, layer_names, DISABLE_ENV.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import functools
+import logging
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gpuformers.kernels.checks import triton_runs_on
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "GPUFORMERS_DISABLE_KERNELS"
+DEVICES = ("cuda", "cpu")  # "cpu" entries apply under TRITON_INTERPRET=1; without one, the "cuda" entry is used
+TORCH = "torch"  # the kernel name that keeps a layer's torch forward
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+class Mode(enum.Flag):
+    INFERENCE = enum.auto()
+    TRAINING = enum.auto()
+    TORCH_COMPILE = enum.auto()
+
+
+@dataclass(frozen=True)
+class LayerKernel:
+    """One kernel for one layer name: `inference` and `training` are forwards (module methods, or plain functions
+    for function layers) imported lazily from "module:attribute" paths so that triton loads only when used."""
+
+    layer_name: str
+    kernel_name: str
+    inference: str
+    training: str
+    is_function: bool = False
+
+    def forward_for(self, mode: Mode) -> Callable:
+        import importlib
+
+        path = self.training if Mode.TRAINING in mode else self.inference
+        module, _, attribute = path.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+_REGISTRY: dict[str, dict[str, LayerKernel]] = {}
+# torch classes that count as a kernel layer without a kernel_layer_name attribute
+_TORCH_CLASSES: dict[type, str] = {nn.SiLU: "SiLU"}
+
+
+def register_layer_kernel(kernel: LayerKernel) -> None:
+    _REGISTRY.setdefault(kernel.layer_name, {})[kernel.kernel_name] = kernel
+
+
+def layer_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+_ADAPTERS = "gpuformers.kernels.mapping"
+for _kernel in (
+    LayerKernel("RMSNorm", "triton", f"{_ADAPTERS}:_rms_norm_forward", f"{_ADAPTERS}:_rms_norm_forward"),
+    LayerKernel("SwiGLUMLP", "triton", f"{_ADAPTERS}:_swiglu_mlp_forward", f"{_ADAPTERS}:_swiglu_mlp_forward"),
+    LayerKernel("SiLU", "triton", f"{_ADAPTERS}:_silu_forward", f"{_ADAPTERS}:_silu_forward"),
+    LayerKernel("rotary_pos_emb", "triton", "gpuformers.kernels.rotary:apply_rotary_inplace",
+                "gpuformers.kernels.rotary:apply_rotary", is_function=True),
+    LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
+                "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton", is_function=True),
+):
+    register_layer_kernel(_kernel)
+
+
+# --- forwards that replace module layers (self is the layer) ------------------------------------------------
+
+def _rms_norm_forward(self, hidden_states):
+    from gpuformers.kernels.rms_norm import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _swiglu_mlp_forward(self, x):
+    from gpuformers.kernels.swiglu import silu_and_mul
+
+    return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _silu_forward(self, x):
+    from gpuformers.kernels.swiglu import silu
+
+    return silu(x)
+
+
+# --- function layers ----------------------------------------------------------------------------------------
+
+_ACTIVE_FUNCTIONS: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("gpuformers_kernel_functions",
+                                                                                         default={})
+
+
+def use_kernel_function(layer_name: str):
+    """Mark a torch function as a kernel layer: inside a kernelized model's forward, calls go to the kernel."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def dispatch(*args, **kwargs):
+            kernel = _ACTIVE_FUNCTIONS.get().get(layer_name)
+            return fn(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
+
+        dispatch.kernel_layer_name = layer_name
+        dispatch.torch_function = fn
+        return dispatch
+
+    return decorate
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+
+@dataclass
+class KernelConfig:
+    """Which kernel each layer uses, per device: {"RMSNorm": {"cuda": "triton"}, "SwiGLUMLP": "torch", ...}.
+
+    A plain string applies to every device. "torch" keeps that layer's torch forward. Layers not named keep the
+    default (the Triton kernel).
+    """
+
+    kernel_mapping: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.kernel_mapping, dict):
+            raise TypeError(f"kernel_mapping must be a dict of layer name -> kernel, got {type(self.kernel_mapping).__name__}")
+        normalised = {}
+        for layer, choice in self.kernel_mapping.items():
+            if layer not in _REGISTRY:
+                raise ValueError(f"kernel_mapping names layer {layer!r}, which is not one of: {', '.join(layer_names())}")
+            per_device = {device: choice for device in DEVICES} if isinstance(choice, str) else choice
+            if not isinstance(per_device, dict):
+                raise TypeError(f"kernel_mapping[{layer!r}] must be a kernel name or a dict of device -> kernel name")
+            for device, kernel in per_device.items():
+                if device not in DEVICES:
+                    raise ValueError(
+                        f"kernel_mapping[{layer!r}] names device {device!r}, which is not one of: {', '.join(DEVICES)}"
+                    )
+                valid = sorted(_REGISTRY[layer]) + [TORCH]
+                if kernel not in valid:
+                    raise ValueError(
+                        f"kernel_mapping[{layer!r}][{device!r}] is {kernel!r}, which is not one of: {', '.join(valid)}"
+                    )
+            normalised[layer] = dict(per_device)
+        self.kernel_mapping = normalised
+
+    def kernel_for(self, layer: str, device_type: str) -> LayerKernel | None:
+        """The kernel `layer` uses on `device_type`, or None to keep the torch layer."""
+        per_device = self.kernel_mapping.get(layer, {})
+        name = per_device.get(device_type, per_device.get("cuda", "triton"))
+        return None if name == TORCH else _REGISTRY[layer].get(name)
+
+
+@dataclass
+class _KernelState:
+    """What a kernelized model remembers so that train() / eval() can re-apply its kernels."""
+
+    config: KernelConfig
+    compile: bool
+    device: torch.device | None
+    mode: Mode
+    functions: dict = field(default_factory=dict)
+    hooks: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+
+    def mode_for(self, training: bool) -> Mode:
+        mode = Mode.TRAINING if training else Mode.INFERENCE
+        return mode | Mode.TORCH_COMPILE if self.compile else mode
+
+
+# --- kernelize ----------------------------------------------------------------------------------------------
+
+def kernels_available(device: torch.device | str) -> tuple[bool, str]:
+    """(True, "") when kernels can run on `device`, else (False, why) in words."""
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return False, f"{DISABLE_ENV} is set"
+    return triton_runs_on(device)
+
+
+def _layer_name(module: nn.Module) -> str | None:
+    return getattr(module, "kernel_layer_name", None) or _TORCH_CLASSES.get(type(module))
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def kernelize(model: nn.Module, mode: Mode = Mode.INFERENCE, kernel_config: KernelConfig | None = None,
+              device: torch.device | str | None = None) -> nn.Module:
+    """Swap the forwards of the model's kernel layers for Triton kernels chosen for `mode`; returns the model."""
+    if not isinstance(mode, Mode):
+        raise TypeError(f"mode must be a kernels Mode (Mode.INFERENCE, Mode.TRAINING, ...), got {mode!r}")
+    if (Mode.INFERENCE in mode) == (Mode.TRAINING in mode):
+        raise ValueError(f"mode {mode} must contain exactly one of Mode.INFERENCE and Mode.TRAINING")
+    if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+        raise TypeError(f"kernel_config must be a KernelConfig, got {type(kernel_config).__name__}")
+    state = getattr(model, "_kernel_state", None)
+    if state is None:
+        state = _KernelState(kernel_config or KernelConfig(), Mode.TORCH_COMPILE in mode, device, mode)
+        object.__setattr__(model, "_kernel_state", state)  # not a submodule or buffer
+        state.hooks = [model.register_forward_pre_hook(_enter_functions(state)),
+                       model.register_forward_hook(_exit_functions(state), always_call=True)]
+    else:
+        state.config = kernel_config or state.config
+        state.compile, state.mode = Mode.TORCH_COMPILE in mode, mode
+        state.device = torch.device(device) if device is not None else state.device
+    _restore_torch_forwards(model, state)
+
+    target = torch.device(state.device) if state.device is not None else _model_device(model)
+    available, why = kernels_available(target)
+    if not available:
+        _warn_once(f"use_kernels=True keeps the torch layers: {why}")
+        return model
+    if Mode.TORCH_COMPILE in mode:
+        _warn_once("kernelize(mode=...TORCH_COMPILE): the Triton kernels are not torch.library ops yet, so the torch "
+                   "layers are kept and torch.compile fuses them")
+        return model
+    seen_functions = set()
+    for module in model.modules():
+        layer = _layer_name(module)
+        if layer is None or layer not in _REGISTRY:
+            continue
+        kernel = state.config.kernel_for(layer, target.type)
+        if kernel is not None:
+            module.forward = types.MethodType(kernel.forward_for(mode), module)
+            module._kernel_mode = mode
+    for layer in _REGISTRY:
+        kernel = state.config.kernel_for(layer, target.type)
+        if kernel is not None and kernel.is_function and layer not in seen_functions:
+            state.functions[layer] = kernel.forward_for(mode)
+            seen_functions.add(layer)
+    return model
+
+
+def unkernelize(model: nn.Module) -> nn.Module:
+    """Give every layer back its torch forward and forget the kernel choice (train()/eval() stop re-applying)."""
+    state = getattr(model, "_kernel_state", None)
+    if state is not None:
+        _restore_torch_forwards(model, state)
+        for handle in state.hooks:
+            handle.remove()
+        object.__delattr__(model, "_kernel_state")
+    return model
+
+
+def _restore_torch_forwards(model: nn.Module, state: _KernelState) -> None:
+    for module in model.modules():
+        if "forward" in module.__dict__ and hasattr(module, "_kernel_mode"):
+            del module.forward  # the class's torch forward shows through again
+            del module._kernel_mode
+    state.functions.clear()
+
+
+def _enter_functions(state: _KernelState):
+    def hook(module, args):
+        state.tokens.append(_ACTIVE_FUNCTIONS.set(dict(state.functions)))
+
+    return hook
+
+
+def _exit_functions(state: _KernelState):
+    def hook(module, args, output):
+        if state.tokens:
+            _ACTIVE_FUNCTIONS.reset(state.tokens.pop())
+
+    return hook
+
+
+def active_kernel_functions() -> dict[str, Callable]:
+    """The function kernels in force right now (inside a kernelized model's forward); for tests and debugging."""
+    return dict(_ACTIVE_FUNCTIONS.get())

@@ -1,0 +1,181 @@
+"""Trainer callbacks with transformers' hooks, the state they see, and the loggers that ship with the Trainer.
+
+A callback subclasses TrainerCallback and overrides any of the hooks below; each receives
+`(args, state, control, **kwargs)` with kwargs model, optimizer, lr_scheduler, train_dataloader,
+processing_class, and `logs` (on_log) or `metrics` (on_evaluate / on_predict). A hook may return a
+TrainerControl (or set fields of the one it got) to ask for a log, save, evaluation or stop.
+
+Offers: TrainerState, TrainerControl, TrainerCallback, CallbackHandler, ProgressCallback, JSONLLoggerCallback,
+TensorBoardCallback, PrinterCallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+HOOKS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+         "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate",
+         "on_predict", "on_save", "on_log", "on_prediction_step")
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint's trainer_state.json holds: where training is and what it logged so far."""
+
+    epoch: float = 0.0
+    global_step: int = 0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: float = 500
+    eval_steps: float | None = None
+    save_steps: float = 500
+    train_batch_size: int | None = None
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    # Data position, so that a resume knows which batch comes next (also derivable from global_step).
+    epochs_completed: int = 0
+    steps_in_epoch_completed: int = 0
+
+    def save_to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def load_from_json(cls, path: str | os.PathLike) -> "TrainerState":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class TrainerControl:
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+    def _new_step(self) -> None:
+        self.should_save = self.should_evaluate = self.should_log = False
+
+
+class TrainerCallback:
+    """Override any hook; the default of each does nothing."""
+
+
+for _hook in HOOKS:
+    setattr(TrainerCallback, _hook, lambda self, args, state, control, **kwargs: None)
+
+
+class CallbackHandler:
+    """Calls a hook on every callback in order; a callback's returned TrainerControl replaces the current one."""
+
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
+        self.callbacks: list[TrainerCallback] = []
+        for cb in callbacks:
+            self.add_callback(cb)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.train_dataloader = self.eval_dataloader = None
+
+    def add_callback(self, callback) -> None:
+        cb = callback() if isinstance(callback, type) else callback
+        if not all(callable(getattr(cb, hook, None)) for hook in ("on_log", "on_step_end")):
+            raise TypeError(f"callback {cb!r} is not a TrainerCallback: subclass "
+                            "gpuformers.training.callbacks.TrainerCallback (or transformers' TrainerCallback)")
+        self.callbacks.append(cb)
+
+    def remove_callback(self, callback) -> None:
+        self.callbacks = [cb for cb in self.callbacks if cb is not callback and type(cb) is not callback]
+
+    def call(self, hook: str, args, state, control, **kwargs) -> TrainerControl:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is None:  # a transformers callback written for an older or newer set of hooks
+                continue
+            result = fn(args, state, control, model=self.model, processing_class=self.processing_class,
+                        optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                        train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader, **kwargs)
+            if result is not None:
+                control = result
+        return control
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar over optimizer steps on the console; logs are written above it."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs:
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in logs.items()}
+            self.bar.write(str(shown))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Logs as plain lines (disable_tqdm=True)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in logs.items()}, flush=True)
+
+
+class JSONLLoggerCallback(TrainerCallback):
+    """One JSON line per log in `output_dir/trainer_log.jsonl` (step, epoch and the logged values)."""
+
+    file_name = "trainer_log.jsonl"
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, self.file_name), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
+
+
+class TensorBoardCallback(TrainerCallback):
+    """Scalars to TensorBoard under `output_dir/runs` (report_to="tensorboard"; needs the tensorboard package)."""
+
+    def __init__(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard") \
+                from error
+        self._writer_class, self.writer = SummaryWriter, None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.writer is None:
+            self.writer = self._writer_class(log_dir=os.path.join(args.output_dir, "runs"))
+        for key, value in (logs or {}).items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key if "/" in key else f"train/{key}", value, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.close()

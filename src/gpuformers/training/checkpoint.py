@@ -1,0 +1,203 @@
+"""Training checkpoints: written whole or not at all, and read back for an exact resume.
+
+    output_dir/
+      checkpoint-N/
+        config.json, model.safetensors      the model, loadable by from_pretrained and by transformers
+        optimizer.pt, scheduler.pt          their state_dicts (scaler.pt too with fp16)
+        rng_state.pth                       python, numpy, torch CPU and CUDA generators
+        trainer_state.json                  global step, epoch, data position, log history
+        training_args.json                  the arguments, for people
+      .tmp-checkpoint-N-<pid>/             a save in progress; never read
+
+A save writes everything into the temporary folder, flushes it to disk, then renames it to checkpoint-N: a
+rename is atomic, so a crash at any moment leaves either no checkpoint-N or a complete one. Reading uses
+torch.load(weights_only=True) only, so a checkpoint cannot run code.
+
+Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
+rotate_checkpoints, load_model_weights_in_place, capture_rng_state, restore_rng_state, CHECKPOINT_PREFIX.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_PREFIX = "checkpoint"
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+_TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}-"
+STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME, RNG_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"
+
+
+# ------------------------------------------------------------------------------------------------ RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every generator a training step may draw from, in types torch.load(weights_only=True) accepts."""
+    version, mt_state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(mt_state), gauss],
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(saved)
+        else:  # another number of visible GPUs: restore what lines up, the rest keep their seed
+            for index, rng in enumerate(saved[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(rng, index)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and the folder itself, so the rename never publishes data still in the page cache."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # folders cannot be opened on some platforms (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model, state, args=None, optimizer=None,
+                             scheduler=None, scaler=None, save_only_model: bool = False) -> Path:
+    """Write checkpoint-`step` atomically (see the module docstring) and return its path."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in output_dir.glob(f"{_TMP_PREFIX}*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    final = output_dir / f"{CHECKPOINT_PREFIX}-{step}"
+    tmp = output_dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
+    tmp.mkdir()
+    model.save_pretrained(tmp)
+    if not save_only_model:
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_NAME)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / SCALER_NAME)
+        torch.save(capture_rng_state(), tmp / RNG_NAME)
+    if args is not None:
+        (tmp / "training_args.json").write_text(args.to_json_string(), encoding="utf-8")
+    state.save_to_json(tmp / STATE_NAME)  # last: a folder with trainer_state.json had everything written first
+    _fsync_tree(tmp)
+    if final.exists():  # saving the same step again (e.g. after a resume): swap, then drop the old one
+        old = output_dir / f"{_TMP_PREFIX}{step}-old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(output_dir)
+    return final
+
+
+def sorted_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint-N folders in `output_dir`, oldest step first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name))
+             and (p / STATE_NAME).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def get_last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    checkpoints = sorted_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Path | None = None) -> None:
+    """Delete the oldest checkpoints beyond save_total_limit (never `keep`, e.g. the best one)."""
+    if not save_total_limit:
+        return
+    checkpoints = sorted_checkpoints(output_dir)
+    excess = len(checkpoints) - save_total_limit
+    for path in checkpoints:
+        if excess <= 0:
+            break
+        if keep is not None and path.resolve() == Path(keep).resolve():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        excess -= 1
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_model_weights_in_place(model, folder: Path) -> None:
+    """Copy the checkpoint's safetensors into the model's existing parameters (the optimizer holds those very
+    tensors, so they must not be replaced)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(path))
+    if not state:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors model weights")
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "tied_weights", {}) or {})
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected "
+                         f"{result.unexpected_keys[:5]}; resume with the model the checkpoint was trained from")
+
+
+def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None, scheduler=None,
+                        scaler=None) -> dict[str, Any]:
+    """Load model weights, optimizer, scheduler and scaler states into the given objects; return
+    {"state_path": ..., "rng": rng state or None} for the caller to restore at the right moment."""
+    folder = Path(checkpoint)
+    if not (folder / STATE_NAME).is_file():
+        raise FileNotFoundError(f"{folder} is not a complete training checkpoint (no {STATE_NAME}); pass a "
+                                f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
+    load_model_weights_in_place(model, folder)
+    if optimizer is not None and (folder / OPTIMIZER_NAME).is_file():
+        optimizer.load_state_dict(_load(folder / OPTIMIZER_NAME))
+    if scheduler is not None and (folder / SCHEDULER_NAME).is_file():
+        scheduler.load_state_dict(_load(folder / SCHEDULER_NAME))
+    if scaler is not None and (folder / SCALER_NAME).is_file():
+        scaler.load_state_dict(_load(folder / SCALER_NAME))
+    rng = _load(folder / RNG_NAME) if (folder / RNG_NAME).is_file() else None
+    return {"state_path": folder / STATE_NAME, "rng": rng}

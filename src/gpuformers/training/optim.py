@@ -1,0 +1,79 @@
+"""Optimizers and learning-rate schedules, as transformers' Trainer builds them.
+
+- Weight decay applies to every weight except biases and norm weights (transformers' name rule: "bias",
+  "layernorm", "rmsnorm", a module called "norm" or ending in "_norm"), so two parameter groups.
+- AdamW is fused on CUDA (one kernel for all parameters); on the CPU the plain loop, as transformers' default
+  "adamw_torch_fused" cannot run there.
+- Schedules are multipliers of the peak learning rate over optimizer steps (LambdaLR), warmup rising linearly
+  from 0: linear (decay to 0), cosine (half a cosine to 0), constant, constant_with_warmup.
+
+Offers: decay_parameter_names, build_optimizer, build_scheduler, schedule_factor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import partial
+
+import torch
+from torch import nn
+
+# transformers' rule for which parameters skip weight decay
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the trainable parameters that get weight decay: not biases, not norm or LayerNorm weights."""
+    layer_norm_params = {f"{module_name}.{name}".lstrip(".") for module_name, module in model.named_modules()
+                         if isinstance(module, nn.LayerNorm) for name, _ in module.named_parameters(recurse=False)}
+    return {name for name, p in model.named_parameters()
+            if p.requires_grad and name not in layer_norm_params and not _NO_DECAY.search(name.lower())}
+
+
+def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    """The optimizer TrainingArguments ask for, over two groups: with and without weight decay."""
+    decay = decay_parameter_names(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
+    groups = [
+        {"params": [p for n, p in params if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if args.optim == "sgd":
+        return torch.optim.SGD(groups, lr=args.learning_rate)
+    on_cuda = all(p.is_cuda for _, p in params)
+    kwargs = {}
+    if args.optim == "adamw_torch_fused" and on_cuda:
+        kwargs["fused"] = True
+    elif args.optim == "adamw_torch_foreach":
+        kwargs["foreach"] = True
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, **kwargs)
+
+
+def schedule_factor(step: int, *, kind: str, warmup: int, total: int, num_cycles: float = 0.5) -> float:
+    """The multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    if kind != "constant" and step < warmup:
+        return step / max(1, warmup)
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    if kind == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+    raise ValueError(f'lr_scheduler_type "{kind}" is not one of: linear, cosine, constant, constant_with_warmup')
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int,
+                    **kwargs) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR stepping once per optimizer step. `kwargs` are lr_scheduler_kwargs (num_cycles for cosine)."""
+    unknown = set(kwargs) - {"num_cycles"}
+    if unknown:
+        raise ValueError(f"lr_scheduler_kwargs {sorted(unknown)} are not understood; only num_cycles (cosine) is")
+    factor = partial(schedule_factor, kind=kind, warmup=warmup, total=total, **kwargs)
+    factor(0)  # check the kind now, not at the first step
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,307 @@
+"""generate() against transformers' generate on the same tiny random weights (float32): greedy, sampling, beam
+search, static cache, eos lists, stop strings, processed scores; and the errors users meet.
+
+transformers is imported inside fixtures (it costs seconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuformers.generation import generate as generate_module
+from gpuformers.generation.cache import DynamicCache, StaticCache
+from tests.fixtures.checkpoints import hf_config
+
+PROMPT_LENGTH, PAD = 10, 4
+
+
+def _pair(model_type: str, **overrides):
+    """(transformers model, our model) holding the same random weights."""
+    import transformers
+
+    from gpuformers.models.config import ModelConfig
+    from gpuformers.models.registry import model_class_for
+
+    config = hf_config(model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so that a skipped norm would show
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    ours_config = ModelConfig.from_dict(config.to_dict())
+    ours = model_class_for(ours_config)(ours_config)
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": _pair("llama"), "qwen3": _pair("qwen3", head_dim=24)}
+
+
+def _prompt(batch=2, seed=1):
+    """(batch, PROMPT_LENGTH) ids with the second row left-padded by PAD tokens, and its mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, PROMPT_LENGTH), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :PAD], mask[1, :PAD] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_matches_transformers(models, family, batch):
+    hf, ours = models[family]
+    ids, mask = _prompt(batch)
+    expected = hf.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32)
+    assert got.shape == (batch, PROMPT_LENGTH + 32)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_cache_and_no_cache_equal_dynamic(models, family):
+    hf, ours = models[family]
+    ids, mask = _prompt()
+    expected = hf.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    dynamic = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24)
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+                        cache_implementation="static", return_dict_in_generate=True)
+    uncached = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, use_cache=False)
+    assert isinstance(out.past_key_values, StaticCache)
+    assert out.past_key_values.key_cache[0].shape == (2, 2, PROMPT_LENGTH + 24, ours.config.head_dim)
+    assert out.past_key_values.get_seq_length() == PROMPT_LENGTH + 23  # the last token is never fed back
+    assert torch.equal(dynamic, expected)
+    assert torch.equal(out.sequences, expected)
+    assert torch.equal(uncached, expected)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),
+    dict(length_penalty=0.5, early_stopping=True),
+    dict(length_penalty=2.0, early_stopping="never"),
+    dict(eos_token_id=[5, 7, 9, 11], length_penalty=-1.0),
+    dict(cache_implementation="static"),
+])
+def test_beam_search_matches_transformers(models, settings):
+    hf, ours = models["qwen3"]
+    ids, mask = _prompt()
+    common = dict(attention_mask=mask, max_new_tokens=16, num_beams=4, num_return_sequences=2,
+                  return_dict_in_generate=True, output_scores=True)
+    hf_settings = {k: v for k, v in settings.items() if k != "cache_implementation"}
+    expected = hf.generate(ids, do_sample=False, **common, **hf_settings)
+    got = ours.generate(ids, **common, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert torch.allclose(got.sequences_scores, expected.sequences_scores, atol=1e-5)
+    assert torch.equal(got.beam_indices, expected.beam_indices.long())
+    assert len(got.scores) == len(expected.scores)
+
+
+def test_sampling_matches_transformers_and_is_reproducible(models):
+    hf, ours = models["llama"]
+    ids, mask = _prompt()
+    settings = dict(attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20, top_p=0.9, temperature=0.8,
+                    num_return_sequences=2)
+    torch.manual_seed(3)
+    expected = hf.generate(ids, **settings)
+    torch.manual_seed(3)
+    first = ours.generate(ids, **settings)
+    torch.manual_seed(3)
+    second = ours.generate(ids, **settings)
+    assert first.shape == (4, PROMPT_LENGTH + 20)
+    assert torch.equal(first, second)
+    # On the CPU sampling draws from torch.multinomial, the same random stream as transformers.
+    assert torch.equal(first, expected)
+    torch.manual_seed(4)
+    assert not torch.equal(ours.generate(ids, **settings), first)
+
+
+def test_top_k_1_sampling_equals_greedy(models):
+    _, ours = models["qwen3"]
+    ids, mask = _prompt()
+    greedy = ours.generate(ids, attention_mask=mask, max_new_tokens=20)
+    torch.manual_seed(0)
+    sampled = ours.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=1, temperature=1.5)
+    assert torch.equal(sampled, greedy)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampled_tokens_lie_in_top_k_and_top_p_sets(models, seed):
+    _, ours = models["llama"]
+    ids, mask = _prompt()
+    torch.manual_seed(seed)
+    top_k = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=3, top_p=1.0,
+                          temperature=2.0, return_dict_in_generate=True, output_logits=True)
+    top_p = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=0, top_p=0.5,
+                          return_dict_in_generate=True, output_logits=True)
+    for out in (top_k, top_p):
+        tokens = out.sequences[:, PROMPT_LENGTH:]
+        for step, logits in enumerate(out.logits):
+            token = tokens[:, step]
+            if out is top_k:
+                allowed = logits.topk(3, dim=-1).indices
+                assert (allowed == token[:, None]).any(dim=-1).all()
+            else:  # the smallest set of most likely tokens whose probability reaches 0.5 (computed here)
+                probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
+                before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+                rank = (order == token[:, None]).float().argmax(-1)
+                assert (before.gather(1, rank[:, None]) < 0.5).all()
+
+
+def test_eos_list_stops_each_row(models):
+    hf, ours = models["llama"]
+    ids, mask = _prompt()
+    free = ours.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None)[:, PROMPT_LENGTH:]
+    # one eos token first produced by row 0 at step 3, another first produced by row 1 at a later step
+    eos = [int(free[0, 3])]
+    later = [i for i in range(5, 30) if int(free[1, i]) not in free[1, :i].tolist() + free[0, :4].tolist()]
+    assert later, "the random model repeats itself too much for this test"
+    eos.append(int(free[1, later[0]]))
+    common = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    got = ours.generate(ids, **common)
+    assert torch.equal(got, hf.generate(ids, do_sample=False, **common))
+    new = got[:, PROMPT_LENGTH:]
+    row0_end = new[0].tolist().index(eos[0]) if eos[0] in new[0].tolist() else None
+    assert row0_end is not None and row0_end <= 3
+    assert (new[0, row0_end + 1:] == 0).all()  # finished rows are padded
+    assert int(new[1, -1]) in eos  # the longest row ends the batch with its eos
+
+
+def test_spaced_stop_checks_give_the_same_output(models, monkeypatch):
+    """On an accelerator the all-finished check runs every few steps; the extra steps must not show."""
+    _, ours = models["llama"]
+    ids, mask = _prompt()
+    free = ours.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)[:, PROMPT_LENGTH:]
+    settings = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=[int(free[0, 2]), int(free[1, 6])],
+                    return_dict_in_generate=True, output_scores=True)
+    expected = ours.generate(ids, **settings)
+    monkeypatch.setattr(generate_module, "_stop_check_interval", lambda device, streamer: 4)
+    got = ours.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores) == expected.sequences.shape[1] - PROMPT_LENGTH
+
+
+def test_processed_scores_and_logits_match_transformers(models):
+    hf, ours = models["qwen3"]
+    ids, mask = _prompt()
+    settings = dict(attention_mask=mask, max_new_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2,
+                    bad_words_ids=[[7], [8, 9]], min_new_tokens=5, return_dict_in_generate=True,
+                    output_scores=True, output_logits=True)
+    expected = hf.generate(ids, do_sample=False, **settings)
+    got = ours.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores) == 12
+    for ours_scores, hf_scores in zip(got.scores, expected.scores):
+        finite = torch.isfinite(hf_scores)
+        assert torch.equal(finite, torch.isfinite(ours_scores))
+        assert (ours_scores[finite] - hf_scores[finite]).abs().max() < 1e-4
+    for ours_logits, hf_logits in zip(got.logits, expected.logits):
+        assert (ours_logits - hf_logits).abs().max() < 1e-4
+
+
+def test_stop_strings_stop_where_transformers_does(tmp_path):
+    from tests.assets import qwen3_tokenizer_dir
+
+    folder = qwen3_tokenizer_dir()
+    import transformers
+
+    from gpuformers.tokenizer import PreTrainedTokenizerFast
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    hf, ours = _pair("qwen3", vocab_size=151936, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    ids = torch.tensor([tokenizer.encode("The capital of France is")])
+    free = ours.generate(ids, max_new_tokens=12, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    # a stop string that spans the end of token 4 and the start of token 5 (or the longest text available)
+    text4, text5 = tokenizer.decode(free[:5]), tokenizer.decode(free[:6])
+    stop = text4[-2:] + text5[len(text4):][:2]
+    settings = dict(max_new_tokens=12, stop_strings=[stop, "\u00a7never\u00a7"], eos_token_id=None)
+    got = ours.generate(ids, tokenizer=tokenizer, **settings)
+    expected = hf.generate(ids, tokenizer=hf_tokenizer, do_sample=False, **settings)
+    assert torch.equal(got, expected)
+    assert got.shape[1] <= ids.shape[1] + 6
+    assert stop in tokenizer.decode(got[0, ids.shape[1]:].tolist())
+
+
+class _RecordingStreamer:
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.tolist())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_streamer_gets_prompt_then_each_token_then_end(models):
+    _, ours = models["llama"]
+    ids, _ = _prompt(batch=1)
+    streamer = _RecordingStreamer()
+    out = ours.generate(ids, max_new_tokens=5, streamer=streamer, eos_token_id=None)
+    assert streamer.calls[0] == ids.tolist()
+    assert streamer.calls[1:-1] == [[t] for t in out[0, PROMPT_LENGTH:].tolist()]
+    assert streamer.calls[-1] == "end"
+
+
+def test_cache_passed_in_continues_from_its_contents(models):
+    _, ours = models["llama"]
+    ids, _ = _prompt(batch=1)
+    cache = DynamicCache()
+    ours(ids[:, :6], past_key_values=cache, use_cache=True)  # a prefix already in the cache
+    got = ours.generate(ids, max_new_tokens=8, past_key_values=cache, eos_token_id=None)
+    assert torch.equal(got, ours.generate(ids, max_new_tokens=8, eos_token_id=None))
+
+
+def test_max_length_default_and_generation_config(models):
+    from gpuformers.generation.config import GenerationConfig
+
+    _, ours = models["llama"]
+    ids, _ = _prompt(batch=1)
+    assert ours.generate(ids, eos_token_id=None).shape[1] == PROMPT_LENGTH + 20  # transformers' default
+    assert ours.generate(ids, max_length=13, eos_token_id=None).shape[1] == 13
+    config = GenerationConfig(max_new_tokens=3, eos_token_id=None)
+    assert ours.generate(ids, generation_config=config).shape[1] == PROMPT_LENGTH + 3
+    assert ours.generate(ids, generation_config=config, max_new_tokens=4).shape[1] == PROMPT_LENGTH + 4
+
+
+def test_errors_name_the_problem(models):
+    _, ours = models["llama"]
+    ids, _ = _prompt(batch=1)
+    with pytest.raises(TypeError, match="max_new_token .*did you mean max_new_tokens"):
+        ours.generate(ids, max_new_token=3)
+    with pytest.raises(ValueError, match="meta.*cpu"):
+        ours.generate(ids.to("meta"), max_new_tokens=3)
+    too_long = torch.ones(1, 300, dtype=torch.long)
+    with pytest.raises(ValueError, match="300 tokens.*max_position_embeddings=256"):
+        ours.generate(too_long, max_new_tokens=3)
+    with pytest.raises(ValueError, match="cache_implementation 'offloaded' is not supported"):
+        ours.generate(ids, max_new_tokens=3, cache_implementation="offloaded")
+    with pytest.raises(ValueError, match="temperature"):
+        ours.generate(ids, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="streamer cannot be used with beam search"):
+        ours.generate(ids, num_beams=2, streamer=_RecordingStreamer())
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        ours.generate(ids[0], max_new_tokens=3)
+
+
+def test_static_cache_writes_in_place_and_refuses_overflow():
+    from gpuformers.models.config import ModelConfig
+
+    config = ModelConfig.from_dict(hf_config("llama").to_dict())
+    cache = StaticCache(config, max_cache_len=6)
+    k = torch.randn(1, 2, 4, 16)
+    keys, _ = cache.update(0, k, k)
+    address = keys.data_ptr()
+    assert keys.shape == (1, 2, 6, 16) and cache.get_seq_length(0) == 4 and cache.kv_length(1) == 6
+    step = torch.randn(1, 2, 1, 16)
+    keys, _ = cache.update(0, step, step)
+    assert keys.data_ptr() == address
+    assert torch.equal(keys[:, :, :4], k) and torch.equal(keys[:, :, 4:5], step)
+    assert isinstance(cache.get_seq_length(0), int) and cache.get_seq_length(0) == 5
+    with pytest.raises(ValueError, match="at most 6 tokens"):
+        cache.update(0, k, k)
