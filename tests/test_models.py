@@ -280,8 +280,8 @@ def test_cuda_without_gpu_is_an_error(llama_dir):
 
 
 def test_unimplemented_options_say_so(llama_dir):
-    with pytest.raises(NotImplementedError, match="device_map=\"auto\""):
-        AutoModelForCausalLM.from_pretrained(llama_dir, device_map="auto", progress=False)
+    with pytest.raises(NotImplementedError, match="tp_plan"):
+        AutoModelForCausalLM.from_pretrained(llama_dir, tp_plan="auto", progress=False)
     with pytest.raises(TypeError, match="unexpected arguments: frobnicate"):
         AutoModelForCausalLM.from_pretrained(llama_dir, frobnicate=True, progress=False)
 

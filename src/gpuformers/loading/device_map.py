@@ -2,9 +2,10 @@
 
     model on meta --module_tree--> ModuleNode tree (bytes per module in the load dtype)
                    --plan_device_map(tree, max_memory, strategy)--> {"model.layers.0": 0, ..., "lm_head": "cpu"}
-    loaded model + plan --dispatch_model--> hooks: activations follow the layers; weights on "disk" (or on another
-                                            device than their module's) are streamed in for that module's forward
-                                            only; outputs come back on the input's device
+    loaded model + plan --dispatch_model--> hooks: activations follow the layers; a GPU runs its own modules;
+                                            modules offloaded to "cpu" or "disk" run on the plan's first GPU (the
+                                            CPU if it has none), their weights streamed in for their forward only;
+                                            outputs come back on the input's device
 
 The planner is a pure function of module sizes and device limits (tests inject 1, 2 or 4 simulated GPUs). Its rules
 are accelerate's, as transformers applies them, so that a plan here equals the one users get there:
@@ -19,7 +20,8 @@ are accelerate's, as transformers applies them, so that a plan here equals the o
   GPU 0, then 1, ...; whatever is left goes to "cpu", then "disk".
 
 Offers: ModuleNode, module_tree, tied_groups, parse_max_memory, available_memory, balanced_memory,
-plan_device_map, device_for, DiskOffload, dispatch_model, STRATEGIES.
+plan_device_map, device_for, DiskOffload, prepare_device_map, main_device, execution_device, dispatch_model,
+STRATEGIES.
 """
 
 from __future__ import annotations
@@ -337,15 +339,49 @@ class DiskOffload:
 # -------------------------------------------------------------------------------------------------- dispatch
 
 
-def execution_device(value: Any, main: torch.device) -> torch.device:
-    """Where a module placed at `value` runs: its own device, or `main` for weights kept on disk."""
+def _plan_value(value: Any) -> Device:
+    """A device as users write it in a device_map dict -> what a plan holds: a GPU index, "cpu" or "disk"."""
+    if value == "disk":
+        return "disk"
     from gpuformers.device import resolve_device
 
-    return main if value == "disk" else resolve_device(value)
+    device = resolve_device(value)
+    return "cpu" if device.type == "cpu" else device.index
+
+
+def prepare_device_map(model: nn.Module, device_map: str | dict, *, max_memory: dict | None = None,
+                       dtype: torch.dtype | None = None, offload_folder: str | Path | None = None,
+                       cuda: Any = None) -> tuple[dict[str, Device], DiskOffload | None]:
+    """What from_pretrained does with device_map="auto" | "balanced" | ... | {module: device}: the plan for `model`
+    (on the meta device), and the offload folder when the plan uses "disk"."""
+    if isinstance(device_map, str):
+        limits = max_memory if max_memory is not None else available_memory(cuda)
+        tree = module_tree(model, dtype, getattr(model, "no_split_modules", ()))
+        plan = plan_device_map(tree, limits, strategy=device_map, tied=tied_groups(model),
+                               user_limits=max_memory is not None)
+    else:
+        plan = {name: _plan_value(value) for name, value in device_map.items()}
+    offload = None
+    if "disk" in plan.values():
+        if offload_folder is None:
+            on_disk = [k for k, v in plan.items() if v == "disk"]
+            raise ValueError(f"the device_map puts {', '.join(on_disk[:3])}{' ...' if len(on_disk) > 3 else ''} on "
+                             f'"disk": pass offload_folder="some/folder" for those weights, or give the GPUs and the '
+                             f"CPU more room with max_memory")
+        offload = DiskOffload(offload_folder)
+    return plan, offload
+
+
+def execution_device(value: Any, main: torch.device) -> torch.device:
+    """Where a module placed at `value` runs: a GPU runs its own modules; modules offloaded to "cpu" or "disk" run
+    on `main` (the first GPU, where the planner kept room for the largest of them), their weights streamed in."""
+    from gpuformers.device import resolve_device
+
+    return main if value in ("disk", "cpu") else resolve_device(value)
 
 
 def main_device(plan: dict[str, Any]) -> torch.device:
-    """The device disk-offloaded modules run on: the first GPU of the plan, else the CPU."""
+    """The device offloaded ("cpu" or "disk") modules run on: the first GPU of the plan, else the CPU."""
     from gpuformers.device import resolve_device
 
     devices = [resolve_device(v) for v in plan.values() if v != "disk"]
@@ -356,7 +392,8 @@ def main_device(plan: dict[str, Any]) -> torch.device:
 def _move(value: Any, device: torch.device) -> Any:
     """Tensors inside tuples, lists and dicts -> `device`; anything else (a KV cache) is left as it is."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True) if value.device != device else value
+        # Blocking: a non-blocking copy to the CPU could be read before the GPU has written it.
+        return value.to(device) if value.device != device else value
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_move(v, device) for v in value)
     if isinstance(value, dict):
@@ -411,6 +448,7 @@ def dispatch_model(model: nn.Module, plan: dict[str, Any], offload: DiskOffload 
     that a forward runs each planned module on its device and returns outputs on the device of its first input."""
     main = main_device(plan)
     names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    plan = _callable_entries(model, plan)
     for key in sorted(plan, key=lambda k: (k.count("."), k)):
         try:
             module = model.get_submodule(key)
@@ -443,18 +481,40 @@ def dispatch_model(model: nn.Module, plan: dict[str, Any], offload: DiskOffload 
         module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after)
 
-    # Outputs come back on the device the inputs came from (input_ids on the CPU -> logits on the CPU).
+    # Outputs come back on the device the inputs came from (input_ids on the CPU -> logits on the CPU); labels go
+    # where the logits are made, so that the loss is computed there.
     state = {}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    head_device = execution_device(device_for(plan, head_name), main) if head_name is not None else None
 
     def remember(module, args, kwargs):
         first = _first_tensor(args, kwargs)
         state["device"] = first.device if first is not None else None
+        if head_device is not None and isinstance(kwargs.get("labels"), torch.Tensor):
+            kwargs = {**kwargs, "labels": kwargs["labels"].to(head_device)}
+        return args, kwargs
 
     def give_back(module, args, output):
         return output if state.get("device") is None else _output_to(output, state["device"])
 
     model.register_forward_pre_hook(remember, with_kwargs=True, prepend=True)
     model.register_forward_hook(give_back)
+
+
+def _callable_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan with containers (a ModuleList of layers), which are never called and so never run hooks,
+    replaced by their children."""
+    out, todo = {}, list(plan.items())
+    while todo:
+        key, value = todo.pop(0)
+        module = model.get_submodule(key) if _is_module(model, key) else None
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            prefix = f"{key}." if key else ""
+            todo += [(prefix + name, value) for name, _ in module.named_children()]
+        else:
+            out[key] = value
+    return out
 
 
 def _is_module(model: nn.Module, name: str) -> bool:

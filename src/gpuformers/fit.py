@@ -1,0 +1,267 @@
+"""`gpuformers fit MODEL`: will a model fit on these GPUs, and how: from config.json (and the weight index) only,
+before any weight is downloaded.
+
+    config --meta-device model--> weights (exact: the tensors our loader allocates, tied ones once)
+           --shapes-->            KV cache per token = layers x 2 (k and v) x kv_heads x head_dim x bytes
+                                  activations of one prefill = tokens x (largest transient of one decoder layer)
+    devices (free memory now, or --max-memory) --> the first of: one GPU, all GPUs (device_map="auto"), int8,
+                                  nf4, GPUs + CPU offload, + disk, that holds the weights; for each, the longest
+                                  context at --batch and the largest batch at --context that fit next to them
+
+The KV cache and the activations share what the weights leave free: a prompt of N tokens in a batch of B needs
+B x N x (KV per token + activations per token). Activations assume an attention backend that does not build the
+(seq x seq) score matrix (sdpa's flash / memory-efficient kernels on a GPU); "eager" needs B x heads x N^2 more.
+A GPU keeps 5% of its free memory (and 512 MiB at least) for the CUDA context, the allocator and kernels' workspace.
+
+Offers: FitOption, FitReport, weight_bytes, kv_bytes_per_token, activation_bytes_per_token, fit_report,
+add_fit_arguments, run_fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+HEADROOM = 0.05
+MIN_HEADROOM = 512 * 2**20
+# Bytes per weight and per group for quantized Linear layers (decoder layers only; embeddings and lm_head stay):
+# int8: one byte + one float32 scale per output row; nf4: half a byte + one float32 absmax per 64 weights.
+QUANTIZATIONS = {"int8": (1.0, None), "nf4": (0.5, 64)}
+_QUANTIZATION_CONFIGS = {"int8": "BitsAndBytesConfig(load_in_8bit=True)",
+                         "nf4": 'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")'}
+
+
+@dataclass
+class FitOption:
+    name: str  # "1 GPU", "4 GPUs", "4 GPUs + CPU offload", ...
+    device_map: str  # what to pass to from_pretrained
+    dtype: str
+    quantization: str | None
+    weights_bytes: int
+    fits: bool
+    max_context: int = 0  # at the requested batch
+    max_batch: int = 0  # at the requested context
+    note: str = ""
+
+
+@dataclass
+class FitReport:
+    model: str
+    parameters: int
+    dtype: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    activation_bytes_per_token: int
+    context: int
+    batch: int
+    devices: dict[str, int]  # device -> usable bytes
+    options: list[FitOption] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> FitOption | None:
+        """The first option (the fastest) that holds the weights and the requested context x batch."""
+        return next((o for o in self.options if o.fits and o.max_batch >= self.batch), None)
+
+
+def _meta_model(config):
+    from gpuformers.models.modeling import skip_init
+    from gpuformers.models.registry import model_class_for
+
+    with torch.device("meta"), skip_init():
+        return model_class_for(config)(config)
+
+
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Bytes of every parameter and persistent buffer as the loader allocates them (a tied tensor once)."""
+    total, seen = 0, set()
+    for name, module in model.named_modules():
+        quantized = quantization is not None and isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"
+        for attr, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            if tensor is None or id(tensor) in seen or attr in module._non_persistent_buffers_set:
+                continue
+            seen.add(id(tensor))
+            if quantized and attr == "weight":
+                per_weight, group = QUANTIZATIONS[quantization]
+                scales = tensor.shape[0] if group is None else -(-tensor.numel() // group)
+                total += int(tensor.numel() * per_weight) + scales * 4
+            else:
+                total += tensor.numel() * (dtype.itemsize if tensor.is_floating_point() else tensor.element_size())
+    return total
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Keys and values of one token in every layer (DynamicCache keeps every token, sliding windows included)."""
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """The largest transient of one decoder layer per prompt token, in a prefill (one layer is alive at a time).
+
+    attention: residual + normed (2 x hidden), q/k/v and their rotary copies (2 x (heads + 2 kv_heads) x head_dim),
+    attention output (heads x head_dim), the cache's concatenated copy of this layer's k/v (2 kv_heads x head_dim);
+    MLP: residual + normed (2 x hidden), gate, up, act(gate), act(gate) x up (4 x intermediate); plus cos/sin
+    (float32, 2 x head_dim) shared by all layers.
+    """
+    hidden, heads, kv, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    attention = 2 * hidden + 2 * (heads + 2 * kv) * head_dim + heads * head_dim + 2 * kv * head_dim
+    mlp = 2 * hidden + 4 * config.intermediate_size
+    return max(attention, mlp) * dtype.itemsize + 2 * head_dim * 4
+
+
+def _usable(free: int, gpu: bool) -> int:
+    return max(0, free - max(int(free * HEADROOM), MIN_HEADROOM)) if gpu else free
+
+
+def measured_devices(cuda: Any = None) -> dict[str, int]:
+    """Free bytes per visible GPU ("cuda:0", ...) and 90% of the CPU's available memory ("cpu")."""
+    from gpuformers.loading.device_map import available_memory
+
+    return {(f"cuda:{k}" if isinstance(k, int) else k): v for k, v in available_memory(cuda).items()}
+
+
+def parse_devices(text: str) -> dict[str, int]:
+    """--max-memory "0=24GiB,1=24GiB,cpu=64GiB" -> {"cuda:0": ..., "cuda:1": ..., "cpu": ...}."""
+    from gpuformers.loading.device_map import parse_max_memory
+
+    pairs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f'--max-memory entry "{item}" is not DEVICE=SIZE; write e.g. "0=24GiB,cpu=64GiB"')
+        key = key.strip()
+        pairs[int(key) if key.isdigit() else key] = value.strip()
+    return {(f"cuda:{k}" if isinstance(k, int) else k): v for k, v in parse_max_memory(pairs).items()}
+
+
+def _capacity(budget: int, per_token: int, context: int, batch: int, limit: int) -> tuple[int, int]:
+    """(longest context at `batch`, largest batch at `context`) that `budget` bytes hold."""
+    if budget <= 0:
+        return 0, 0
+    longest = min(limit, budget // (per_token * max(batch, 1)))
+    return int(longest), int(budget // (per_token * max(context, 1)))
+
+
+def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: int = 4096, batch: int = 1,
+               model_name: str = "") -> FitReport:
+    """Size the model from `config` and try each placement on `devices` (usable bytes per device)."""
+    model = _meta_model(config)
+    weights = weight_bytes(model, dtype)
+    kv = kv_bytes_per_token(config, dtype)
+    act = activation_bytes_per_token(config, dtype)
+    per_token = kv + act
+    logits = batch * config.vocab_size * 4  # float32 logits of the last position
+    limit = config.max_position_embeddings
+    gpus = [_usable(v, True) for k, v in devices.items() if k.startswith("cuda")]
+    cpu = devices.get("cpu", 0)
+    report = FitReport(model_name, sum(p.numel() for p in model.parameters()), str(dtype).removeprefix("torch."),
+                       weights, kv, act, context, batch, dict(devices))
+    name = str(dtype).removeprefix("torch.")
+
+    def add(label, device_map, quantization, weights_here, room, note=""):
+        budget = room - weights_here - logits
+        longest, largest = _capacity(budget, per_token, context, batch, limit)
+        if budget > 0 and largest < batch:
+            note = f"holds the weights, not {context} tokens x batch {batch}" + (f"; {note}" if note else "")
+        report.options.append(FitOption(label, device_map, name, quantization, weights_here,
+                                        budget > 0 and longest > 0, longest, largest, note))
+
+    if gpus:
+        many = len(gpus) > 1
+        add("1 GPU", '"cuda:0"', None, weights, gpus[0])
+        if many:
+            add(f"{len(gpus)} GPUs", '"auto"', None, weights, sum(gpus))
+        for quantization in QUANTIZATIONS:
+            quantized = weight_bytes(model, dtype, quantization)
+            add(f"{len(gpus)} GPU{'s' if many else ''}, {quantization}", '"auto"' if many else '"cuda:0"',
+                quantization, quantized, sum(gpus), f"quantization_config={_QUANTIZATION_CONFIGS[quantization]}")
+        # Offload: the weights that do not fit on the GPUs wait on the CPU and stream in per layer; the GPUs keep
+        # room for the KV cache and activations of the requested context and batch.
+        on_gpus = max(0, sum(gpus) - per_token * context * batch - logits)
+        spill = max(0, weights - on_gpus)
+        note = f"{spill / 2**30:.1f} GiB of weights on the CPU: slow (streamed in every forward)"
+        fits_cpu = spill <= cpu
+        report.options.append(FitOption(f"{len(gpus)} GPU{'s' if many else ''} + CPU offload", '"auto"', name, None,
+                                        weights, fits_cpu and on_gpus > 0, *_capacity(
+                                            sum(gpus) - min(weights, on_gpus) - logits, per_token, context, batch,
+                                            limit), note if fits_cpu else "the CPU cannot hold the rest: use disk"))
+        report.options.append(FitOption("GPUs + CPU + disk offload", '"auto" with offload_folder=', name, None,
+                                        weights, on_gpus > 0, *_capacity(sum(gpus) - min(weights, on_gpus) - logits,
+                                                                        per_token, context, batch, limit),
+                                        "very slow: weights are read from disk in every forward"))
+    else:
+        add("CPU", '"cpu"', None, weights, cpu, "no GPU is visible: runs on the CPU (slow)")
+        add("CPU + disk offload", '"auto" with offload_folder=', None, weights, cpu + weights,
+            "very slow: weights are read from disk in every forward")
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def format_report(report: FitReport) -> str:
+    lines = [f"{report.model}: {report.parameters / 1e9:.2f} B parameters in {report.dtype}",
+             f"  weights            {_gib(report.weights_bytes)}",
+             f"  KV cache           {report.kv_bytes_per_token / 2**10:.1f} KiB per token "
+             f"({_gib(report.kv_bytes_per_token * report.context * report.batch)} for {report.context} tokens x "
+             f"batch {report.batch})",
+             f"  activations        {report.activation_bytes_per_token / 2**10:.1f} KiB per prompt token "
+             f"({_gib(report.activation_bytes_per_token * report.context * report.batch)} for a "
+             f"{report.context}-token prefill x batch {report.batch})",
+             "  devices            " + ", ".join(f"{k} {_gib(v)}" for k, v in report.devices.items()), ""]
+    rows = [["option", "device_map", "weights", "fits", f"max context (batch {report.batch})",
+             f"max batch ({report.context} tokens)", "note"]]
+    for o in report.options:
+        rows.append([o.name, o.device_map, _gib(o.weights_bytes), "yes" if o.fits else "no",
+                     str(o.max_context) if o.fits else "-", str(o.max_batch) if o.fits else "-", o.note])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    best = report.recommended
+    lines.append("")
+    if best is None:
+        lines.append("Nothing here holds this model with the requested context: add GPUs, or use a smaller model.")
+    else:
+        extra = f", quantization_config={_QUANTIZATION_CONFIGS[best.quantization]}" if best.quantization else ""
+        lines.append(f"Use: from_pretrained(..., dtype={best.dtype!r}, device_map={best.device_map}{extra})")
+    return "\n".join(lines)
+
+
+def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a Hub id or a local folder; only config.json is read (no weights)")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's, bfloat16 on a GPU), float16, ...")
+    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence to plan for (default 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences at once to plan for (default 1)")
+    parser.add_argument("--max-memory", metavar="LIST", default=None,
+                        help='plan for other devices than these: "0=24GiB,1=24GiB,cpu=64GiB"')
+    parser.add_argument("--json", action="store_true", help="print JSON for machines instead of text")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from gpuformers.device import parse_dtype, resolve_dtype
+    from gpuformers.hub import CONFIG_PATTERNS, resolve_model_dir
+    from gpuformers.models.config import ModelConfig
+
+    folder = resolve_model_dir(args.model, CONFIG_PATTERNS + ["*.safetensors.index.json"])
+    config = ModelConfig.from_file(folder / "config.json")
+    devices = parse_devices(args.max_memory) if args.max_memory else measured_devices()
+    on_gpu = any(k.startswith("cuda") for k in devices)
+    if args.max_memory is None:  # these GPUs: the one dtype rule of gpuformers
+        dtype = resolve_dtype(args.dtype, checkpoint_dtype=config.dtype, device="auto" if on_gpu else "cpu")
+    else:  # GPUs that may not be here: the checkpoint's dtype, else bfloat16 on GPUs
+        chosen = parse_dtype(args.dtype)
+        stored = parse_dtype(config.dtype) if config.dtype else "auto"
+        dtype = chosen if chosen != "auto" else stored if stored != "auto" else torch.bfloat16 if on_gpu else torch.float32
+    report = fit_report(config, devices, dtype=dtype, context=args.context, batch=args.batch, model_name=args.model)
+    if args.json:
+        print(json.dumps({**asdict(report), "recommended": report.recommended and asdict(report.recommended)},
+                         indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.recommended is not None else 1
