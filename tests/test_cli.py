@@ -113,9 +113,9 @@ def test_every_verb_has_help_with_an_example(verb, capsys):
 def test_top_level_help_lists_the_verbs(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps long summaries
     for name, verb in cli.VERBS.items():
-        assert name in text and verb.summary in text
+        assert name in text and " ".join(verb.summary.split()) in text
 
 
 def test_unknown_verb_lists_the_known_ones(capsys):

@@ -20,7 +20,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @functools.lru_cache(maxsize=1)
 def triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (only whether it imports)
     except ImportError:
         return False
     return True

@@ -15,7 +15,7 @@ stay and torch.compile fuses them itself). `model.train()` / `model.eval()` call
 Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests); elsewhere the torch layers are
 kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
 
-Offers: Mode, KernelConfig, kernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
+Offers: Mode, KernelConfig, kernelize, rekernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
 register_layer_kernel, layer_names, DISABLE_ENV.
 """
 
@@ -157,11 +157,15 @@ class KernelConfig:
 
     def __post_init__(self):
         if not isinstance(self.kernel_mapping, dict):
-            raise TypeError(f"kernel_mapping must be a dict of layer name -> kernel, got {type(self.kernel_mapping).__name__}")
+            raise TypeError(
+                f"kernel_mapping must be a dict of layer name -> kernel, got {type(self.kernel_mapping).__name__}"
+            )
         normalised = {}
         for layer, choice in self.kernel_mapping.items():
             if layer not in _REGISTRY:
-                raise ValueError(f"kernel_mapping names layer {layer!r}, which is not one of: {', '.join(layer_names())}")
+                raise ValueError(
+                    f"kernel_mapping names layer {layer!r}, which is not one of: {', '.join(layer_names())}"
+                )
             per_device = {device: choice for device in DEVICES} if isinstance(choice, str) else choice
             if not isinstance(per_device, dict):
                 raise TypeError(f"kernel_mapping[{layer!r}] must be a kernel name or a dict of device -> kernel name")
@@ -252,20 +256,18 @@ def kernelize(model: nn.Module, mode: Mode = Mode.INFERENCE, kernel_config: Kern
         _warn_once("kernelize(mode=...TORCH_COMPILE): the Triton kernels are not torch.library ops yet, so the torch "
                    "layers are kept and torch.compile fuses them")
         return model
-    seen_functions = set()
     for module in model.modules():
         layer = _layer_name(module)
         if layer is None or layer not in _REGISTRY:
             continue
         kernel = state.config.kernel_for(layer, target.type)
-        if kernel is not None:
+        if kernel is not None and not kernel.is_function:
             module.forward = types.MethodType(kernel.forward_for(mode), module)
             module._kernel_mode = mode
-    for layer in _REGISTRY:
+    for layer in _REGISTRY:  # function layers: routed while this model's forward runs (see _enter_functions)
         kernel = state.config.kernel_for(layer, target.type)
-        if kernel is not None and kernel.is_function and layer not in seen_functions:
+        if kernel is not None and kernel.is_function:
             state.functions[layer] = kernel.forward_for(mode)
-            seen_functions.add(layer)
     return model
 
 
@@ -306,3 +308,11 @@ def _exit_functions(state: _KernelState):
 def active_kernel_functions() -> dict[str, Callable]:
     """The function kernels in force right now (inside a kernelized model's forward); for tests and debugging."""
     return dict(_ACTIVE_FUNCTIONS.get())
+
+
+def rekernelize(model: nn.Module) -> nn.Module:
+    """Re-apply a kernelized model's kernels for its current train/eval mode (called by model.train())."""
+    state = getattr(model, "_kernel_state", None)
+    if state is None:
+        return model
+    return kernelize(model, mode=state.mode_for(model.training), kernel_config=state.config)

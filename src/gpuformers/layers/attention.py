@@ -73,7 +73,10 @@ class AttentionInterface:
 
     _functions: dict[str, Callable] = {"eager": eager_attention, "sdpa": sdpa_attention}
     # Backends defined in other modules, imported the first time someone asks for them.
-    _lazy: dict[str, str] = {}
+    _lazy: dict[str, str] = {
+        name: "gpuformers.layers.flash_attention"
+        for name in ("flash_attention_2", "flash_attention_3", "flex_attention", "triton")
+    }
 
     @classmethod
     def register(cls, name: str, fn: Callable) -> None:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpuformers.kernels.mapping import use_kernel_function
+
 IGNORE_INDEX = -100
 
 
+@use_kernel_function("ForCausalLMLoss")  # use_kernels=True may route this to kernels/fused_linear_cross_entropy.py
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,

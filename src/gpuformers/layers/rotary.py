@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from gpuformers.kernels.mapping import use_kernel_function
 from gpuformers.models.config import ModelConfig
 
 
@@ -161,6 +162,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@use_kernel_function("rotary_pos_emb")  # use_kernels=True may route this to kernels/rotary.py
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     """q (batch, heads, seq, head_dim), k (batch, kv_heads, seq, head_dim); cos/sin (batch, seq, head_dim)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

@@ -2,7 +2,8 @@
 
 `from_pretrained` follows transformers' order: resolve files -> config -> model class -> dtype -> build on the
 meta device (no memory, no random init) -> stream each tensor from disk straight into its final dtype and
-device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config.
+device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config -> Triton kernels
+(use_kernels=True, kernels/mapping.py).
 
 Offers: AutoConfig, AutoModelForCausalLM, AutoTokenizer, load_pretrained.
 """
@@ -24,12 +25,9 @@ from gpuformers.models.registry import model_class_for
 logger = logging.getLogger(__name__)
 
 _NOT_YET = {
-    "use_kernels": "use_kernels=True (fused Triton kernels)",
-    "kernel_config": "kernel_config",
     "quantization_config": "quantization_config (bitsandbytes / weight-only quantization)",
     "tp_plan": "tp_plan (tensor parallelism)",
     "tp_size": "tp_size (tensor parallelism)",
-    "max_memory": "max_memory (device_map planning across devices)",
 }
 _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -107,19 +105,16 @@ def _gguf_path(name_or_path, gguf_file) -> Path:
     return path
 
 
-def _resolve_device_map(device_map) -> torch.device:
+def _resolve_device_map(device_map) -> torch.device | str | dict:
+    """One device -> torch.device; a strategy ("auto", ...) or a per-module dict is kept for the planner."""
     from gpuformers.device import resolve_device
 
     if isinstance(device_map, str) and device_map in _DEVICE_MAP_STRATEGIES:
-        raise NotImplementedError(
-            f'device_map="{device_map}" (planning a model across several devices) is not implemented yet; '
-            f'pass a single device such as device_map="cuda" or "cpu"'
-        )
+        return device_map
     if isinstance(device_map, dict) and set(device_map) != {""}:
-        raise NotImplementedError(
-            "device_map as a per-module dict is not implemented yet; pass a single device such as "
-            'device_map="cuda" or {"": "cuda:0"}'
-        )
+        return device_map
+    if device_map == {"": "disk"}:
+        raise ValueError('device_map={"": "disk"} leaves nothing to run the model on; put some modules on "cpu"')
     return resolve_device(device_map)
 
 
@@ -141,6 +136,10 @@ def load_pretrained(
     output_loading_info: bool = False,
     progress: bool = True,
     low_cpu_mem_usage: bool | None = None,  # always true here; accepted for transformers compatibility
+    use_kernels: bool = False,
+    kernel_config=None,
+    max_memory: dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
     **kwargs,
 ):
     from gpuformers.device import parse_dtype, resolve_dtype
@@ -160,8 +159,12 @@ def load_pretrained(
     hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
     if gguf_file is not None:
-        return _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
-                          progress)
+        if not isinstance(device, torch.device):
+            raise NotImplementedError("a device_map over several devices is not supported for GGUF files yet; "
+                                      'pass one device, e.g. device_map="cuda"')
+        model = _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
+                           progress)
+        return _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
 
     folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
     if config is None:
@@ -176,9 +179,21 @@ def load_pretrained(
 
     with torch.device("meta"), skip_init():
         model = cls(config)
-    info = load_weights(model, files, dtype=dtype, device=device, tied=model.tied_weights, progress=progress)
+    plan = offload = None
+    if not isinstance(device, torch.device):  # several devices: plan, load each tensor where planned, then hook
+        from gpuformers.loading.device_map import dispatch_model, main_device, prepare_device_map
+
+        plan, offload = prepare_device_map(model, device, max_memory=max_memory, dtype=dtype,
+                                           offload_folder=offload_folder)
+        device = main_device(plan)
+    info = load_weights(model, files, dtype=dtype, device=plan or device, offload=offload, tied=model.tied_weights,
+                        progress=progress)
     model = _finish(model, device, attn_implementation, str(name_or_path))
+    if plan is not None:
+        dispatch_model(model, plan, offload)
+        model.hf_device_map = plan
     model.generation_config = _generation_config(folder / "generation_config.json", config)
+    _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
     return (model, info) if output_loading_info else model
 
 
@@ -203,6 +218,21 @@ def _finish(model, device, attn_implementation, name_or_path):
     model.name_or_path = name_or_path
     model.hf_device_map = {"": str(device)}
     return model.eval()
+
+
+def _apply_kernels(model, use_kernels: bool, kernel_config, attn_implementation: str | None):
+    """Check the attention backend can run where the model is, then swap in Triton kernels for use_kernels=True."""
+    if attn_implementation in ("flash_attention_2", "flash_attention_3"):
+        from gpuformers.layers.flash_attention import check_backend_device
+
+        check_backend_device(attn_implementation, model.device)
+    if kernel_config is not None and not use_kernels:
+        raise ValueError("kernel_config is only used with use_kernels=True; pass both")
+    if use_kernels:
+        from gpuformers.kernels.mapping import Mode, kernelize
+
+        kernelize(model, mode=Mode.TRAINING if model.training else Mode.INFERENCE, kernel_config=kernel_config)
+    return model
 
 
 def _generation_config(path: Path, config: ModelConfig):

@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from gpuformers.engine.mixin import ContinuousBatchingMixin
 from gpuformers.layers.attention import AttentionInterface
 from gpuformers.models.config import ModelConfig
 
@@ -39,7 +40,7 @@ def skip_init():
             setattr(nn.init, name, fn)
 
 
-class PreTrainedModel(nn.Module, GenerationMixin):
+class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
     config_class = ModelConfig
     no_split_modules: tuple[str, ...] = ()
 
@@ -89,6 +90,14 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         for module in self.modules():
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if getattr(self, "_kernel_state", None) is not None:  # use_kernels=True: the kernels for the new mode
+            from gpuformers.kernels.mapping import rekernelize
+
+            rekernelize(self)
+        return self
 
     # --- attention backend ----------------------------------------------------------------------------------
 

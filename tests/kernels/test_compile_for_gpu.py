@@ -1,0 +1,78 @@
+"""Every kernel compiles for a Hopper GPU (sm_90) on this GPU-less machine, at the tile sizes the launchers pick.
+
+The interpreter runs the kernels' Python, not Triton's compiler, so type errors in compiled code and tiles that
+overflow shared memory would otherwise first show on a lent GPU. triton.compile needs no GPU to produce a cubin
+(it bundles ptxas). It runs in a subprocess because this test session has TRITON_INTERPRET=1 set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = textwrap.dedent('''
+    import json, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gpuformers.kernels import attention, fused_linear_cross_entropy as fce, rms_norm, rotary, swiglu
+
+    def build(fn, pointers, constexprs, warps, stages, floats=("eps", "qk_scale", "sm_scale")):
+        signature = {}
+        for name in fn.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in pointers:
+                signature[name] = pointers[name]
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+        src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        return kernel.metadata.shared
+
+    shared = {}
+    P, F32 = "*bf16", "*fp32"
+    shared["rms_norm fwd"] = build(rms_norm._rms_norm_fwd_kernel, dict(X=P, RES=P, W=P, Y=P, RES_OUT=P, RSTD=F32),
+                                   dict(HAS_RESIDUAL=True, BLOCK=4096), 16, 1)
+    shared["rms_norm bwd"] = build(rms_norm._rms_norm_bwd_kernel, dict(DY=P, X=P, W=P, RSTD=F32, DRES_OUT=P, DX=P,
+                                   DW_PARTIAL=F32), dict(HAS_DRES=True, BLOCK=4096), 16, 1)
+    shared["swiglu bwd"] = build(swiglu._silu_mul_bwd_kernel, dict(DY=P, G=P, U=P, DG=P, DU=P),
+                                 dict(GATED=True, BLOCK=1024), 4, 1)
+    shared["rotary"] = build(rotary._rotary_kernel, dict(X=P, Y=P, COS=P, SIN=P),
+                             dict(BACKWARD=True, BLOCK_H=16, BLOCK_D=64), 1, 1)
+    shared["cross_entropy"] = build(fce._cross_entropy_kernel, dict(LOGITS=P, LABELS="*i64", LOSS=F32, GRAD=P, SCALE=F32),
+                                    dict(WRITE_GRAD=True, BLOCK_V=4096), 8, 1)
+    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        pointers = {n: ptr for n in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
+        pointers.update(LSE=F32, DELTA=F32, MASK="*u8", CU_Q="*i32", CU_K="*i32")
+        flags = dict(GROUP=4, CAUSAL=True, HAS_WINDOW=True, HAS_MASK=False, VARLEN=True,
+                     PRECISION=attention.dot_precision(dtype), BLOCK_D=128)
+        kinds = (("fwd", attention._attn_fwd_kernel), ("dkdv", attention._attn_bwd_dkdv_kernel),
+                 ("dq", attention._attn_bwd_dq_kernel))
+        for kind, fn in kinds if dtype == torch.bfloat16 else kinds[:1]:  # float32: the forward's larger tiles
+            block_m, block_n, warps, stages = attention._blocks(torch.device("cuda"), 128, kind, dtype)
+            shared[f"attention {kind} {dtype}"] = build(fn, pointers, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
+                                                        warps, stages)
+    print(json.dumps(shared))
+''')
+
+H100_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+
+
+@pytest.mark.slow  # compiles 9 kernels with ptxas: about 30 s on 2 cores
+def test_kernels_compile_for_sm90_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 9
+    too_big = {name: size for name, size in shared.items() if size > H100_SHARED_LIMIT}
+    assert not too_big, f"tiles overflow the {H100_SHARED_LIMIT} bytes of shared memory: {too_big}"
