@@ -40,6 +40,12 @@ VERBS: dict[str, Verb] = {
                      "gpuformers.generation.cli:run_generate", "gpuformers.generation.cli:add_generate_arguments"),
     "chat": Verb("chat with a local model in the terminal (/clear, /exit)", "gpuformers chat --temperature 0.7",
                  "gpuformers.generation.cli:run_chat", "gpuformers.generation.cli:add_chat_arguments"),
+    "fit": Verb("will a model fit these GPUs? weights, KV cache, best device_map",
+                "gpuformers --gpus 0,1 fit Qwen/Qwen3-8B --context 32768 --batch 4",
+                "gpuformers.fit:run_fit", "gpuformers.fit:add_fit_arguments"),
+    "train": Verb("fine-tune a model on a JSONL of text or chat rows (loss on assistant turns only)",
+                  "gpuformers train --model Qwen/Qwen3-0.6B --data chats.jsonl --epochs 1 --lr 2e-5",
+                  "gpuformers.training.cli:run_train", "gpuformers.training.cli:add_train_arguments"),
 }
 
 

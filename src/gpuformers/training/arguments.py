@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -115,7 +115,8 @@ class TrainingArguments:
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.logging_steps  # transformers' fallback
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ValueError(f"save_total_limit {self.save_total_limit} must be >= 1 (or None to keep every checkpoint)")
+            raise ValueError(f"save_total_limit {self.save_total_limit} must be >= 1 "
+                             "(or None to keep every checkpoint)")
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         unknown = [r for r in self.report_to if r not in ("tensorboard", "jsonl")]
@@ -204,7 +205,8 @@ class TrainingArguments:
         major, minor = torch.cuda.get_device_capability(device)
         if self.bf16 is True and (major, minor) < (8, 0):
             raise ValueError(f"bf16=True but {device} ({torch.cuda.get_device_name(device)}, compute capability "
-                             f"{major}.{minor}) has no bfloat16; use fp16=True, or bf16='auto' to pick what the GPU has")
+                             f"{major}.{minor}) has no bfloat16; use fp16=True, or bf16='auto' to pick what the "
+                             "GPU has")
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         import math

@@ -8,18 +8,20 @@
 
 Finding the assistant turns. A template with `{% generation %}` blocks marks them itself. Others (Qwen3, Llama 3)
 do not, so we locate each assistant turn i in the rendered chat: it starts where the chat up to turn i, rendered
-with add_generation_prompt=True, ends (the assistant header is prompt, not target), and ends after its content and
-the end-of-turn token that follows (the model must learn to stop). Templates that rewrite earlier turns (Qwen3
-drops old reasoning) still work because only the header position and the content are matched.
+with add_generation_prompt=True, ends (the assistant header is prompt, not target), and it ends after its content
+and the end-of-turn text the template writes after a reply ("<|im_end|>", found by rendering a probe chat): the
+model must learn to stop. Templates that rewrite earlier turns (Qwen3 drops old reasoning) still work because
+only the header position and the content are matched.
 
-Offers: DataCollatorForCausalLM, tokenize_text, tokenize_chat, assistant_spans, load_jsonl, tokenize_rows,
-IGNORE_INDEX.
+Offers: DataCollatorForCausalLM, tokenize_text, tokenize_chat, assistant_spans, end_of_turn, load_jsonl,
+tokenize_rows, IGNORE_INDEX.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import torch
@@ -45,6 +47,9 @@ class DataCollatorForCausalLM:
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
+        if "input_ids" not in rows[0]:
+            raise ValueError(f"rows need token ids under 'input_ids' but have {sorted(rows[0])}; tokenize them first "
+                             "(gpuformers.training.data.tokenize_rows for {'text'} / {'messages'} rows)")
         ids = [_as_list(row["input_ids"], "input_ids") for row in rows]
         labels = [_as_list(row["labels"], "labels") if row.get("labels") is not None else list(i)
                   for row, i in zip(rows, ids)]
@@ -90,9 +95,25 @@ def tokenize_text(tokenizer, text: str, max_length: int | None = None, add_eos: 
 # ------------------------------------------------------------------------------------------------- chat rows
 
 
+_PROBE = "gpuformers-probe-reply"
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def end_of_turn(tokenizer, **template_kwargs) -> str:
+    """The text the chat template writes right after an assistant message ("<|im_end|>", "<|eot_id|>", "</s>"),
+    found by rendering a one-turn probe chat; the EOS token if the template will not render it."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False, **template_kwargs)
+    except Exception:  # templates that demand a system message or alternating roles of their own
+        return tokenizer.eos_token or ""
+    after = rendered[rendered.rindex(_PROBE) + len(_PROBE):] if _PROBE in rendered else ""
+    return after.strip() or (tokenizer.eos_token or "")
+
+
 def assistant_spans(tokenizer, messages: list[dict], rendered: str, **template_kwargs) -> list[tuple[int, int]]:
     """Character spans [start, end) of the assistant turns in `rendered` (the whole chat, rendered)."""
-    end_of_turn = tokenizer.eos_token or ""
+    end_text = end_of_turn(tokenizer, **template_kwargs)
     spans, cursor = [], 0
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -111,10 +132,12 @@ def assistant_spans(tokenizer, messages: list[dict], rendered: str, **template_k
         if at < 0:
             raise ValueError(f"assistant turn {index} ({content[:40]!r}...) does not appear in the rendered chat; "
                              "the chat template rewrites it, so its tokens cannot be found for the loss mask")
+        if index == 0:  # no prompt to render before it; a template's default system text must stay masked
+            start = at
         end = at + len(content)
         gap = rendered[end:].lstrip(" \t")
-        if end_of_turn and gap.startswith(end_of_turn):
-            end = len(rendered) - len(gap) + len(end_of_turn)
+        if end_text and gap.startswith(end_text):
+            end = len(rendered) - len(gap) + len(end_text)
         spans.append((start, end))
         cursor = end
     return spans
@@ -127,7 +150,7 @@ def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None
         raise ValueError("this chat has no assistant message, so there is nothing to train on; each 'messages' row "
                          "needs at least one {'role': 'assistant', 'content': ...}")
     template = tokenizer.get_chat_template()
-    if isinstance(template, str) and "{% generation %}" in template.replace("{%- generation %}", "{% generation %}"):
+    if isinstance(template, str) and _GENERATION_TAG.search(template):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kwargs)
         ids, mask = out["input_ids"], out["assistant_masks"]

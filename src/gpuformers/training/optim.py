@@ -2,8 +2,8 @@
 
 - Weight decay applies to every weight except biases and norm weights (transformers' name rule: "bias",
   "layernorm", "rmsnorm", a module called "norm" or ending in "_norm"), so two parameter groups.
-- AdamW is fused on CUDA (one kernel for all parameters); on the CPU the plain loop, as transformers' default
-  "adamw_torch_fused" cannot run there.
+- AdamW is fused ("adamw_torch_fused", the default: one kernel for all parameters, on CUDA and on the CPU),
+  "adamw_torch_foreach" or the plain per-parameter loop ("adamw_torch").
 - Schedules are multipliers of the peak learning rate over optimizer steps (LambdaLR), warmup rising linearly
   from 0: linear (decay to 0), cosine (half a cosine to 0), constant, constant_with_warmup.
 
@@ -44,10 +44,9 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     groups = [g for g in groups if g["params"]]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
-    on_cuda = all(p.is_cuda for _, p in params)
     kwargs = {}
-    if args.optim == "adamw_torch_fused" and on_cuda:
-        kwargs["fused"] = True
+    if args.optim == "adamw_torch_fused" and all(p.device.type in ("cuda", "cpu") for _, p in params):
+        kwargs["fused"] = True  # one kernel over all parameters (torch has a fused CPU AdamW too)
     elif args.optim == "adamw_torch_foreach":
         kwargs["foreach"] = True
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),

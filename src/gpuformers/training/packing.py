@@ -50,7 +50,7 @@ class PackedCollator:
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         limit = self.max_length or sum(len(_as_list(r["input_ids"], "input_ids")) for r in rows)
         packed = pack_examples(rows, limit)
-        width = max(len(p["input_ids"]) for p in packed)
+        width = self.max_length or max(len(p["input_ids"]) for p in packed)  # a fixed width suits torch.compile
         batch = {"input_ids": torch.full((len(packed), width), self.pad_token_id, dtype=torch.long),
                  "labels": torch.full((len(packed), width), IGNORE_INDEX, dtype=torch.long),
                  "position_ids": torch.zeros(len(packed), width, dtype=torch.long)}

@@ -1,0 +1,460 @@
+"""Trainer: transformers' Trainer API over a training loop that fits on one screen.
+
+    for each optimizer step:
+        micro-batches (gradient_accumulation_steps of them) -> forward under autocast -> loss / tokens of the step
+        -> backward (scaled with fp16) -> unscale, clip -> optimizer.step -> scheduler.step -> zero_grad
+        -> log / evaluate / save (checkpoint-N, atomic) as the strategies say
+
+The loss of a step is the sum of token losses over all its micro-batches divided by the number of target tokens
+in the step (transformers' `num_items_in_batch`), so accumulating 4 batches of 2 gives the gradients of one batch
+of 8. The data order of each epoch comes from a generator seeded with (data_seed or seed) + epoch, never from the
+global RNG, so a resumed run replays the same batches; the global RNG state is saved in each checkpoint.
+
+Offers: Trainer, TrainOutput, PredictionOutput, EvalPrediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from gpuformers.training import callbacks as cb
+from gpuformers.training import checkpoint as ckpt
+from gpuformers.training.arguments import TrainingArguments
+from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
+from gpuformers.training.optim import build_optimizer, build_scheduler
+from gpuformers.training.packing import document_attention
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class EvalPrediction(NamedTuple):
+    predictions: np.ndarray  # logits (samples, seq, vocab), padded with -100
+    label_ids: np.ndarray  # (samples, seq), padded with -100
+
+
+class PredictionOutput(NamedTuple):
+    predictions: np.ndarray
+    label_ids: np.ndarray | None
+    metrics: dict[str, float]
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _interval(value: float | None, max_steps: int) -> int:
+    """logging/eval/save steps: an int, or a float < 1 meaning that fraction of max_steps."""
+    if not value:
+        return 0
+    return max(1, math.ceil(max_steps * value)) if value < 1 else int(value)
+
+
+class Trainer:
+    def __init__(self, model=None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, model_init=None,
+                 compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None)):
+        if model is None:
+            if model_init is None:
+                raise ValueError("Trainer needs a model (or model_init, a function returning one)")
+            model = model_init()
+        self.args = args if args is not None else TrainingArguments()
+        set_seed(self.args.seed)
+        if self.args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
+        placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+        if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
+            raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
+                                      "model on one device for now: load it with device_map=None or one device")
+        self.model = model.to(self.args.device)
+        if self.args.gradient_checkpointing:
+            _enable_gradient_checkpointing(self.model)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.data_collator = data_collator or DataCollatorForCausalLM(processing_class)
+        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.scaler = None
+        self._micro_batches = 1  # micro-batches in the current optimizer step
+        self.state, self.control = cb.TrainerState(), cb.TrainerControl()
+        defaults: list = [cb.JSONLLoggerCallback(), cb.PrinterCallback() if self.args.disable_tqdm
+                          else cb.ProgressCallback()]
+        if "tensorboard" in self.args.report_to:
+            defaults.append(cb.TensorBoardCallback())
+        self.callback_handler = cb.CallbackHandler(defaults + list(callbacks or []), self.model, processing_class)
+        forward = inspect.signature(self.model.forward).parameters
+        self._forward_args = set(forward)
+        self._model_counts_items = "num_items_in_batch" in forward
+        self.control = self._call("on_init_end")
+
+    # --- hooks ----------------------------------------------------------------------------------------------
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def _call(self, hook: str, **kwargs) -> cb.TrainerControl:
+        return self.callback_handler.call(hook, self.args, self.state, self.control, **kwargs)
+
+    # --- data -----------------------------------------------------------------------------------------------
+
+    def _batches(self, dataset, batch_size: int, epoch: int, shuffle: bool) -> list[list[int]]:
+        """Index lists of one epoch: a permutation seeded by (data_seed or seed) + epoch, cut into batches."""
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"the dataset ({type(dataset).__name__}) must have a length and indexing (a list of "
+                            "rows or a datasets.Dataset); iterable datasets are not supported yet")
+        n = len(dataset)
+        if shuffle:
+            generator = torch.Generator().manual_seed((self.args.data_seed or self.args.seed) + epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
+        if batches and self.args.dataloader_drop_last and len(batches[-1]) < batch_size:
+            batches.pop()
+        return batches
+
+    def _loader(self, dataset, batches: list[list[int]]) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=batches, collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda")
+
+    def _prepare_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self.args.remove_unused_columns:
+            batch = {k: v for k, v in batch.items() if k in self._forward_args}
+        return {k: v.to(self.args.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    @staticmethod
+    def _count_targets(batch: dict[str, Any]) -> int:
+        """Tokens that have a target: labels after the shift (position t predicts label t+1) that are not -100."""
+        return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()) if "labels" in batch else 0
+
+    # --- one step -------------------------------------------------------------------------------------------
+
+    def _autocast(self):
+        dtype = self.args.mixed_precision
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.args.device.type, dtype=dtype)
+
+    def compute_loss(self, model, inputs: dict[str, Any], num_items_in_batch: int | None = None,
+                     return_outputs: bool = False):
+        """The model's loss on one micro-batch; packed rows (position_ids, no attention_mask) get the
+        block-diagonal attention of their examples."""
+        packed = "position_ids" in inputs and "attention_mask" not in inputs
+        kwargs = dict(inputs)
+        if self.compute_loss_func is not None:
+            labels = kwargs.pop("labels")
+        elif num_items_in_batch is not None and self._model_counts_items:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        with document_attention(self.model, inputs["position_ids"]) if packed else contextlib.nullcontext():
+            outputs = model(**kwargs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = outputs.loss if hasattr(outputs, "loss") else outputs[0]
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch: int | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (detached) share of the step's loss."""
+        inputs = self._prepare_inputs(inputs)
+        with self._autocast():
+            loss = self.compute_loss(model, inputs, num_items_in_batch)
+        if num_items_in_batch is None or not (self._model_counts_items or self.compute_loss_func):
+            loss = loss / self._micro_batches  # a per-micro-batch mean: average over the step's micro-batches
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach()
+
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Unscale, clip, step; returns the gradient norm before clipping (a tensor; None without clipping)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = None
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.control = self._call("on_pre_optimizer_step")
+        skipped = False
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale  # inf/nan gradients: the step was skipped
+        else:
+            self.optimizer.step()
+        self.control = self._call("on_optimizer_step")
+        if not skipped:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _update(self, model, micro: list[dict[str, Any]]):
+        """One optimizer step over its micro-batches -> (loss tensor, input tokens, grad norm, learning rate used)."""
+        self._micro_batches = len(micro)
+        self.control._new_step()
+        self.control = self._call("on_step_begin")
+        # target tokens of the whole step (labels are still on the CPU: no device sync)
+        items = sum(self._count_targets(b) for b in micro)
+        num_items = max(1, items) if self._model_counts_items or self.compute_loss_func else None
+        loss, tokens = 0.0, 0
+        for i, batch in enumerate(micro):
+            loss = loss + self.training_step(model, batch, num_items)
+            mask = batch.get("attention_mask")
+            tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            if i < len(micro) - 1:
+                self.control = self._call("on_substep_end")
+        learning_rate = self.lr_scheduler.get_last_lr()[0]
+        return loss, tokens, self._optimizer_step(), learning_rate
+
+    # --- the loop -------------------------------------------------------------------------------------------
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.args)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(self.optimizer, self.args.lr_scheduler_type,
+                                                self.args.get_warmup_steps(num_training_steps), num_training_steps,
+                                                **(self.args.lr_scheduler_kwargs or {}))
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
+
+    def train(self, resume_from_checkpoint: str | os.PathLike | bool | None = None, **kwargs) -> TrainOutput:
+        if kwargs:
+            raise TypeError(f"train() got unexpected arguments: {', '.join(sorted(kwargs))}")
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs train_dataset")
+        accum = args.gradient_accumulation_steps
+        batches_per_epoch = len(self._batches(self.train_dataset, args.train_batch_size, 0, False))
+        if batches_per_epoch == 0:
+            raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
+                             f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
+        updates_per_epoch = math.ceil(batches_per_epoch / accum)
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+        num_epochs = math.ceil(max_steps / updates_per_epoch)
+        self.create_optimizer_and_scheduler(max_steps)
+        if args.mixed_precision == torch.float16 and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(args.device.type)
+
+        self.state = cb.TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
+                                     train_batch_size=args.train_batch_size, logging_steps=args.logging_steps,
+                                     eval_steps=args.eval_steps, save_steps=args.save_steps)
+        rng = None
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
+        if resume_from_checkpoint:
+            loaded = ckpt.load_training_state(resume_from_checkpoint, model=self.model, optimizer=self.optimizer,
+                                              scheduler=self.lr_scheduler, scaler=self.scaler)
+            saved = cb.TrainerState.load_from_json(loaded["state_path"])
+            self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
+            self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
+            rng = loaded["rng"]
+        start_epoch, start_update = divmod(self.state.global_step, updates_per_epoch)
+
+        model = torch.compile(self.model, mode=args.torch_compile_mode) if args.torch_compile else self.model
+        self.model.train()
+        self.control = self._call("on_train_begin")
+        since_log = {"loss": 0.0, "steps": 0}
+        total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
+        for epoch in range(start_epoch, num_epochs):
+            batches = self._batches(self.train_dataset, args.train_batch_size, epoch,
+                                    args.train_sampling_strategy == "random")
+            skip = start_update if epoch == start_epoch and not args.ignore_data_skip else 0
+            loader = self._loader(self.train_dataset, batches[skip * accum:])
+            self.callback_handler.train_dataloader = loader
+            self.control = self._call("on_epoch_begin")
+            iterator = iter(loader)
+            if rng is not None:  # restore at the point the checkpoint was written: before the next batch
+                ckpt.restore_rng_state(rng)
+                rng = None
+            for update in range(skip, updates_per_epoch):
+                if self.state.global_step >= max_steps:  # resumed from the last checkpoint: nothing left
+                    self.control.should_training_stop = True
+                    break
+                micro = [b for _, b in zip(range(accum), iterator)]
+                if not micro:
+                    break
+                loss, step_tokens, grad_norm, learning_rate = self._update(model, micro)
+                self.state.global_step += 1
+                self.state.epoch = epoch + (update + 1) / updates_per_epoch
+                self.state.num_input_tokens_seen += step_tokens
+                tokens += step_tokens
+                since_log["loss"] += loss  # a tensor on the device: no sync until it is logged
+                since_log["steps"] += 1
+                total_loss, total_steps = total_loss + loss, total_steps + 1
+                self.control = self._call("on_step_end")
+                self._log_save_evaluate(since_log, grad_norm, learning_rate, epoch_end=False)
+                if self.state.global_step >= max_steps or self.control.should_training_stop:
+                    self.control.should_training_stop = True
+                    break
+                if self.control.should_epoch_stop:
+                    break
+            self.control.should_epoch_stop = False
+            self.control = self._call("on_epoch_end")
+            self._log_save_evaluate(since_log, None, self.lr_scheduler.get_last_lr()[0], epoch_end=True)
+            if self.control.should_training_stop:
+                break
+
+        runtime = time.perf_counter() - start_time
+        metrics = {"train_runtime": round(runtime, 4), "train_loss": float(total_loss) / max(1, total_steps),
+                   "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
+        self.log(metrics)
+        self.control = self._call("on_train_end")
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _log_save_evaluate(self, since_log: dict, grad_norm, learning_rate: float, epoch_end: bool) -> None:
+        args, step = self.args, self.state.global_step
+        if epoch_end:
+            self.control.should_log |= args.logging_strategy == "epoch"
+            self.control.should_evaluate |= args.eval_strategy == "epoch"
+            self.control.should_save |= args.save_strategy == "epoch"
+        else:
+            def every(value) -> bool:
+                interval = _interval(value, self.state.max_steps)
+                return interval > 0 and step % interval == 0
+
+            self.control.should_log |= (args.logging_strategy == "steps" and every(args.logging_steps)) or (
+                args.logging_first_step and step == 1)
+            self.control.should_evaluate |= args.eval_strategy == "steps" and every(args.eval_steps)
+            self.control.should_save |= args.save_strategy == "steps" and every(args.save_steps)
+        if self.control.should_log and since_log["steps"]:
+            logs = {"loss": float(since_log["loss"]) / since_log["steps"], "learning_rate": learning_rate}
+            if grad_norm is not None:
+                logs["grad_norm"] = float(grad_norm)
+            since_log["loss"], since_log["steps"] = 0.0, 0
+            self.log(logs)
+        if self.control.should_evaluate and self.eval_dataset is not None:
+            self.evaluate()
+            self.model.train()
+        if self.control.should_save:
+            self._save_checkpoint()
+        self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+
+    def _save_checkpoint(self) -> Path:
+        args = self.args
+        path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
+                                             state=self.state, args=args, optimizer=self.optimizer,
+                                             scheduler=self.lr_scheduler, scaler=self.scaler,
+                                             save_only_model=args.save_only_model)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(path)
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=path)
+        self.control = self._call("on_save")
+        return path
+
+    def log(self, logs: dict[str, float]) -> None:
+        logs = {**logs, "epoch": self.state.epoch} if "epoch" not in logs else dict(logs)
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self._call("on_log", logs=logs)
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _eval_loop(self, dataset, keep_logits: bool):
+        """Token-weighted mean loss over `dataset`, and the logits / labels when asked for."""
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum, count, logits, labels = 0.0, 0, [], []
+        loader = self._loader(dataset, self._batches(dataset, self.args.eval_batch_size, 0, shuffle=False))
+        for batch in loader:
+            targets = self._count_targets(batch)
+            inputs = self._prepare_inputs(batch)
+            with self._autocast():
+                # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
+                loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
+            if targets and self._model_counts_items:
+                loss_sum, count = loss_sum + float(loss), count + targets
+            elif targets:
+                loss_sum, count = loss_sum + float(loss) * targets, count + targets
+            if keep_logits:
+                logits.append(outputs.logits.float().cpu())
+                labels.append(batch.get("labels"))
+            self.control = self._call("on_prediction_step")
+        self.model.train(was_training)
+        return (loss_sum / count if count else float("nan")), logits, labels
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
+        start = time.perf_counter()
+        loss, logits, labels = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
+        metrics = {f"{metric_key_prefix}_loss": loss,
+                   f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+        if self.compute_metrics is not None:
+            extra = self.compute_metrics(EvalPrediction(_pad_stack(logits), _pad_stack(labels)))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
+        self.log(metrics)
+        self.control = self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
+        loss, logits, labels = self._eval_loop(test_dataset, keep_logits=True)
+        predictions = _pad_stack(logits)
+        label_ids = _pad_stack(labels) if all(l is not None for l in labels) else None
+        metrics = {f"{metric_key_prefix}_loss": loss}
+        if self.compute_metrics is not None and label_ids is not None:
+            extra = self.compute_metrics(EvalPrediction(predictions, label_ids))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
+        self.control = self._call("on_predict", metrics=metrics)
+        return PredictionOutput(predictions, label_ids, metrics)
+
+    # --- saving ---------------------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
+        """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
+        output_dir = Path(output_dir or self.args.output_dir)
+        self.model.save_pretrained(output_dir)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(output_dir)
+        (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
+
+
+def _pad_stack(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Batches of different lengths (batch, seq, ...) -> one array (samples, longest seq, ...), padded with -100."""
+    longest = max(t.shape[1] for t in tensors)
+    padded = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]], value=IGNORE_INDEX)
+              for t in tensors]
+    return torch.cat(padded).numpy()
+
+
+def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+        return
+    import torch.utils.checkpoint
+
+    names = set(getattr(model, "no_split_modules", ()) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} names no decoder layer class "
+                         "(no_split_modules); turn gradient_checkpointing off for this model")
+    for layer in layers:
+        if getattr(layer, "_checkpointed", False):
+            continue
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
+        layer._checkpointed = True

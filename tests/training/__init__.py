@@ -1,0 +1,1 @@
+"""Tests of gpuformers.training: arguments, the Trainer against transformers, checkpoints and resume, data, the CLI."""
