@@ -23,6 +23,17 @@ _LAZY = {
     "Qwen3ForCausalLM": "gpuformers.models.qwen3",
     "CausalLMOutput": "gpuformers.models.outputs",
     "DynamicCache": "gpuformers.generation.cache",
+    "StaticCache": "gpuformers.generation.cache",
+    "GenerationConfig": "gpuformers.generation.config",
+    "TextStreamer": "gpuformers.generation.streamers",
+    "TextIteratorStreamer": "gpuformers.generation.streamers",
+    "pipeline": "gpuformers.pipeline",
+    "AttentionInterface": "gpuformers.layers.attention",
+    "KernelConfig": "gpuformers.kernels.mapping",
+    "Mode": "gpuformers.kernels.mapping",
+    "kernelize": "gpuformers.kernels.mapping",
+    "TrainingArguments": "gpuformers.training.arguments",
+    "Trainer": "gpuformers.training.trainer",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
