@@ -7,7 +7,8 @@ dominates, we reach at least 90% of the memory-bandwidth bound.
 Both libraries run the same weights (our model shares transformers' tensors), the same prompt and the same thread
 count. Decode speed is measured as the difference of two generate() calls, N new tokens and 1 new token, so the
 prefill cancels out: decode tokens/s = batch * (N - 1) / (t_N - t_1). Every configuration runs `--repeats` times,
-interleaved with the others, and the table shows medians. eos is off, so every call makes exactly N tokens.
+interleaved with the others, and the best time counts (other processes on the machine only ever add time).
+eos is off, so every call makes exactly N tokens.
 
 The bound (--big): a decode step must read every weight once, so tokens/s <= copy bandwidth / weight bytes, with
 the bandwidth measured here by copying a 1 GiB tensor (bytes read + bytes written, per second).
@@ -20,7 +21,6 @@ the bandwidth measured here by copying a 1 GiB tensor (bytes read + bytes writte
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -116,7 +116,7 @@ def bench_shape(name: str, shape: dict, args, batches: list[int]) -> None:
                     times[key][n].append(run_case(generate, prompt, n, args.device))
         speed = {}
         for key in variants:
-            decode = statistics.median(times[key][args.new_tokens]) - statistics.median(times[key][1])
+            decode = min(times[key][args.new_tokens]) - min(times[key][1])
             speed[key] = batch * (args.new_tokens - 1) / decode
         base = speed["transformers"]
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s ({v / base:.2f}x)" for k, v in speed.items()))
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both libraries")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per timed call (default: 64)")
     parser.add_argument("--prompt-length", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (the best counts)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

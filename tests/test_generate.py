@@ -71,28 +71,40 @@ def test_static_cache_and_no_cache_equal_dynamic(models, family):
     out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
                         cache_implementation="static", return_dict_in_generate=True)
     uncached = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, use_cache=False)
-    assert isinstance(out.past_key_values, StaticCache)
-    assert out.past_key_values.key_cache[0].shape == (2, 2, PROMPT_LENGTH + 24, ours.config.head_dim)
-    assert out.past_key_values.get_seq_length() == PROMPT_LENGTH + 23  # the last token is never fed back
+    # fixed shapes (what a compiled CUDA step gets): attention over all slots, the mask hides the empty ones
+    fixed = StaticCache(ours.config, max_cache_len=PROMPT_LENGTH + 24)
+    fixed_out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, past_key_values=fixed)
+    for cache in (out.past_key_values, fixed):
+        assert isinstance(cache, StaticCache)
+        assert cache.key_cache[0].shape == (2, 2, PROMPT_LENGTH + 24, ours.config.head_dim)
+        assert cache.get_seq_length() == PROMPT_LENGTH + 23  # the last token is never fed back
+    assert not out.past_key_values.fixed_shape and fixed.kv_length(1) == PROMPT_LENGTH + 24
     assert torch.equal(dynamic, expected)
     assert torch.equal(out.sequences, expected)
+    assert torch.equal(fixed_out, expected)
     assert torch.equal(uncached, expected)
 
 
+# eos 46 and 80 are frequent tokens of this random model: beams end early, so the finished list, the length
+# penalty and the early-stopping rules all decide the result.
 @pytest.mark.parametrize("settings", [
     dict(),
-    dict(length_penalty=0.5, early_stopping=True),
-    dict(length_penalty=2.0, early_stopping="never"),
-    dict(eos_token_id=[5, 7, 9, 11], length_penalty=-1.0),
-    dict(cache_implementation="static"),
+    dict(eos_token_id=[46, 80], length_penalty=1.0, early_stopping="never"),
+    dict(eos_token_id=[46, 80], length_penalty=2.0, early_stopping=True),
+    dict(eos_token_id=[82], length_penalty=-1.0),
+    dict(eos_token_id=[46, 80], cache_implementation="static"),
+    dict(eos_token_id=[46, 80], fixed_static_cache=True),
 ])
 def test_beam_search_matches_transformers(models, settings):
     hf, ours = models["qwen3"]
     ids, mask = _prompt()
-    common = dict(attention_mask=mask, max_new_tokens=16, num_beams=4, num_return_sequences=2,
+    common = dict(attention_mask=mask, max_new_tokens=24, num_beams=4, num_return_sequences=2,
                   return_dict_in_generate=True, output_scores=True)
-    hf_settings = {k: v for k, v in settings.items() if k != "cache_implementation"}
+    hf_settings = {k: v for k, v in settings.items() if k not in ("cache_implementation", "fixed_static_cache")}
     expected = hf.generate(ids, do_sample=False, **common, **hf_settings)
+    settings = dict(settings)
+    if settings.pop("fixed_static_cache", False):
+        settings["past_key_values"] = StaticCache(ours.config, max_cache_len=PROMPT_LENGTH + 24)
     got = ours.generate(ids, **common, **settings)
     assert torch.equal(got.sequences, expected.sequences)
     assert torch.allclose(got.sequences_scores, expected.sequences_scores, atol=1e-5)
@@ -305,3 +317,24 @@ def test_static_cache_writes_in_place_and_refuses_overflow():
     assert isinstance(cache.get_seq_length(0), int) and cache.get_seq_length(0) == 5
     with pytest.raises(ValueError, match="at most 6 tokens"):
         cache.update(0, k, k)
+
+
+def test_compiled_decode_plumbing(models, monkeypatch):
+    """The CUDA path (compile the decode step over a fixed-shape static cache), run on the CPU with torch.compile's
+    eager backend: the same tokens, and the compiled step is kept for the next call."""
+    from gpuformers.generation.config import CompileConfig
+    from gpuformers.generation.generate import GenerationMixin
+
+    _, ours = models["llama"]
+    ids, mask = _prompt()
+    expected = ours.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
+    monkeypatch.setattr(GenerationMixin, "_compiles_decode", lambda self, config: not config.disable_compile)
+    settings = dict(attention_mask=mask, max_new_tokens=4, eos_token_id=None, cache_implementation="static",
+                    compile_config=CompileConfig(backend="eager"), return_dict_in_generate=True)
+    out = ours.generate(ids, **settings)
+    assert out.past_key_values.fixed_shape and torch.equal(out.sequences, expected)
+    compiled = ours._compiled_decode
+    assert torch.equal(ours.generate(ids, **settings).sequences, expected)
+    assert ours._compiled_decode is compiled
+    assert not ours.generate(ids, **settings, disable_compile=True).past_key_values.fixed_shape
+    del ours._compiled_decode

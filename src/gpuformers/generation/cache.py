@@ -80,14 +80,21 @@ class StaticCache(Cache):
     their cache positions with index_copy_ and returns the whole buffers; the slots not written yet hold zeros and
     the attention mask hides them, because `kv_length` reports max_cache_len and query i sits at cache position
     past_len + i. The count of tokens written is a Python int per layer, so reading it never waits on the device.
+
+    fixed_shape=False returns the written prefix instead (views of the same buffers, kv_length = tokens after this
+    step): the shapes then grow, which a compiled or captured step cannot take, but an eager step attends over
+    fewer slots and needs no mask. generate() uses it when the decode step is not compiled (on the CPU), so the
+    static cache there is never slower than the dynamic one, which copies the whole cache at every step.
     """
 
     def __init__(self, config, max_cache_len: int, max_batch_size: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 fixed_shape: bool = True):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
+        self.fixed_shape = fixed_shape
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -115,7 +122,7 @@ class StaticCache(Cache):
         return self._written[layer_idx]
 
     def kv_length(self, new_tokens: int) -> int:
-        return self.max_cache_len
+        return self.max_cache_len if self.fixed_shape else self._written[0] + new_tokens
 
     def update(self, layer_idx, key, value):
         # key, value: (batch, kv_heads, new_tokens, head_dim)
@@ -137,6 +144,8 @@ class StaticCache(Cache):
         keys.index_copy_(2, positions, key.to(keys.dtype))
         values.index_copy_(2, positions, value.to(values.dtype))
         self._written[layer_idx] = start + new
+        if not self.fixed_shape:
+            return keys[:, :, :start + new], values[:, :, :start + new]
         return keys, values
 
     def reorder_cache(self, beam_idx):

@@ -15,17 +15,19 @@ max_time, user criteria), and on an accelerator only every `STOP_CHECK_INTERVAL`
 padding tokens that are cut off at the end, so the output equals checking every step. A streamer needs the tokens
 on the host anyway, so with one the check runs every step. Beam search asks its stop question every step.
 
-Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache),
-so every decode step has the same shapes. On CUDA that step is compiled with
-`torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does; on the
-CPU it runs eagerly.
+Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache).
+On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed shapes and is compiled with
+`torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
+Elsewhere it runs eagerly and attends over the written slots only, which makes it no slower than the dynamic cache.
 
 Offers: GenerationMixin, GenerateDecoderOnlyOutput, GenerateBeamDecoderOnlyOutput, STOP_CHECK_INTERVAL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
-from gpuformers.generation.config import _FIELD_NAMES, CompileConfig, GenerationConfig
+from gpuformers.generation.config import CompileConfig, GenerationConfig
 from gpuformers.models.outputs import ModelOutput
 
 # On an accelerator, ask "have all rows finished?" (a host sync) once per this many decode steps.
@@ -85,7 +87,8 @@ class _StepInputs:
     def __init__(self, attention_mask: torch.Tensor | None, rows: int, prompt_length: int, max_length: int,
                  cache: Cache | None, device: torch.device):
         self.cache = cache
-        self.full_mask = isinstance(cache, StaticCache)  # a static cache attends over all its slots
+        # a fixed-shape static cache attends over all its slots
+        self.full_mask = isinstance(cache, StaticCache) and cache.fixed_shape
         if attention_mask is None:
             self.positions = torch.arange(max_length, device=device).expand(rows, max_length)
             self.mask = None
@@ -118,6 +121,13 @@ class _StepInputs:
 class GenerationMixin:
     """`generate()` for causal LMs; mixed into PreTrainedModel. The model provides forward(), config,
     generation_config and get_input_embeddings()."""
+
+    # True in a model whose forward can be captured once for every decode step: what changes from step to step
+    # (cache position, mask) reaches it as tensors, never as Python ints, and it never waits on the device. Until
+    # a model says so, generate() runs its static-cache decode step eagerly: a forward that reads the cache length
+    # as an int is recompiled at every new length (torch.compile guards on the int), which costs far more than
+    # CUDA graphs save.
+    supports_compiled_decode: bool = False
 
     @torch.no_grad()
     def generate(
@@ -200,7 +210,7 @@ class GenerationMixin:
         if unknown:
             hints = []
             for name in sorted(unknown):
-                close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+                close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(GenerationConfig)], n=1)
                 hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
             raise TypeError(
                 f"generate() got arguments that are neither GenerationConfig fields nor inputs: {', '.join(hints)}; "
@@ -274,14 +284,29 @@ class GenerationMixin:
                 f"max_cache_len={size} is smaller than the {max_length} tokens this call can reach; "
                 f"raise max_cache_len or lower max_new_tokens"
             )
-        return StaticCache(self.config, max_cache_len=size, max_batch_size=rows)
+        # Fixed shapes only pay off when the step is compiled; eagerly, reading the written prefix is cheaper.
+        return StaticCache(self.config, max_cache_len=size, max_batch_size=rows,
+                           fixed_shape=self._compiles_decode(config))
+
+    def _compiles_decode(self, config: GenerationConfig) -> bool:
+        """transformers' auto-compile rule, less the cache: on CUDA unless disable_compile=True, for a model that
+        supports it (the step is then compiled when its cache is a fixed-shape StaticCache)."""
+        device = self.get_input_embeddings().weight.device
+        if device.type != "cuda" or config.disable_compile:
+            return False
+        if not self.supports_compiled_decode:
+            warnings.warn(
+                f"{type(self).__name__} does not support a compiled decode step yet (supports_compiled_decode is "
+                f"False): the static cache runs without CUDA graphs; pass disable_compile=True to silence this",
+                UserWarning, stacklevel=4)
+            return False
+        return True
 
     def _decode_forward(self, config: GenerationConfig, cache: Cache | None):
-        """The function a decode step calls: the model itself, or on CUDA with a static cache, the model compiled
-        for CUDA graphs (transformers' auto-compile rule). The compiled function is kept on the model so a second
-        generate() call reuses it."""
-        device = self.get_input_embeddings().weight.device
-        if not isinstance(cache, StaticCache) or device.type != "cuda" or config.disable_compile:
+        """The function a decode step calls: the model itself, or the model compiled for CUDA graphs when
+        _compiles_decode says so and the cache has fixed shapes. The compiled function is kept on the model so a
+        second generate() call reuses it."""
+        if not (isinstance(cache, StaticCache) and cache.fixed_shape and self._compiles_decode(config)):
             return self
         options = config.compile_config or CompileConfig()
         key = tuple(sorted(options.to_dict().items(), key=str))
@@ -320,11 +345,11 @@ class GenerationMixin:
         while True:
             logits = outputs.logits[:, -1].float()  # (rows, vocab)
             del outputs
+            if logits_out is not None:
+                logits_out.append(logits.clone() if processors else logits)  # a processor may work in place
             scores = processors(sequences[:, :length], logits) if processors else logits
             if scores_out is not None:
                 scores_out.append(scores)
-            if logits_out is not None:
-                logits_out.append(logits.clone() if processors else logits)  # a processor may work in place
             tokens = _select_tokens(scores) if config.do_sample else scores.argmax(-1)
             if pad is not None:
                 tokens = torch.where(unfinished, tokens, pad)
@@ -374,7 +399,6 @@ class GenerationMixin:
         beams, max_length = config.num_beams, config.max_length
         rows, prompt_length = input_ids.shape
         device = input_ids.device
-        vocab = None
         length_penalty, early_stopping = config.length_penalty, config.early_stopping
         keep = max(2, 1 + len(config.eos_token_ids)) * beams
         is_top = torch.arange(keep, device=device) < beams  # candidates that may enter the finished list
