@@ -258,9 +258,16 @@ class ContinuousBatchingManager:
         return self
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                time.sleep(0.002)  # idle: wait for requests without spinning a core
+        try:
+            while not self._stop.is_set():
+                if not self.step():
+                    time.sleep(0.002)  # idle: wait for requests without spinning a core
+        except Exception as error:  # the engine itself broke: fail what is queued so that no caller waits forever
+            logger.exception("the continuous batching loop stopped")
+            for seq in self.scheduler.waiting + self.scheduler.running:
+                self.scheduler.cancel(seq.request_id)
+                seq.error = f"engine stopped: {type(error).__name__}: {error}"
+                self._publish_one(seq, final=True)
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         self._stop.set()

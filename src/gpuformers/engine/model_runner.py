@@ -31,7 +31,9 @@ class ModelRunner:
         self.dtype = dtype or model.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        slots = num_blocks * block_size
+        # One block more than the block manager hands out: the scratch block that CUDA-graph padding rows write to.
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         shape = (slots, config.num_key_value_heads, config.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                            for _ in range(config.num_hidden_layers)]

@@ -14,8 +14,10 @@ to find each sequence's queries and keys. Outside a step (plain `generate`) they
     query_start         0    1    2    3             7      9
     context_lens       ctx0 ctx1 ctx2 ctx3          ctx4           (tokens in cache, this step's included)
 
-Decodes (first in the batch) are attended together: their keys are gathered up to the longest context and
-padded keys masked out. Each prefill chunk is attended on its own, causally, after its cached prefix.
+On a GPU the decodes (first in the batch) are attended together: by the Triton kernel in
+paged_attention_triton.py, which reads keys in place through the block tables, or (for "paged|eager") by gathering
+keys up to the longest context and masking the padding. On the CPU, and for every prefill chunk, each sequence is
+attended on its own, causally, after its cached prefix.
 
 Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, PAGED_BACKENDS.
 """
@@ -24,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from gpuformers.generation.cache import Cache
 from gpuformers.layers.attention import AttentionInterface, build_attention_mask, eager_attention, sdpa_attention
@@ -46,6 +49,8 @@ class PagedContext:
     key_caches: list[torch.Tensor]  # per layer (num_blocks * block_size, kv_heads, head_dim)
     value_caches: list[torch.Tensor]
     max_decode_context: int | None = None  # keys gathered for the decodes; fixed when a CUDA graph replays
+    # Slots and masks are the same in every layer: built by the first layer of the step, reused by the others.
+    memo: dict = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -93,6 +98,49 @@ def _gather_slots(block_tables: torch.Tensor, length: int, block_size: int) -> t
     return blocks * block_size + positions % block_size
 
 
+def _batch_decodes(query: torch.Tensor, ctx: PagedContext) -> bool:
+    return query.is_cuda or ctx.max_decode_context is not None
+
+
+def _triton_decode_available(query: torch.Tensor) -> bool:
+    """The Triton decode kernel serves "paged|sdpa" on CUDA when triton is installed ("paged|eager" stays torch)."""
+    from gpuformers.kernels.checks import triton_importable
+
+    return query.is_cuda and triton_importable()
+
+
+def _decode_layout(ctx: PagedContext, sliding_window: int | None):
+    """The decodes' key slots (nd, length) and mask (nd, 1, 1, length), True for real keys inside the window."""
+    key = ("decode", sliding_window)
+    if key not in ctx.memo:
+        nd = ctx.num_decodes
+        length = ctx.max_decode_context or max(ctx.context_lens_list[:nd])
+        slots = _gather_slots(ctx.block_tables[:nd], length, ctx.block_size)
+        positions = torch.arange(length, device=slots.device)
+        lens = ctx.context_lens[:nd, None]
+        mask = positions[None, :] < lens
+        if sliding_window is not None:
+            mask = mask & (positions[None, :] >= lens - sliding_window)
+        ctx.memo[key] = (slots, mask[:, None, None, :])
+    return ctx.memo[key]
+
+
+def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
+    """Sequence i's key slots (ctx_len,) and causal mask (1, 1, n, ctx_len), or None when plain causal suffices."""
+    key = ("prefill", i, sliding_window)
+    if key not in ctx.memo:
+        n = ctx.query_start[i + 1] - ctx.query_start[i]
+        ctx_len = ctx.context_lens_list[i]
+        slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
+        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window)
+        if mask is None and n == 1:
+            # A decode's query heads are folded into query rows (see paged_attention): say "no mask" with an
+            # explicit all-True one, since backends read a missing mask with several query rows as causal.
+            mask = torch.ones(1, 1, 1, ctx_len, dtype=torch.bool)
+        ctx.memo[key] = (slots, None if mask is None else mask.to(slots.device))
+    return ctx.memo[key]
+
+
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
                     base=sdpa_attention, **kwargs):
     """query (1, heads, total_tokens, head_dim); key, value: the layer's paged cache from PagedKVCache.update.
@@ -102,33 +150,46 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                     sliding_window=sliding_window, **kwargs)
     heads, total, head_dim = query.shape[1:]
+    kv_heads = key.shape[1]
     out = query.new_empty(total, heads, head_dim)
     nd = ctx.num_decodes
-    if nd:
-        length = ctx.max_decode_context or max(ctx.context_lens_list[:nd])
-        slots = _gather_slots(ctx.block_tables[:nd], length, ctx.block_size)  # (nd, length)
+    # On a GPU the decodes are attended in one batched call (few kernel launches; padded keys are masked). On the
+    # CPU a loop over sequences is ~3x faster: it copies only each sequence's real keys and needs no mask.
+    batched = nd if _batch_decodes(query, ctx) else 0
+    if batched and base is sdpa_attention and _triton_decode_available(query):
+        from gpuformers.engine.paged_attention_triton import paged_decode_attention
+
+        # Keys read in place through the block tables: no gathered copy. (nd, heads, head_dim)
+        out[:nd] = paged_decode_attention(query[0, :, :nd].transpose(0, 1), key, value, ctx.block_tables[:nd],
+                                          ctx.context_lens[:nd], ctx.block_size, scaling, sliding_window)
+    elif batched:
+        slots, mask = _decode_layout(ctx, sliding_window)  # (nd, length), (nd, 1, 1, length)
         # (nd, length, kv_heads, head_dim) -> (nd, kv_heads, length, head_dim)
         k = key[slots].transpose(1, 2)
         v = value[slots].transpose(1, 2)
-        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # (nd, heads, 1, head_dim)
-        positions = torch.arange(length, device=query.device)
-        lens = ctx.context_lens[:nd, None]
-        mask = positions[None, :] < lens  # (nd, length): real keys
-        if sliding_window is not None:
-            mask = mask & (positions[None, :] >= lens - sliding_window)
-        o, _ = base(module, q, k, v, mask[:, None, None, :], scaling=scaling)
-        out[:nd] = o[:, 0]  # (nd, 1, heads, head_dim)
-    for i in range(nd, len(ctx.query_start) - 1):
+        # Grouped-query attention without copying keys per query head: the n_rep query heads that share a kv head
+        # become n_rep query rows of that kv head (all at the same position, so one mask row serves them all).
+        # Query head h = kv_head * n_rep + r, the order repeat_kv uses.
+        q = query[0, :, :nd].transpose(0, 1).reshape(nd, kv_heads, heads // kv_heads, head_dim)
+        o, _ = base(module, q, k, v, mask, scaling=scaling)  # (nd, n_rep, kv_heads, head_dim)
+        out[:nd] = o.transpose(1, 2).reshape(nd, heads, head_dim)
+    for i in range(batched, len(ctx.query_start) - 1):
         start, end = ctx.query_start[i], ctx.query_start[i + 1]
-        n, ctx_len = end - start, ctx.context_lens_list[i]
-        slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]  # (ctx_len,)
-        k = key[slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx_len, head_dim)
-        v = value[slots].transpose(0, 1).unsqueeze(0)
-        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window)
-        if mask is not None:
-            mask = mask.to(query.device)
-        o, _ = base(module, query[:, :, start:end], k, v, mask, scaling=scaling)
-        out[start:end] = o[0]
+        slots, mask = _sequence_layout(ctx, i, sliding_window)
+        k = key.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx_len, head_dim)
+        v = value.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        if end - start == 1 and base is sdpa_attention and sliding_window is None:
+            # The CPU decode hot path, called once per sequence and layer: torch's SDPA directly (the query heads
+            # folded as above, no mask: every cached key is visible), output (1, kv_heads, n_rep, head_dim).
+            q = query[0, :, start].view(1, kv_heads, heads // kv_heads, head_dim)
+            out[start] = F.scaled_dot_product_attention(q, k, v, scale=scaling).view(heads, head_dim)
+        elif end - start == 1:  # a decode: the same GQA folding as above, (1, kv_heads, n_rep, head_dim)
+            q = query[0, :, start].reshape(1, kv_heads, heads // kv_heads, head_dim)
+            o, _ = base(module, q, k, v, mask, scaling=scaling)  # (1, n_rep, kv_heads, head_dim)
+            out[start] = o[0].transpose(0, 1).reshape(heads, head_dim)
+        else:
+            o, _ = base(module, query[:, :, start:end], k, v, mask, scaling=scaling)
+            out[start:end] = o[0]
     return out.unsqueeze(0), None
 
 

@@ -89,6 +89,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens found in the prefix cache instead of computed (over all admissions)
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator made by the model runner when params.seed is set
+        self.created_time = 0.0
 
     # --- derived values -----------------------------------------------------------------------------------------
 
