@@ -1,0 +1,133 @@
+"""CUDA graphs for decode steps: one graph per (batch-size bucket, context-length bucket), captured lazily.
+
+A decode step launches hundreds of small kernels; replaying them as one CUDA graph removes the CPU launch cost,
+which dominates decode for small models and batches. A graph fixes every shape and address, so a step runs in
+the smallest captured bucket that holds it: its batch is padded to the bucket (padding rows write their keys and
+values to a scratch block the block manager never hands out, and their logits are dropped) and the paged
+attention gathers keys up to the context bucket (longer than the real contexts; the mask hides the rest).
+
+Graphs are captured lazily, the first time a step needs a bucket, not all at start-up: capturing every bucket
+takes seconds to tens of seconds (the start-up cost users complain about most in vLLM), and a workload only ever
+meets a few buckets. The first step of a new bucket pays its capture once (warm-up run + capture).
+
+Only pure decode steps replay a graph; a step with any prefill chunk runs eagerly. All graphs share one memory
+pool (they never run at the same time).
+
+Offers: DecodeGraphs, BATCH_BUCKETS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def _bucket(value: int, buckets) -> int | None:
+    for b in buckets:
+        if b >= value:
+            return b
+    return None
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int):
+        if runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {runner.device}")
+        self.runner = runner
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        bs = runner.block_size
+        self.max_blocks = runner.num_blocks  # a sequence can at most own every block
+        # Context buckets: powers of two from one block up to the whole cache.
+        self.context_buckets, c = [], bs
+        while c < runner.num_blocks * bs:
+            self.context_buckets.append(c)
+            c *= 2
+        self.context_buckets.append(runner.num_blocks * bs)
+        n, device = max_batch, runner.device
+        # The static inputs every graph reads (graphs use their first `bucket` rows).
+        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.failed = False  # a capture failed once: stay eager rather than fail every step
+
+    def can_run(self, batch, context: PagedContext) -> bool:
+        return (not self.failed and context.num_decodes == len(batch) and len(batch) <= self.batch_buckets[-1])
+
+    def _forward(self, rows: int, length: int) -> torch.Tensor:
+        """The decode forward over the static buffers: (rows, vocab) logits."""
+        runner = self.runner
+        context = PagedContext(
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[:rows, :length // runner.block_size],
+            context_lens=self.context_lens[:rows],
+            query_start=list(range(rows + 1)),
+            context_lens_list=[length] * rows,  # read only through max_decode_context below
+            num_decodes=rows,
+            block_size=runner.block_size,
+            key_caches=runner.key_caches,
+            value_caches=runner.value_caches,
+            max_decode_context=length,
+        )
+        with paged_context(context):
+            hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
+                                       past_key_values=PagedKVCache(context))
+        return runner.lm_head(hidden[0])
+
+    def _capture(self, rows: int, length: int):
+        logger.info("capturing a CUDA graph for %d decode rows, context %d", rows, length)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph: lazy inits, cuBLAS workspaces
+            self._forward(rows, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(rows, length)
+        self.pool = graph.pool()
+        return graph, logits
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext) -> torch.Tensor:
+        n = input_ids.shape[1]
+        rows = _bucket(n, self.batch_buckets)
+        length = _bucket(max(context.context_lens_list), self.context_buckets)
+        scratch = self.runner.scratch_block
+        bs = self.runner.block_size
+        # Real rows, then padding rows that write to the scratch block and attend only to it.
+        self.input_ids[0, :n].copy_(input_ids[0])
+        self.position_ids[0, :n].copy_(position_ids[0])
+        self.slot_mapping[:n].copy_(context.slot_mapping)
+        self.context_lens[:n].copy_(context.context_lens)
+        width = context.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(context.block_tables)
+        self.block_tables[:n, width:].fill_(scratch)
+        if rows > n:
+            self.input_ids[0, n:rows].fill_(0)
+            self.position_ids[0, n:rows].fill_(0)
+            self.slot_mapping[n:rows].fill_(scratch * bs)
+            self.context_lens[n:rows].fill_(1)
+            self.block_tables[n:rows].fill_(scratch)
+        key = (rows, length)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(rows, length)
+            except Exception:  # capture is fragile across torch versions: degrade to eager, loudly
+                logger.exception("CUDA graph capture failed; decode runs without graphs from now on")
+                self.failed = True
+                with paged_context(context):
+                    hidden, _ = self.runner.decoder(input_ids=input_ids, position_ids=position_ids,
+                                                    past_key_values=PagedKVCache(context))
+                return self.runner.lm_head(hidden[0])
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:n]

@@ -1,0 +1,19 @@
+"""Engine tests run torch on one CPU thread: on a machine whose cores are shared, a second OpenMP thread makes
+small ops hundreds of times slower (and the timings of these tests erratic). Without a GPU, the Triton kernel
+tests run under the interpreter, which must be switched on before triton is first imported."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
