@@ -338,3 +338,55 @@ def test_compiled_decode_plumbing(models, monkeypatch):
     assert ours._compiled_decode is compiled
     assert not ours.generate(ids, **settings, disable_compile=True).past_key_values.fixed_shape
     del ours._compiled_decode
+
+
+def test_compiled_decode_is_built_once(models, monkeypatch):
+    """The decode step over a fixed-shape StaticCache takes its cache slot as a tensor: torch.compile builds its
+    graphs once and reuses them at every later step (no recompilation per length), with the same tokens."""
+    from gpuformers.generation.config import CompileConfig
+    from gpuformers.generation.generate import GenerationMixin
+
+    _, ours = models["llama"]
+    assert ours.supports_compiled_decode
+    ids, mask = _prompt()
+    graphs = []
+
+    def counting_backend(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(GenerationMixin, "_compiles_decode", lambda self, config: not config.disable_compile)
+    torch._dynamo.reset()
+    try:
+        settings = dict(attention_mask=mask, eos_token_id=None, cache_implementation="static",
+                        compile_config=CompileConfig(backend=counting_backend))
+        first = ours.generate(ids, max_new_tokens=12, **settings)
+        after_first = len(graphs)
+        again = ours.generate(ids, max_new_tokens=12, **settings)
+        expected = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    finally:
+        del ours._compiled_decode
+        torch._dynamo.reset()
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    # 11 decode steps, each at a new length, share one graph; the second call compiles nothing.
+    assert after_first == 1 and len(graphs) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graph_decode_matches_eager(models):
+    """On CUDA, the static cache's decode step runs through torch.compile(mode="reduce-overhead") (CUDA graphs)
+    and gives the eager tokens."""
+    _, ours = models["llama"]
+    model = ours.to("cuda")
+    try:
+        ids, mask = (t.cuda() for t in _prompt())
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)
+        graphed = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None,
+                                 cache_implementation="static")
+        assert hasattr(model, "_compiled_decode")
+        assert torch.equal(eager, graphed)
+    finally:
+        model.to("cpu")
+        if hasattr(model, "_compiled_decode"):
+            del model._compiled_decode

@@ -82,7 +82,7 @@ class PagedKVCache(Cache):
         # fresh causal pass over the flattened tokens, so it builds no mask of its own.
         return 0
 
-    def update(self, layer_idx, key, value):
+    def update(self, layer_idx, key, value, cache_position=None):
         # key, value: (1, kv_heads, total_tokens, head_dim) -> slots (total_tokens, kv_heads, head_dim)
         ctx = self.context
         k_cache, v_cache = ctx.key_caches[layer_idx], ctx.value_caches[layer_idx]

@@ -23,7 +23,9 @@ class Cache:
     def kv_length(self, new_tokens: int) -> int:
         return self.get_seq_length() + new_tokens
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+               cache_position: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store (batch, kv_heads, new, head_dim) keys and values; with cache_position (new,), at those slots."""
         raise NotImplementedError
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -46,7 +48,8 @@ class DynamicCache(Cache):
             return 0
         return self.key_cache[layer_idx].shape[2]
 
-    def update(self, layer_idx, key, value):
+    def update(self, layer_idx, key, value, cache_position=None):
+        # cache_position is implied: new tokens always follow the stored ones.
         if layer_idx == len(self.key_cache):
             self.key_cache.append(key)
             self.value_cache.append(value)
@@ -124,10 +127,16 @@ class StaticCache(Cache):
     def kv_length(self, new_tokens: int) -> int:
         return self.max_cache_len if self.fixed_shape else self._written[0] + new_tokens
 
-    def update(self, layer_idx, key, value):
+    def update(self, layer_idx, key, value, cache_position=None):
         # key, value: (batch, kv_heads, new_tokens, head_dim)
         if self.key_cache[layer_idx] is None:
             self._allocate(layer_idx, key)
+        if cache_position is not None:
+            # The compiled step: write at the given slots, read no Python count (the caller calls mark_written).
+            keys, values = self.key_cache[layer_idx], self.value_cache[layer_idx]
+            keys.index_copy_(2, cache_position, key.to(keys.dtype))
+            values.index_copy_(2, cache_position, value.to(values.dtype))
+            return keys, values
         start, new = self._written[layer_idx], key.shape[2]
         if start + new > self.max_cache_len:
             raise ValueError(
@@ -155,6 +164,10 @@ class StaticCache(Cache):
                 index = beam_idx.to(keys.device)
                 keys.copy_(keys.index_select(0, index))
                 values.copy_(values.index_select(0, index))
+
+    def mark_written(self, length: int) -> None:
+        """Record that every layer now holds `length` tokens (after updates made with cache_position)."""
+        self._written = [length] * self.num_layers
 
     def crop(self, max_length: int) -> None:
         """Forget the tokens from position max_length on (the slots are overwritten by the next update)."""

@@ -89,6 +89,7 @@ class _StepInputs:
         self.cache = cache
         # a fixed-shape static cache attends over all its slots
         self.full_mask = isinstance(cache, StaticCache) and cache.fixed_shape
+        self.slots: torch.Tensor | None = None  # arange(max_cache_len): cache positions for fixed-shape steps
         if attention_mask is None:
             self.positions = torch.arange(max_length, device=device).expand(rows, max_length)
             self.mask = None
@@ -114,8 +115,15 @@ class _StepInputs:
         if self.cache is None:
             return dict(input_ids=sequences[:, :length], position_ids=self.positions[:, :length],
                         attention_mask=self._mask_until(length))
-        return dict(input_ids=sequences[:, length - 1:length], position_ids=self.positions[:, length - 1:length],
-                    attention_mask=self._mask_until(length))
+        inputs = dict(input_ids=sequences[:, length - 1:length], position_ids=self.positions[:, length - 1:length],
+                      attention_mask=self._mask_until(length))
+        if self.full_mask:
+            # A fixed-shape step: the cache slot arrives as a tensor, so one compiled graph serves every step.
+            if self.slots is None:
+                self.slots = torch.arange(self.cache.max_cache_len, device=sequences.device)
+            inputs["cache_position"] = self.slots[length - 1:length]
+            self.cache.mark_written(length)
+        return inputs
 
 
 class GenerationMixin:

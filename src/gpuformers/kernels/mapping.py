@@ -125,6 +125,9 @@ def _silu_forward(self, x):
 
 _ACTIVE_FUNCTIONS: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("gpuformers_kernel_functions",
                                                                                          default={})
+# How many kernelized forwards are running, in any thread. While it is 0 a marked function calls torch directly
+# without reading the ContextVar, which torch.compile cannot trace (a graph break in every layer otherwise).
+_ACTIVE_DEPTH = 0
 
 
 def use_kernel_function(layer_name: str):
@@ -133,6 +136,8 @@ def use_kernel_function(layer_name: str):
     def decorate(fn):
         @functools.wraps(fn)
         def dispatch(*args, **kwargs):
+            if not _ACTIVE_DEPTH:
+                return fn(*args, **kwargs)
             kernel = _ACTIVE_FUNCTIONS.get().get(layer_name)
             return fn(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
 
@@ -292,6 +297,8 @@ def _restore_torch_forwards(model: nn.Module, state: _KernelState) -> None:
 
 def _enter_functions(state: _KernelState):
     def hook(module, args):
+        global _ACTIVE_DEPTH
+        _ACTIVE_DEPTH += 1
         state.tokens.append(_ACTIVE_FUNCTIONS.set(dict(state.functions)))
 
     return hook
@@ -299,8 +306,10 @@ def _enter_functions(state: _KernelState):
 
 def _exit_functions(state: _KernelState):
     def hook(module, args, output):
+        global _ACTIVE_DEPTH
         if state.tokens:
             _ACTIVE_FUNCTIONS.reset(state.tokens.pop())
+            _ACTIVE_DEPTH -= 1
 
     return hook
 

@@ -11,7 +11,8 @@ A backend is a function
 registered under a name: "eager" and "sdpa" here; other backends (flash_attention_2, triton, paged) register
 themselves from their own files, and users add theirs with `AttentionInterface.register("mine", fn)`.
 
-Offers: AttentionInterface, ATTENTION_FUNCTIONS, eager_attention, sdpa_attention, repeat_kv, build_attention_mask.
+Offers: AttentionInterface, ATTENTION_FUNCTIONS, eager_attention, sdpa_attention, repeat_kv, build_attention_mask,
+build_attention_mask_at.
 """
 
 from __future__ import annotations
@@ -108,6 +109,28 @@ class AttentionInterface:
 
 
 ATTENTION_FUNCTIONS = AttentionInterface
+
+
+def build_attention_mask_at(
+    attention_mask: torch.Tensor | None,
+    cache_position: torch.Tensor,
+    kv_len: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The same mask as build_attention_mask, for queries at cache positions given as a tensor (q_len,): no host
+    sync and no shape that depends on a value, so a compiled or CUDA-graph-captured decode step is built once."""
+    kv_pos = torch.arange(kv_len, device=cache_position.device)[None, :]
+    q_pos = cache_position[:, None]
+    mask = kv_pos <= q_pos  # (q_len, kv_len)
+    if sliding_window is not None:
+        mask = mask & (q_pos - kv_pos < sliding_window)
+    mask = mask[None, None]
+    if attention_mask is not None:
+        keep = attention_mask[:, :kv_len].bool()
+        if keep.shape[1] < kv_len:
+            keep = F.pad(keep, (0, kv_len - keep.shape[1]), value=True)
+        mask = mask & keep[:, None, None, :]
+    return mask
 
 
 def build_attention_mask(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gpuformers.generation.cache import Cache, DynamicCache
-from gpuformers.layers.attention import AttentionInterface, build_attention_mask
+from gpuformers.layers.attention import AttentionInterface, build_attention_mask, build_attention_mask_at
 from gpuformers.layers.loss import causal_lm_loss
 from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.norm import RMSNorm
@@ -46,7 +46,8 @@ class LlamaAttention(nn.Module):
         """Hook for families that transform q and k per head before rotary (Qwen3's q/k norm)."""
         return q, k
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None):
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None,
+                cache_position: torch.Tensor | None = None):
         batch, seq, _ = hidden_states.shape
         # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim)
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
-            k, v = past_key_values.update(self.layer_idx, k, v)
+            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
         out, _ = self.attention_fn(
             self,
             q,
@@ -81,10 +82,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         residual = hidden_states
         hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position
         )
         hidden_states = residual + hidden_states
         residual = hidden_states
@@ -107,12 +108,16 @@ class LlamaModel(nn.Module):
                                key=lambda w: (w is not None, w or 0))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, output_hidden_states=False):
+                inputs_embeds=None, output_hidden_states=False, cache_position=None):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq, _ = inputs_embeds.shape
+        if cache_position is not None:
+            # The compiled decode path: positions arrive as a tensor, nothing here reads a length from the cache.
+            return self._forward_at(inputs_embeds, attention_mask, position_ids, past_key_values, cache_position,
+                                    output_hidden_states)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         kv_len = past_key_values.kv_length(seq) if past_key_values is not None else seq
         if position_ids is None:
@@ -124,12 +129,27 @@ class LlamaModel(nn.Module):
                 f"{seq} new tokens were given: pass a mask over past and new tokens ({past_len + seq})"
             )
         masks = {w: build_attention_mask(attention_mask, seq, kv_len, past_len, w) for w in self._windows}
+        return self._run_layers(inputs_embeds, position_ids, masks, past_key_values, None, output_hidden_states)
+
+    def _forward_at(self, inputs_embeds, attention_mask, position_ids, past_key_values, cache_position,
+                    output_hidden_states):
+        """Tokens at cache positions `cache_position` (seq,): the mask is built from that tensor."""
+        batch, seq, _ = inputs_embeds.shape
+        if position_ids is None:
+            position_ids = cache_position[None].expand(batch, -1)
+        kv_len = past_key_values.kv_length(seq) if past_key_values is not None else seq
+        masks = {w: build_attention_mask_at(attention_mask, cache_position, kv_len, w) for w in self._windows}
+        return self._run_layers(inputs_embeds, position_ids, masks, past_key_values, cache_position,
+                                output_hidden_states)
+
+    def _run_layers(self, inputs_embeds, position_ids, masks, past_key_values, cache_position, output_hidden_states):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         all_hidden = [hidden_states] if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings, masks[layer.self_attn.sliding_window], past_key_values
+                hidden_states, position_embeddings, masks[layer.self_attn.sliding_window], past_key_values,
+                cache_position,
             )
             if output_hidden_states:
                 all_hidden.append(hidden_states)
@@ -142,6 +162,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(PreTrainedModel):
     decoder_layer_class = LlamaDecoderLayer
     no_split_modules = ("LlamaDecoderLayer",)
+
+    @property
+    def supports_compiled_decode(self) -> bool:
+        # dynamic and longrope pick their frequencies from the longest position: a host sync per step.
+        return self.config.rope_type not in ("dynamic", "longrope")
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -174,11 +199,15 @@ class LlamaForCausalLM(PreTrainedModel):
         logits_to_keep: int = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        cache_position: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutput:
         """input_ids (batch, seq) -> CausalLMOutput(loss, logits (batch, seq or logits_to_keep, vocab), cache).
 
         `logits_to_keep=k` computes logits for the last k positions only (generation needs one).
+        `cache_position` (seq,): the cache slots of the new tokens, as a tensor. Given, the forward never reads a
+        length from the cache (no host sync, no value-dependent shape), which is what a compiled decode step over a
+        StaticCache needs; the caller then keeps the cache's count of written tokens (StaticCache.mark_written).
         """
         if kwargs:
             raise TypeError(f"forward() got unexpected arguments: {', '.join(sorted(kwargs))}")
@@ -188,7 +217,7 @@ class LlamaForCausalLM(PreTrainedModel):
             past_key_values = DynamicCache()
         hidden_states, all_hidden = self.model(
             input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
-            output_hidden_states,
+            output_hidden_states, cache_position,
         )
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]

@@ -1,0 +1,101 @@
+"""Server metrics in the Prometheus text format (GET /metrics), without the prometheus_client package.
+
+Counters (requests by endpoint and status, prompt and generated tokens), gauges read from the engine when scraped
+(waiting and running sequences, KV blocks used and total, engine steps, requests in flight) and two latency
+histograms (time to first token, time between tokens), all under the `gpuformers_` prefix.
+
+Offers: Histogram, Metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Cumulative buckets in seconds, as Prometheus expects them (le="+Inf" is the count)."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.sum += seconds
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        out += [f'{self.name}_bucket{{le="{bound}"}} {count}' for bound, count in zip(self.buckets, self.counts)]
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
+                f"{self.name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    """What the server counts; `render(manager, in_flight)` gives the /metrics text."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, HTTP status) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram("gpuformers_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.itl = Histogram("gpuformers_inter_token_latency_seconds",
+                             "Seconds between consecutive generated tokens of a request.", ITL_BUCKETS)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.generation_tokens += generated
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        with self._lock:
+            self.itl.observe(seconds)
+
+    def render(self, manager=None, in_flight: int = 0) -> str:
+        with self._lock:
+            lines = ["# HELP gpuformers_requests_total HTTP requests answered, by endpoint and status.",
+                     "# TYPE gpuformers_requests_total counter"]
+            lines += [f'gpuformers_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}'
+                      for (endpoint, status), count in sorted(self.requests.items())]
+            lines += ["# HELP gpuformers_prompt_tokens_total Prompt tokens of admitted requests.",
+                      "# TYPE gpuformers_prompt_tokens_total counter",
+                      f"gpuformers_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP gpuformers_generation_tokens_total Tokens generated.",
+                      "# TYPE gpuformers_generation_tokens_total counter",
+                      f"gpuformers_generation_tokens_total {self.generation_tokens}"]
+            gauges = {"requests_in_flight": ("Engine requests the server is waiting on.", in_flight)}
+            if manager is not None:
+                blocks = manager.block_manager
+                gauges.update({
+                    "num_requests_waiting": ("Sequences waiting for admission.", len(manager.scheduler.waiting)),
+                    "num_requests_running": ("Sequences in the running batch.", len(manager.scheduler.running)),
+                    "kv_blocks_used": ("KV cache blocks in use.", blocks.num_blocks - blocks.num_free_blocks),
+                    "kv_blocks_total": ("KV cache blocks in all.", blocks.num_blocks),
+                })
+                lines += ["# HELP gpuformers_engine_steps_total Engine steps run (a step runs only when there is work).",
+                          "# TYPE gpuformers_engine_steps_total counter",
+                          f"gpuformers_engine_steps_total {manager.num_steps}"]
+            for name, (help, value) in gauges.items():
+                lines += [f"# HELP gpuformers_{name} {help}", f"# TYPE gpuformers_{name} gauge",
+                          f"gpuformers_{name} {value}"]
+            lines += self.ttft.lines() + self.itl.lines()
+        return "\n".join(lines) + "\n"

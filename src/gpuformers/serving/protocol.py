@@ -1,0 +1,228 @@
+"""The OpenAI request and error shapes: validation of /v1/completions and /v1/chat/completions bodies.
+
+Validation is hand-written (not pydantic) so that every bad field gets a message naming the field, its value and
+what is allowed, as an OpenAI error object: {"error": {"message", "type", "param", "code"}}. A request that passes
+becomes a `CompletionRequest`; the server turns it into engine requests.
+
+Offers: APIError, error_body, CompletionRequest, parse_completion, parse_chat.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 16  # choices per request: each is a full engine request
+MAX_STOP = 4  # stop strings, as OpenAI allows
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             422: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class CompletionRequest:
+    """A validated request. Exactly one of `prompt_ids` (completions) and `messages` (chat) is set."""
+
+    model: str
+    chat: bool
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    ignore_eos: bool = False
+
+
+# Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce).
+_IGNORED = {"user", "frequency_penalty", "presence_penalty", "logit_bias", "parallel_tool_calls", "store",
+            "metadata", "service_tier", "best_of", "suffix"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
+           "logprobs", "ignore_eos"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+                          "tool_choice"}
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(body: dict, name: str, low: int | None = None, high: int | None = None, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"{name} must be an integer, got {_type_name(value)} {value!r}", name)
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise APIError(400, f"{name}={value} must be {bounds}", name)
+    return value
+
+
+def _float(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise APIError(400, f"{name} must be a finite number, got {_type_name(value)} {value!r}", name)
+    if value > high or value < low or (low_open and value == low):
+        raise APIError(400, f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}]", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {_type_name(value)} {value!r}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"stop must be a string or a list of strings, got {value!r}", "stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP} are allowed", "stop")
+    if any(s == "" for s in stops):
+        raise APIError(400, "stop sequences must not be empty strings", "stop")
+    return stops
+
+
+def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_type_name(body)}")
+    unknown = sorted(set(body) - allowed - _IGNORED)
+    if unknown:
+        raise APIError(400, f"unknown field(s): {', '.join(unknown)}; known: {', '.join(sorted(allowed))}",
+                       unknown[0])
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "model is required: give the name /v1/models lists", "model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {model!r}", "model")
+    max_tokens = _int(body, "max_tokens", 1)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", 1)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise APIError(400, f"stream_options must be an object with only include_usage, got {stream_options!r}",
+                           "stream_options")
+        if not body.get("stream"):
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        include_usage = _bool(stream_options, "include_usage")
+    return CompletionRequest(
+        model=model, chat=chat, max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
+        top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
+        n=_int(body, "n", 1, MAX_N, 1), stop=_stop(body), seed=_int(body, "seed", default=None),
+        stream=_bool(body, "stream"), include_usage=include_usage, ignore_eos=_bool(body, "ignore_eos"),
+    )
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """A validated /v1/completions request; `prompt` is a string or a list of token ids (one prompt)."""
+    request = _common(body, _COMPLETION_FIELDS, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt is empty; give at least one character or token id", "prompt")
+        request.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.prompt_ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
+                            "(send one request per prompt)", "prompt")
+    else:
+        raise APIError(400, f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:300],
+                       "prompt")
+    logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if logprobs is not None:
+        request.logprobs, request.top_logprobs = True, logprobs
+    request.echo = _bool(body, "echo")
+    if request.echo and request.stream:
+        raise APIError(400, "echo=true is not supported with stream=true; turn one of them off", "echo")
+    return request
+
+
+def parse_chat(body: Any) -> CompletionRequest:
+    """A validated /v1/chat/completions request."""
+    request = _common(body, _CHAT_FIELDS, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}"[:300],
+                       "messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{i}] must be an object, got {_type_name(message)}", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {role!r} is not one of: {', '.join(ROLES)}", f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": ...}}; "
+                                    "this server takes text only", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str) and not (content is None and role == "assistant"):
+            raise APIError(400, f"messages[{i}].content must be a string, got {_type_name(content)}",
+                           f"messages[{i}].content")
+        clean.append({"role": "system" if role == "developer" else role, "content": content or ""})
+    request.messages = clean
+    request.logprobs = _bool(body, "logprobs")
+    request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported: this server has no constrained "
+                                "decoding; use type \"text\" (or leave it out) and ask for JSON in the prompt",
+                           "response_format")
+    if body.get("tools"):
+        raise APIError(400, "tools are not supported by this server yet; leave tools out", "tools")
+    return request

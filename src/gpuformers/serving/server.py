@@ -1,0 +1,512 @@
+"""The FastAPI app of `gpuformers serve`: OpenAI's /v1/models, /v1/completions and /v1/chat/completions on the
+continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with uvicorn.
+
+Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
+carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
+incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
+which frees its KV blocks. A client that disconnects cancels its requests the same way.
+
+    HTTP body -> protocol.parse_* -> token ids -> Engine.submit (n engine requests) -> ChoiceText -> JSON or SSE
+
+Offers: Engine, ChoiceText, build_app, run_server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpuformers.serving.metrics import Metrics
+from gpuformers.serving.protocol import APIError, CompletionRequest, error_body, parse_chat, parse_completion
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before parsing
+
+
+class Engine:
+    """The server's view of a ContinuousBatchingManager: submit one engine request, get its outputs in the event
+    loop, cancel it. Counts the requests in flight so that a full server answers 429 at once."""
+
+    def __init__(self, manager, max_pending: int):
+        self.manager = manager
+        self.max_pending = max_pending
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        self._drain_lock = threading.Lock()
+
+    def reserve(self, count: int) -> None:
+        """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere)."""
+        with self._lock:
+            if self.in_flight + count > self.max_pending:
+                raise APIError(429, f"the server is full: {self.in_flight} requests in flight, at most "
+                                    f"{self.max_pending} (--max-pending); retry later", code="server_full")
+            self.in_flight += count
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self.in_flight -= count
+
+    def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue: asyncio.Queue,
+               loop: asyncio.AbstractEventLoop) -> str:
+        """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished."""
+        request_id = f"srv-{uuid.uuid4().hex}"
+        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True, **sampling)
+        thread = threading.Thread(target=self._pump, args=(request_id, tag, queue, loop), daemon=True,
+                                  name=f"pump-{request_id[-8:]}")
+        thread.start()
+        return request_id
+
+    def _pump(self, request_id: str, tag: Any, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            for output in self.manager.request_id_iter(request_id):
+                loop.call_soon_threadsafe(queue.put_nowait, (tag, output))
+        except RuntimeError:  # the event loop closed under us (server shutdown)
+            return
+        # The engine also files every finished output for get_result; the server reads streams only, so it
+        # empties that store here or it would grow with every request served.
+        with self._drain_lock:
+            while self.manager.get_result(None, timeout=0) is not None:
+                pass
+
+    def cancel(self, request_id: str) -> None:
+        self.manager.cancel_request(request_id)
+
+
+class ChoiceText:
+    """One choice's text, decoded incrementally from its token ids, cut at the first stop string.
+
+    `update(output)` returns the new text that can be sent now: text that could still turn into a stop string
+    (its last len(longest stop) - 1 characters) or that ends in an incomplete UTF-8 character is held back."""
+
+    def __init__(self, tokenizer, stops: list[str], max_tokens: int, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.sent = 0  # characters of self.text already returned by update
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def update(self, output) -> str:
+        from gpuformers.engine.sequence import RequestStatus
+
+        if self.finished:
+            return ""
+        self.token_ids = list(output.generated_tokens)
+        self.logprobs = list(output.logprobs)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        done = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.finish_reason = text[:cut], "stop"
+        elif output.status == RequestStatus.FAILED:
+            self.error = output.error or "the engine failed this request"
+        elif done:
+            last = self.token_ids[-1] if self.token_ids else None
+            self.finish_reason = "stop" if last in self.eos_ids else "length"
+        self.text = text
+        end = len(text)
+        if not self.finished:
+            end = max(self.sent, end - self.hold)
+            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character: wait for more
+                end -= 1
+        new, self.sent = text[self.sent:end], max(self.sent, end)
+        return new
+
+    def num_tokens_kept(self) -> int:
+        """Generated tokens that the returned text covers (all of them unless a stop string cut the text)."""
+        if self.finish_reason != "stop" or not self.stops:
+            return len(self.token_ids)
+        for k in range(len(self.token_ids) + 1):
+            if len(self.tokenizer.decode(self.token_ids[:k], skip_special_tokens=True)) >= len(self.text):
+                return k
+        return len(self.token_ids)
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _State:
+    """What the route handlers share: the model's facts, the engine, the metrics."""
+
+    def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, api_key: str | None,
+                 max_pending: int):
+        self.engine = Engine(manager, max_pending)
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.created = _now()
+        self.vocab_size = manager.model.config.vocab_size
+        self.eos_ids = set(manager.generation_config.eos_token_ids or ())
+        blocks = manager.block_manager
+        self.cache_tokens = blocks.num_blocks * blocks.block_size
+        self.shutting_down = False
+
+
+def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
+              max_pending: int = 256):
+    """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan)."""
+    config = manager.model.config
+    context = getattr(config, "max_position_embeddings", None) or 2048
+    state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        manager.start()
+        yield
+        state.shutting_down = True
+        manager.stop(timeout=10)
+
+    app = FastAPI(title="gpuformers", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = state
+
+    def error_response(error: APIError, endpoint: str | None = None) -> JSONResponse:
+        if endpoint:
+            state.metrics.count_request(endpoint, error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError):
+        return error_response(error, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
+        message = (f"no route {request.method} {request.url.path}; routes: GET /health, GET /metrics, "
+                   "GET /v1/models, POST /v1/completions, POST /v1/chat/completions")
+        return JSONResponse(error_body(message if error.status_code in (404, 405) else str(error.detail), kind),
+                            status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError):
+        return JSONResponse(error_body(f"invalid request: {error.errors()}"[:1000]), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def on_any_error(request: Request, error: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
+                            status_code=500)
+
+    def check_auth(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != state.api_key:
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with (--api-key)", code="invalid_api_key")
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(400, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as error:  # UnicodeDecodeError (bad UTF-8) is a ValueError too
+            raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
+
+    @app.get("/health")
+    async def health():
+        if not manager.is_running():
+            return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(manager, state.engine.in_flight),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "gpuformers", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        parsed = parse_completion(await read_json(request))
+        return await serve(request, parsed, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        parsed = parse_chat(await read_json(request))
+        return await serve(request, parsed, "/v1/chat/completions")
+
+    def prompt_ids_of(parsed: CompletionRequest) -> list[int]:
+        if parsed.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise APIError(400, f"model {state.model_name!r} has no chat template; use /v1/completions")
+            try:
+                ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, return_dict=False)
+            except Exception as error:  # the template's own checks (role order, ...) raise template errors
+                raise APIError(400, f"the chat template rejected these messages: {error}", "messages") from None
+            return list(ids)
+        if parsed.prompt_ids is not None:
+            bad = [t for t in parsed.prompt_ids if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                               "prompt")
+            return parsed.prompt_ids
+        return tokenizer.encode(parsed.prompt_text, add_special_tokens=True)
+
+    def check_lengths(parsed: CompletionRequest, prompt_len: int) -> int:
+        if prompt_len == 0:
+            raise APIError(400, "the prompt has no tokens", "prompt")
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
+            max_tokens = 16 if not parsed.chat else state.max_model_len - prompt_len
+            max_tokens = max(1, min(max_tokens, state.max_model_len - prompt_len))
+        if prompt_len + max_tokens > state.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but the "
+                                f"request asks for {prompt_len + max_tokens}: {prompt_len} in the prompt + "
+                                f"{max_tokens} max_tokens; shorten the prompt or lower max_tokens",
+                           "max_tokens" if parsed.max_tokens is not None else "messages" if parsed.chat else "prompt",
+                           code="context_length_exceeded")
+        if prompt_len + max_tokens - 1 > state.cache_tokens:
+            raise APIError(400, f"the request needs {prompt_len} prompt + {max_tokens} max_tokens tokens of KV cache "
+                                f"but the cache holds {state.cache_tokens}; lower max_tokens", "max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int) -> dict:
+        values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": parsed.ignore_eos,
+                                  "return_logprobs": parsed.logprobs}
+        if parsed.temperature == 0:
+            values["do_sample"] = False
+        else:
+            values.update(do_sample=True, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k)
+        if parsed.seed is not None:
+            values["seed"] = parsed.seed + index  # n choices with one seed must still differ from each other
+        return values
+
+    async def serve(request: Request, parsed: CompletionRequest, endpoint: str):
+        if state.shutting_down:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if parsed.model != state.model_name:
+            raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves "
+                                f"{state.model_name!r}", "model", code="model_not_found")
+        if parsed.top_logprobs:
+            raise APIError(400, f"top_logprobs={parsed.top_logprobs} is not supported yet: the engine returns the "
+                                "chosen token's logprob only; ask for logprobs with top_logprobs 0",
+                           "top_logprobs" if parsed.chat else "logprobs")
+        if parsed.echo and parsed.logprobs:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which the engine does not compute yet; "
+                                "use one of them", "echo")
+        prompt_ids = prompt_ids_of(parsed)
+        max_tokens = check_lengths(parsed, len(prompt_ids))
+        state.engine.reserve(parsed.n)
+        job = _Job(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
+        try:
+            job.start(sampling_of)
+        except Exception:
+            job.close()
+            raise
+        state.metrics.count_tokens(len(prompt_ids), 0)
+        if parsed.stream:
+            state.metrics.count_request(endpoint, 200)
+            return StreamingResponse(job.sse(request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            body = await job.whole(request)
+        finally:
+            job.close()
+        state.metrics.count_request(endpoint, 200)
+        return body
+
+    return app
+
+
+class _Job:
+    """One HTTP request's n engine requests, their texts, and the response they make (whole or streamed)."""
+
+    def __init__(self, state: _State, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
+        self.state, self.parsed, self.prompt_ids, self.max_tokens, self.loop = state, parsed, prompt_ids, max_tokens, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids) for _ in range(parsed.n)]
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = _now()
+        self.arrival = time.monotonic()
+        self.last_token_time: list[float | None] = [None] * parsed.n
+        self.closed = False
+
+    def start(self, sampling_of) -> None:
+        for index in range(self.parsed.n):
+            sampling = sampling_of(self.parsed, index, self.max_tokens)
+            self.request_ids.append(self.state.engine.submit(self.prompt_ids, sampling, index, self.queue, self.loop))
+
+    def close(self) -> None:
+        """Cancel what is still running (a disconnect, a stop string, an error) and give the slots back."""
+        if self.closed:
+            return
+        self.closed = True
+        for request_id, choice in zip(self.request_ids, self.choices):
+            if not choice.finished or choice.finish_reason == "stop" and choice.stops:
+                self.state.engine.cancel(request_id)  # a no-op for a request the engine already finished
+        self.state.engine.release(self.parsed.n)
+        generated = sum(c.num_tokens_kept() for c in self.choices)
+        self.state.metrics.count_tokens(0, generated)
+
+    async def _next(self, request) -> tuple[int, str]:
+        """The next (choice index, new text) from the engine; raises ConnectionError when the client left."""
+        while True:
+            try:
+                index, output = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ConnectionError("client disconnected") from None
+                continue
+            choice = self.choices[index]
+            before = len(choice.token_ids)
+            text = choice.update(output)
+            self._time_tokens(index, len(choice.token_ids) - before)
+            return index, text
+
+    def _time_tokens(self, index: int, new_tokens: int) -> None:
+        if new_tokens <= 0:
+            return
+        now = time.monotonic()
+        last = self.last_token_time[index]
+        if last is None:
+            self.state.metrics.observe_ttft(now - self.arrival)
+            new_tokens -= 1
+        else:
+            for _ in range(new_tokens):  # tokens that arrived together share the interval
+                self.state.metrics.observe_itl((now - last) / new_tokens)
+        self.last_token_time[index] = now
+
+    def _check_error(self) -> None:
+        for choice in self.choices:
+            if choice.error is not None:
+                raise APIError(500, f"generation failed: {choice.error}", type="server_error")
+
+    def _usage(self) -> dict:
+        completion = sum(c.num_tokens_kept() for c in self.choices)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion}
+
+    def _logprobs(self, choice: ChoiceText, offset: int = 0) -> dict | None:
+        if not self.parsed.logprobs:
+            return None
+        tokenizer = self.state.tokenizer
+        kept = choice.num_tokens_kept()
+        ids, values = choice.token_ids[:kept], choice.logprobs[:kept]
+        strings = [tokenizer.decode([t]) for t in ids]
+        if self.parsed.chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                                for s, lp in zip(strings, values)]}
+        offsets, position = [], offset
+        for s in strings:
+            offsets.append(position)
+            position += len(s)
+        return {"tokens": strings, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+    async def whole(self, request) -> dict:
+        try:
+            while not all(c.finished for c in self.choices):
+                await self._next(request)
+        except ConnectionError:
+            return {}
+        self._check_error()
+        choices = []
+        for index, choice in enumerate(self.choices):
+            if self.parsed.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                                "logprobs": self._logprobs(choice), "finish_reason": choice.finish_reason})
+            else:
+                prefix = (self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)) if self.parsed.echo else ""
+                choices.append({"index": index, "text": prefix + choice.text, "logprobs": self._logprobs(choice),
+                                "finish_reason": choice.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
+                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
+
+    def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+               logprobs: dict | None = None) -> str:
+        if self.parsed.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            kind = "text_completion"
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
+                "choices": [choice]}
+        if self.parsed.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, request) -> AsyncIterator[str]:
+        """Server-sent events: a role chunk per choice (chat), text deltas, a finish chunk per choice, the usage
+        chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are too."""
+        try:
+            if self.parsed.chat:
+                for index in range(self.parsed.n):
+                    yield self._chunk(index, None, None, role=True)
+            while not all(c.finished for c in self.choices):
+                index, text = await self._next(request)
+                choice = self.choices[index]
+                if choice.error is not None:
+                    body = error_body(f"generation failed: {choice.error}", "server_error")
+                    yield f"data: {json.dumps(body)}\n\n"
+                    break
+                if text:
+                    yield self._chunk(index, text, None)
+                if choice.finished:
+                    yield self._chunk(index, None if self.parsed.chat else "", choice.finish_reason,
+                                      logprobs=self._logprobs(choice))
+            if self.parsed.include_usage:
+                body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
+                        "created": self.created, "model": self.state.model_name, "choices": [],
+                        "usage": self._usage()}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        except ConnectionError:
+            return
+        finally:
+            self.close()
+
+
+def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, max_model_len: int | None = None, max_pending: int = 256,
+               log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
+    """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
+    up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
+    import signal
+    import sys
+
+    import uvicorn
+
+    # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers that ends the process
+    # with a plain exit (0) instead of a death by signal or a KeyboardInterrupt traceback.
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: sys.exit(0))
+    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
+    uvicorn.Server(config).run()
