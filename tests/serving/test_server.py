@@ -153,6 +153,12 @@ def test_logprobs_match_the_model(server, reference):
     completion = client(server).completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0,
                                                    logprobs=0)
     assert completion.choices[0].logprobs.token_logprobs == pytest.approx([i.logprob for i in content], abs=1e-4)
+    # Streamed: each chunk carries the logprobs of its own tokens; together they are the whole answer's.
+    stream = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                                    temperature=0, logprobs=True, stream=True)
+    streamed = [item for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
 
 
 def test_echo_prepends_the_prompt(server):
@@ -198,15 +204,20 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(server):
     assert error.value.body["code"] == "context_length_exceeded"
 
 
-def test_disconnect_cancels_and_frees_the_blocks(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_and_frees_the_blocks(server, stream):
     before = server.metrics()
-    body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": 1000, "temperature": 0, "stream": True,
+    body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": 1000, "temperature": 0, "stream": stream,
             "ignore_eos": True}
-    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        in_flight = server.metrics()
-        assert in_flight["gpuformers_requests_in_flight"] == 1 and in_flight["gpuformers_kv_blocks_used"] > 0
+    if stream:
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            in_flight = server.metrics()
+            assert in_flight["gpuformers_requests_in_flight"] == 1 and in_flight["gpuformers_kv_blocks_used"] > 0
+    else:  # the client gives up waiting for the whole answer; the server notices within its 0.5 s poll
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/completions", json=body, timeout=0.3)
     metrics = wait_idle(server)
     assert metrics["gpuformers_generation_tokens_total"] - before["gpuformers_generation_tokens_total"] < 1000
     time.sleep(0.3)

@@ -411,12 +411,14 @@ class _Job:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
                 "total_tokens": len(self.prompt_ids) + completion}
 
-    def _logprobs(self, choice: ChoiceText, offset: int = 0) -> dict | None:
+    def _logprobs(self, choice: ChoiceText, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
+        """The logprobs object of generated tokens [start, end) (end: all the answer covers); `offset` is the
+        text position of token `start` (completions' text_offset)."""
         if not self.parsed.logprobs:
             return None
         tokenizer = self.state.tokenizer
-        kept = choice.num_tokens_kept()
-        ids, values = choice.token_ids[:kept], choice.logprobs[:kept]
+        end = choice.num_tokens_kept() if end is None else end
+        ids, values = choice.token_ids[start:end], choice.logprobs[start:end]
         strings = [tokenizer.decode([t]) for t in ids]
         if self.parsed.chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
@@ -464,6 +466,7 @@ class _Job:
     async def sse(self, request) -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice (chat), text deltas, a finish chunk per choice, the usage
         chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are too."""
+        reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
         try:
             if self.parsed.chat:
                 for index in range(self.parsed.n):
@@ -475,11 +478,16 @@ class _Job:
                     body = error_body(f"generation failed: {choice.error}", "server_error")
                     yield f"data: {json.dumps(body)}\n\n"
                     break
+                # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
+                end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
                 if text:
-                    yield self._chunk(index, text, None)
+                    offset = choice.sent - len(text)
+                    yield self._chunk(index, text, None, logprobs=self._logprobs(choice, reported[index], end, offset))
+                    reported[index] = max(reported[index], end)
                 if choice.finished:
                     yield self._chunk(index, None if self.parsed.chat else "", choice.finish_reason,
-                                      logprobs=self._logprobs(choice))
+                                      logprobs=self._logprobs(choice, reported[index], end, choice.sent))
+                    reported[index] = max(reported[index], end)
             if self.parsed.include_usage:
                 body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
                         "created": self.created, "model": self.state.model_name, "choices": [],
