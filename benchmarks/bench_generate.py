@@ -15,6 +15,7 @@ the bandwidth measured here by copying a 1 GiB tensor (bytes read + bytes writte
 
     python benchmarks/bench_generate.py                 # tiny Qwen3 shape (~10M parameters), batch 1 and 8
     python benchmarks/bench_generate.py --big           # also the Qwen3-0.6B shape in float32 (~2.4 GB)
+    python benchmarks/bench_generate.py --compile --threads 1   # plus a compiled static-cache decode step
     python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --big
 """
 
@@ -100,6 +101,14 @@ def bench_shape(name: str, shape: dict, args, batches: list[int]) -> None:
         "ours static": lambda p, n: ours.generate(p, max_new_tokens=n, eos_token_id=None,
                                                   cache_implementation="static"),
     }
+    if args.compile:
+        # Opt-in on the CPU (a compile_config given); on CUDA "ours static" is already compiled automatically.
+        from gpuformers.generation.config import CompileConfig
+
+        mode = "reduce-overhead" if args.device.startswith("cuda") else "default"
+        variants["ours static+compiled"] = lambda p, n: ours.generate(
+            p, max_new_tokens=n, eos_token_id=None, cache_implementation="static",
+            compile_config=CompileConfig(mode=mode))
     bound = None
     if args.big_bound:
         bandwidth = copy_bandwidth(args.device)
@@ -107,8 +116,11 @@ def bench_shape(name: str, shape: dict, args, batches: list[int]) -> None:
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> bound {bound:.2f} tokens/s per sequence at batch 1")
     for batch in batches:
         prompt = torch.randint(2, shape["vocab_size"], (batch, args.prompt_length), device=args.device)
-        for generate in variants.values():  # warm up (first calls allocate, import and compile)
-            run_case(generate, prompt, 4, args.device)
+        for key, generate in variants.items():  # warm up (first calls allocate, import and compile)
+            start = time.perf_counter()
+            run_case(generate, prompt, args.new_tokens if "compiled" in key else 4, args.device)
+            if "compiled" in key:
+                print(f"  {key}: first call (compiling) {time.perf_counter() - start:.1f} s")
         times = {key: {1: [], args.new_tokens: []} for key in variants}
         for _ in range(args.repeats):
             for key, generate in variants.items():
@@ -133,6 +145,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per timed call (default: 64)")
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (the best counts)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add ours with a static cache and a torch.compile'd decode step (CPU: about a minute "
+                             "to compile, reported separately)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

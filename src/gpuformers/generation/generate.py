@@ -298,9 +298,10 @@ class GenerationMixin:
 
     def _compiles_decode(self, config: GenerationConfig) -> bool:
         """transformers' auto-compile rule, less the cache: on CUDA unless disable_compile=True, for a model that
-        supports it (the step is then compiled when its cache is a fixed-shape StaticCache)."""
+        supports it (the step is then compiled when its cache is a fixed-shape StaticCache). On other devices only
+        when the caller passes a compile_config: compiling costs about a minute there, worth it for long runs."""
         device = self.get_input_embeddings().weight.device
-        if device.type != "cuda" or config.disable_compile:
+        if config.disable_compile or (device.type != "cuda" and config.compile_config is None):
             return False
         if not self.supports_compiled_decode:
             warnings.warn(
