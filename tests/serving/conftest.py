@@ -33,13 +33,15 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m gpuformers serve ...` in a child process; `url` is its /v1 base."""
 
-    def __init__(self, folder: Path, *extra: str):
+    def __init__(self, folder: Path, *extra: str, model: str | None = None, gpus: str = ""):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUFORMERS_DEBUG": "1"}
         env.pop("GPUFORMERS_API_KEY", None)
-        command = [sys.executable, "-m", "gpuformers", "--gpus", "", "serve", str(folder), "--port", str(self.port),
+        # gpus "" hides the GPUs (a CPU server); None leaves CUDA_VISIBLE_DEVICES as it is.
+        command = [sys.executable, "-m", "gpuformers", *(["--gpus", gpus] if gpus is not None else []), "serve",
+                   model or str(folder), "--port", str(self.port),
                    "--served-model-name", MODEL_NAME, "--log-level", "warning", *extra]
         self.log = open(folder / f"server-{self.port}.log", "w+")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -7,9 +7,7 @@ free its KV blocks; bad input must get OpenAI error objects, never a 500; --api-
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import subprocess
 import time
 
 import httpx

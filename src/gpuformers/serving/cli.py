@@ -45,12 +45,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        raise RuntimeError(f"serving needs the serve extra ({error.name} is missing): "
-                           "pip install 'gpuformers[serve]'") from None
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(f"serving needs the serve extra ({', '.join(missing)} missing): "
+                           "pip install 'gpuformers[serve]'")
     for name in ("port", "max_model_len", "max_num_seqs", "max_batch_tokens", "num_blocks", "max_pending"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -91,7 +91,7 @@ class Metrics:
                     "kv_blocks_used": ("KV cache blocks in use.", blocks.num_blocks - blocks.num_free_blocks),
                     "kv_blocks_total": ("KV cache blocks in all.", blocks.num_blocks),
                 })
-                lines += ["# HELP gpuformers_engine_steps_total Engine steps run (a step runs only when there is work).",
+                lines += ["# HELP gpuformers_engine_steps_total Engine steps run (only when there is work).",
                           "# TYPE gpuformers_engine_steps_total counter",
                           f"gpuformers_engine_steps_total {manager.num_steps}"]
             for name, (help, value) in gauges.items():

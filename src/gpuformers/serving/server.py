@@ -346,7 +346,8 @@ class _Job:
     """One HTTP request's n engine requests, their texts, and the response they make (whole or streamed)."""
 
     def __init__(self, state: _State, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
-        self.state, self.parsed, self.prompt_ids, self.max_tokens, self.loop = state, parsed, prompt_ids, max_tokens, loop
+        self.state, self.parsed, self.prompt_ids = state, parsed, prompt_ids
+        self.max_tokens, self.loop = max_tokens, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
         self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids) for _ in range(parsed.n)]
@@ -354,6 +355,7 @@ class _Job:
         self.created = _now()
         self.arrival = time.monotonic()
         self.last_token_time: list[float | None] = [None] * parsed.n
+        self.last_check = time.monotonic()  # when the client was last seen connected
         self.closed = False
 
     def start(self, sampling_of) -> None:
@@ -376,11 +378,15 @@ class _Job:
     async def _next(self, request) -> tuple[int, str]:
         """The next (choice index, new text) from the engine; raises ConnectionError when the client left."""
         while True:
+            # Ask whether the client is still there every half second, busy or not: a whole-answer request has no
+            # other way to learn that its client gave up (a streamed one is also cancelled by Starlette).
+            if time.monotonic() - self.last_check > 0.5:
+                self.last_check = time.monotonic()
+                if await request.is_disconnected():
+                    raise ConnectionError("client disconnected")
             try:
                 index, output = await asyncio.wait_for(self.queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ConnectionError("client disconnected") from None
                 continue
             choice = self.choices[index]
             before = len(choice.token_ids)
@@ -442,7 +448,9 @@ class _Job:
                 choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                                 "logprobs": self._logprobs(choice), "finish_reason": choice.finish_reason})
             else:
-                prefix = (self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)) if self.parsed.echo else ""
+                prefix = ""
+                if self.parsed.echo:
+                    prefix = self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
                 choices.append({"index": index, "text": prefix + choice.text, "logprobs": self._logprobs(choice),
                                 "finish_reason": choice.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
