@@ -365,3 +365,19 @@ def test_sigterm_finishes_running_requests_and_exits_cleanly(checkpoint):
             httpx.get(f"{server.base}/health", timeout=2)
     finally:
         server.stop()
+
+
+def test_chat_cli_talks_to_the_server(server):
+    """`gpuformers chat --url` streams replies from a running server and keeps the conversation."""
+    import subprocess
+    import sys
+
+    script = "Hello there\nAnd again\n/exit\n"
+    out = subprocess.run([sys.executable, "-m", "gpuformers", "chat", "--url", server.base, "--max-new-tokens", "8"],
+                         input=script, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    replies = [line for line in out.stdout.splitlines() if line.startswith("> ")]
+    assert len(replies) >= 2  # a prompt was shown again after each reply
+    bad = subprocess.run([sys.executable, "-m", "gpuformers", "chat", "--url", "http://127.0.0.1:9"],
+                         input="hi\n", capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot reach" in bad.stderr

@@ -5,6 +5,7 @@ package, so a fresh machine with no network can answer a question:
 
     gpuformers generate "What is the capital of France?"
     gpuformers chat --model Qwen/Qwen3-0.6B --temperature 0.7
+    gpuformers chat --url http://127.0.0.1:8000        # a running `gpuformers serve`
 
 --model takes a Hub id, a checkpoint folder or a .gguf file. Replies stream as they are generated.
 
@@ -14,6 +15,7 @@ Offers: add_generate_arguments, run_generate, add_chat_arguments, run_chat, load
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +41,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
+    parser.add_argument("--url", default=None,
+                        help="chat with a running OpenAI-compatible server instead of a local model "
+                             "(e.g. http://127.0.0.1:8000); --model then names the served model")
+    parser.add_argument("--api-key", default=None, help="Bearer token for --url (default: $OPENAI_API_KEY)")
 
 
 def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str | None = None):
@@ -108,6 +114,9 @@ def run_generate(args) -> int:
 
 
 def run_chat(args) -> int:
+    if args.url:
+        remote = RemoteChat(args.url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args)
+        return _chat_loop(args, remote.reply)
     import torch
 
     if args.seed is not None:
@@ -116,6 +125,72 @@ def run_chat(args) -> int:
     if not tokenizer.chat_template:
         print("this model's tokenizer has no chat template; use `gpuformers generate --raw` instead", file=sys.stderr)
         return 2
+    return _chat_loop(args, lambda messages: _reply(model, tokenizer, _prompt_ids(tokenizer, messages), args))
+
+
+class RemoteChat:
+    """Streams replies from an OpenAI-compatible server's /v1/chat/completions (standard library only)."""
+
+    def __init__(self, url: str, model: str | None, api_key: str | None, args):
+        base = url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.args = args
+        self.model = model or self._first_model()
+
+    def _open(self, path: str, body: dict | None = None):
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
+        try:
+            return urllib.request.urlopen(request, timeout=300)
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode("utf-8", "replace")
+            raise RuntimeError(f"{self.base + path} answered {err.code}: {detail}") from None
+        except urllib.error.URLError as err:
+            raise RuntimeError(f"cannot reach {self.base}: {err.reason}; is `gpuformers serve` running?") from None
+
+    def _first_model(self) -> str:
+        import json
+
+        with self._open("/models") as response:
+            models = json.load(response).get("data") or []
+        if not models:
+            raise RuntimeError(f"{self.base}/models lists no model")
+        return models[0]["id"]
+
+    def reply(self, messages: list[dict]) -> str:
+        import json
+
+        body = {"model": self.model, "messages": messages, "stream": True,
+                "max_tokens": self.args.max_new_tokens, "temperature": self.args.temperature,
+                "top_p": self.args.top_p}
+        if self.args.seed is not None:
+            body["seed"] = self.args.seed
+        parts = []
+        with self._open("/chat/completions", body) as response:
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                for choice in json.loads(data).get("choices", []):
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    parts.append(text)
+                    print(text, end="", flush=True)
+        print()
+        return "".join(parts)
+
+
+def _chat_loop(args, reply) -> int:
+    """Read user turns, keep the history, and print each streamed reply."""
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("Chat with the model. /clear forgets the conversation, /exit (or Ctrl-D) quits.")
@@ -135,9 +210,9 @@ def run_chat(args) -> int:
             continue
         history.append({"role": "user", "content": text})
         try:
-            reply = _reply(model, tokenizer, _prompt_ids(tokenizer, system + history), args)
+            answer = reply(system + history)
         except KeyboardInterrupt:
             print("\n(interrupted)")
             history.pop()
             continue
-        history.append({"role": "assistant", "content": reply})
+        history.append({"role": "assistant", "content": answer})
