@@ -81,23 +81,41 @@ def test_training_loss_and_gradients_match(qwen3_dir, monkeypatch):
     import gpuformers.kernels.fused_linear_cross_entropy as loss_kernels
 
     calls = []
-    original = loss_kernels.causal_lm_loss_triton
-    monkeypatch.setattr(loss_kernels, "causal_lm_loss_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = loss_kernels.linear_causal_lm_loss_triton
+    monkeypatch.setattr(loss_kernels, "linear_causal_lm_loss_triton",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
     ref, fast = _load(qwen3_dir).train(), _load(qwen3_dir, attn_implementation="triton", use_kernels=True).train()
     assert fast.model.norm._kernel_mode == Mode.TRAINING
     ids, _ = _batch()
     labels = ids.clone()
     labels[:, :3] = -100
-    losses = []
+    losses, outputs = [], []
     for model in (ref, fast):
         out = model(ids, labels=labels)
         out.loss.backward()
         losses.append(out.loss.detach())
-    assert calls == [1]  # the loss went through the Triton cross-entropy
+        outputs.append(out)
+    assert calls == [1]  # the LM head and the loss went through the fused Triton linear + cross-entropy
+    assert outputs[0].logits is not None and outputs[1].logits is None  # the full logits never existed
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     ref_grads = dict(ref.named_parameters())
     for name, p in fast.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fused_loss_only_in_training(qwen3_dir, monkeypatch):
+    """In eval mode a kernelized model still returns logits with its loss (evaluation and metrics need them)."""
+    import gpuformers.kernels.fused_linear_cross_entropy as loss_kernels
+
+    calls = []
+    original = loss_kernels.causal_lm_loss_triton
+    monkeypatch.setattr(loss_kernels, "causal_lm_loss_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ref, fast = _load(qwen3_dir), _load(qwen3_dir, use_kernels=True)
+    ids, _ = _batch()
+    with torch.no_grad():
+        want, got = ref(ids, labels=ids), fast(ids, labels=ids)
+    assert calls == [1] and got.logits is not None  # the Triton cross-entropy on the logits
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
 
 
 def test_train_and_eval_swap_the_kernels(qwen3_dir):
@@ -124,7 +142,7 @@ def test_kernel_config_chooses_per_layer(qwen3_dir):
 
 
 def test_kernel_config_errors_list_the_valid_choices():
-    with pytest.raises(ValueError, match="layer 'LayerNorm', which is not one of: ForCausalLMLoss, RMSNorm, SiLU"):
+    with pytest.raises(ValueError, match="layer 'LayerNorm', which is not one of: ForCausalLMLoss, LinearForCausalLMLoss, RMSNorm, SiLU"):
         KernelConfig(kernel_mapping={"LayerNorm": "triton"})
     with pytest.raises(ValueError, match="device 'rocm', which is not one of: cuda, cpu"):
         KernelConfig(kernel_mapping={"RMSNorm": {"rocm": "triton"}})

@@ -10,7 +10,7 @@ So the peak holds one (C, vocab) chunk instead of the (tokens, vocab) logits plu
 Labels equal to ignore_index (-100) add nothing; the mean divides by the number of counted labels, or by
 num_items_in_batch when given (gradient accumulation), as layers/loss.py does.
 
-Offers: cross_entropy, causal_lm_loss_triton, fused_linear_cross_entropy, fused_linear_cross_entropy_reference,
+Offers: cross_entropy, causal_lm_loss_triton, fused_linear_cross_entropy, linear_causal_lm_loss_triton, fused_linear_cross_entropy_reference,
 CrossEntropyFunction, FusedLinearCrossEntropyFunction.
 """
 
@@ -185,3 +185,14 @@ def fused_linear_cross_entropy_reference(hidden, weight, labels, ignore_index=IG
     if num_items_in_batch is None:
         return F.cross_entropy(logits, labels, ignore_index=ignore_index)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+
+
+def linear_causal_lm_loss_triton(hidden_states, weight, labels, num_items_in_batch=None,
+                                 ignore_index: int = IGNORE_INDEX):
+    """layers/loss.py's linear_causal_lm_loss fused: hidden_states (batch, seq, hidden), labels (batch, seq),
+    shifted by one as transformers does, then fused_linear_cross_entropy over the flattened tokens."""
+    labels = labels.to(hidden_states.device)
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return fused_linear_cross_entropy(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
+                                      shifted.reshape(-1), ignore_index, num_items_in_batch)
+

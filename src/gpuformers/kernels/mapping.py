@@ -97,6 +97,9 @@ for _kernel in (
                 "gpuformers.kernels.rotary:apply_rotary", is_function=True),
     LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
                 "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton", is_function=True),
+    # Training only: the model takes this path in train() mode alone, so evaluation still returns logits.
+    LayerKernel("LinearForCausalLMLoss", "triton", "gpuformers.layers.loss:linear_causal_lm_loss",
+                "gpuformers.kernels.fused_linear_cross_entropy:linear_causal_lm_loss_triton", is_function=True),
 ):
     register_layer_kernel(_kernel)
 

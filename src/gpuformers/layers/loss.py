@@ -4,7 +4,7 @@ Labels are shifted by one (the last position has no target), -100 is ignored, an
 float32 first. With `num_items_in_batch` (gradient accumulation over several micro-batches) the sum is divided
 by that count instead of averaging per micro-batch.
 
-Offers: causal_lm_loss.
+Offers: causal_lm_loss, linear_causal_lm_loss.
 """
 
 from __future__ import annotations
@@ -38,3 +38,19 @@ def causal_lm_loss(
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+@use_kernel_function("LinearForCausalLMLoss")  # use_kernels=True in training: the fused Triton linear + CE
+def linear_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """The LM head and the loss in one call: hidden_states (batch, seq, hidden), weight (vocab, hidden).
+
+    The torch version computes the logits and calls causal_lm_loss; the kernel never holds the whole
+    (tokens, vocab) logits, which dominate training memory for large vocabularies."""
+    return causal_lm_loss(F.linear(hidden_states, weight), labels, num_items_in_batch, ignore_index)
+

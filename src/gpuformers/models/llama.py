@@ -16,7 +16,8 @@ from torch import nn
 
 from gpuformers.generation.cache import Cache, DynamicCache
 from gpuformers.layers.attention import AttentionInterface, build_attention_mask, build_attention_mask_at
-from gpuformers.layers.loss import causal_lm_loss
+from gpuformers.kernels.mapping import active_kernel_functions
+from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss
 from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.norm import RMSNorm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
@@ -219,6 +220,11 @@ class LlamaForCausalLM(PreTrainedModel):
             input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
             output_hidden_states, cache_position,
         )
+        if labels is not None and self.training and _fused_loss_active():
+            # use_kernels=True in training: the LM head and the loss fused, the (tokens, vocab) logits never exist.
+            loss = linear_causal_lm_loss(hidden_states, self.lm_head.weight, labels, num_items_in_batch)
+            return CausalLMOutput(loss=loss, logits=None, past_key_values=past_key_values if use_cache else None,
+                                  hidden_states=tuple(all_hidden) if output_hidden_states else None)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)
@@ -229,6 +235,11 @@ class LlamaForCausalLM(PreTrainedModel):
             past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
         )
+
+
+def _fused_loss_active() -> bool:
+    """True inside the forward of a model kernelized for training with the fused LM-head loss."""
+    return "LinearForCausalLMLoss" in active_kernel_functions()
 
 
 class MistralForCausalLM(LlamaForCausalLM):
