@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: every `gpu`-marked test, then the kernel benchmark table (--quick), with all output
+# The one prepared GPU check: the `gpu`-marked tests, then the GPU benchmarks, every step time-boxed and all output
 # written under $OUT. Run from the repository root of a checkout where torch, triton, transformers, peft and
 # safetensors are already installed; it never installs anything and needs no network.
 #
-#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (fits in ~9.5 minutes)
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 #
-# Files written under $OUT: env.txt (GPU, driver, versions), pytest_gpu.txt (+ junit xml), bench_kernels.txt and
-# bench_kernels.json. The two steps are time-boxed (5.5 and 3.5 minutes) so the whole call fits in 10 minutes.
-# Exit status: 0 when both steps passed, else the first failing step's status.
+# Steps, in order, with their time boxes (seconds):
+#   tests     pytest -m gpu                                        (220)  pytest_gpu.txt + .xml
+#   kernels   benchmarks/bench_kernels.py --quick                  (100)  bench_kernels.txt + .json
+#   generate  benchmarks/bench_generate.py on cuda, bf16, --big    (90)   bench_generate.txt
+#   engine    benchmarks/bench_offline.py --gpu (fewer requests)   (90)   bench_offline.txt + .json
+#   load      benchmarks/bench_load.py --device cuda --repeats 1   (60)   bench_load.txt
+# env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
+# Exit status: 0 when every step passed, else the first failing step's status.
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +22,10 @@ OUT="${OUT:-${repo_root}/out/gpu_check}"
 mkdir -p "${OUT}"
 export PYTHONPATH="${repo_root}/src${PYTHONPATH:+:${PYTHONPATH}}"
 unset TRITON_INTERPRET  # real kernels on the GPU, never the interpreter
-export PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=1 TQDM_DISABLE=1
+
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load)
 
 {
     date -u
@@ -36,17 +45,31 @@ PY
 cat "${OUT}/env.txt"
 
 status=0
-echo "== pytest -m gpu"
-timeout 330 python -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml="${OUT}/pytest_gpu.xml" \
-    2>&1 | tee "${OUT}/pytest_gpu.txt" | tail -60
-step=${PIPESTATUS[0]}
-[[ ${step} -ne 0 && ${status} -eq 0 ]] && status=${step}
+run_step() {  # name, seconds, output file, command...
+    local name="$1" seconds="$2" file="$3"
+    shift 3
+    echo "== ${name}: $*"
+    local start=${SECONDS}
+    timeout "${seconds}" "$@" 2>&1 | tee "${OUT}/${file}" | tail -40
+    local step=${PIPESTATUS[0]}
+    echo "== ${name}: exit ${step} after $((SECONDS - start)) s" | tee -a "${OUT}/env.txt"
+    [[ ${step} -ne 0 && ${status} -eq 0 ]] && status=${step}
+}
 
-echo "== benchmarks/bench_kernels.py --quick"
-timeout 210 python benchmarks/bench_kernels.py --quick --out "${OUT}/bench_kernels.json" \
-    2>&1 | tee "${OUT}/bench_kernels.txt"
-step=${PIPESTATUS[0]}
-[[ ${step} -ne 0 && ${status} -eq 0 ]] && status=${step}
+for step in "${steps[@]}"; do
+    case "${step}" in
+        tests) run_step tests 220 pytest_gpu.txt \
+            python -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml="${OUT}/pytest_gpu.xml" ;;
+        kernels) run_step kernels 100 bench_kernels.txt \
+            python benchmarks/bench_kernels.py --quick --out "${OUT}/bench_kernels.json" ;;
+        generate) run_step generate 90 bench_generate.txt \
+            python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
+        engine) run_step engine 90 bench_offline.txt \
+            python benchmarks/bench_offline.py --gpu --num-requests 128 --json "${OUT}/bench_offline.json" ;;
+        load) run_step load 60 bench_load.txt python benchmarks/bench_load.py --device cuda --repeats 1 ;;
+        *) echo "unknown step ${step}; steps: tests kernels generate engine load" >&2; exit 2 ;;
+    esac
+done
 
-echo "gpu_check status ${status} (pytest, then bench; 124 = a step ran out of time)" | tee -a "${OUT}/env.txt"
+echo "gpu_check status ${status} (124 = a step ran out of time)" | tee -a "${OUT}/env.txt"
 exit "${status}"
