@@ -132,7 +132,7 @@ def build_attention_mask_at(
     mask = mask[None, None]
     if attention_mask is not None:
         keep = attention_mask[:, :kv_len].bool()
-        if keep.shape[1] < kv_len:
+        if keep.shape[1] < kv_len:  # a preallocated cache longer than the mask: the rest is in the future
             keep = F.pad(keep, (0, kv_len - keep.shape[1]), value=True)
         mask = mask & keep[:, None, None, :]
     return mask
@@ -144,29 +144,22 @@ def build_attention_mask(
     kv_len: int,
     past_len: int,
     sliding_window: int | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor | None:
     """The boolean (batch or 1, 1, q_len, kv_len) mask for one forward, or None when plain causal suffices.
 
     attention_mask: (batch, >= past_len + q_len) of 1 for real tokens and 0 for padding, or None.
     Query i sits at cache position past_len + i; it sees key j when j <= past_len + i, the key is not padding,
-    and, with a sliding window, past_len + i - j < sliding_window.
+    and, with a sliding window, past_len + i - j < sliding_window. device: where the mask is built when there is
+    no attention_mask to take it from.
+    A query row with nothing to attend to (a left-pad position) is left fully masked: SDPA returns zeros for it and
+    eager a uniform average, exactly as transformers does, so even the logits at pad positions match.
     """
-    device = attention_mask.device if attention_mask is not None else None
+    if attention_mask is not None:
+        device = attention_mask.device
     padded = attention_mask is not None and not bool(attention_mask[:, :kv_len].all())
     windowed = sliding_window is not None and past_len + q_len > sliding_window
     if not padded and not windowed and (q_len == kv_len or q_len == 1) and past_len + q_len == kv_len:
         return None
-    q_pos = torch.arange(past_len, past_len + q_len, device=device)[:, None]
-    kv_pos = torch.arange(kv_len, device=device)[None, :]
-    mask = kv_pos <= q_pos  # (q_len, kv_len)
-    if sliding_window is not None:
-        mask = mask & (q_pos - kv_pos < sliding_window)
-    mask = mask[None, None]
-    if attention_mask is not None:
-        keep = attention_mask[:, :kv_len].bool()
-        if keep.shape[1] < kv_len:  # a preallocated cache longer than the mask: the rest is in the future
-            keep = F.pad(keep, (0, kv_len - keep.shape[1]), value=True)
-        mask = mask & keep[:, None, None, :]
-    # A query row with nothing to attend to (a left-pad position) is left fully masked: SDPA returns zeros for it
-    # and eager a uniform average, exactly as transformers does, so even the logits at pad positions match.
-    return mask
+    positions = torch.arange(past_len, past_len + q_len, device=device)
+    return build_attention_mask_at(attention_mask, positions, kv_len, sliding_window)

@@ -129,7 +129,8 @@ class LlamaModel(nn.Module):
                 f"attention_mask covers {attention_mask.shape[-1]} positions but the cache holds {past_len} and "
                 f"{seq} new tokens were given: pass a mask over past and new tokens ({past_len + seq})"
             )
-        masks = {w: build_attention_mask(attention_mask, seq, kv_len, past_len, w) for w in self._windows}
+        device = inputs_embeds.device
+        masks = {w: build_attention_mask(attention_mask, seq, kv_len, past_len, w, device) for w in self._windows}
         return self._run_layers(inputs_embeds, position_ids, masks, past_key_values, None, output_hidden_states)
 
     def _forward_at(self, inputs_embeds, attention_mask, position_ids, past_key_values, cache_position,
