@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from gpuformers import cli
-from gpuformers.device import Finding
+from gpuformers.doctor import Finding
 
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUFORMERS_GPUS")
 
@@ -136,8 +136,8 @@ def test_find_verb_skips_the_common_flags(argv, verb):
     ([Finding("fail", "CUDA", "broken", "update the driver")], 1),
 ])
 def test_doctor_exit_code_is_one_only_on_a_failure(monkeypatch, capsys, findings, code):
-    monkeypatch.setattr("gpuformers.device.env_report", lambda: {})
-    monkeypatch.setattr("gpuformers.device.doctor", lambda report: findings)
+    monkeypatch.setattr("gpuformers.doctor.env_report", lambda: {})
+    monkeypatch.setattr("gpuformers.doctor.doctor", lambda report: findings)
     assert cli.main(["doctor"]) == code
     text = capsys.readouterr().out
     assert f"{sum(f.level == 'fail' for f in findings)} failed" in text

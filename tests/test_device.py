@@ -1,4 +1,4 @@
-"""gpuformers.device on a machine without a GPU: dtypes, devices, --gpus, and env / doctor on faked GPUs.
+"""gpuformers.device and gpuformers.doctor without a GPU: dtypes, devices, --gpus, env / doctor on faked GPUs.
 
 FakeCuda stands in for torch.cuda. The 4-GPU machine below has its GPUs on the PCI bus in one order and CUDA's
 fastest-first order in another, the case where cuda:i and nvidia-smi's index i name different cards.
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from gpuformers import device
-from gpuformers.device import (GPUInfo, NvidiaGPU, NvidiaReport, default_dtype, doctor, env_report, gpu_info,
-                               nvidia_gpus, parse_dtype, parse_nvidia_smi, resolve_device, resolve_dtype,
-                               select_gpus, visible_devices_problems)
+from gpuformers.device import (GPUInfo, NvidiaGPU, NvidiaReport, default_dtype, gpu_info, nvidia_gpus, parse_dtype,
+                               parse_nvidia_smi, resolve_device, resolve_dtype, select_gpus, visible_devices_problems)
+from gpuformers.doctor import doctor, env_report
 
 GIB = 2**30
 

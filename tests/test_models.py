@@ -297,3 +297,16 @@ def test_cuda_load_matches_cpu(checkpoints):
         got = model(ids.cuda(), attention_mask=mask.cuda()).logits.cpu()
         expected = hf(ids, attention_mask=mask).logits
     assert (got - expected)[mask.bool()].abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sliding_window_without_a_mask(checkpoints):
+    """A windowed model called without attention_mask builds its mask on the model's device."""
+    folder, hf = checkpoints["mistral-window"]
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda", dtype="float32", progress=False)
+    ids, _ = _inputs()
+    with torch.no_grad():
+        got = model(ids.cuda()).logits.cpu()
+        expected = hf(ids).logits
+    assert (got - expected).abs().max() < 1e-3

@@ -163,7 +163,7 @@ def format_env(report: dict[str, Any]) -> str:
 
 def run_env(args: argparse.Namespace) -> int:
     """`gpuformers env`: versions, CUDA, and the GPUs as CUDA numbers them."""
-    from gpuformers.device import env_report
+    from gpuformers.doctor import env_report
 
     report = env_report()
     print(json.dumps(report, indent=2) if args.json else format_env(report))
@@ -189,7 +189,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     """`gpuformers doctor`: exit code 1 when a check fails (warnings alone: 0)."""
     from dataclasses import asdict
 
-    from gpuformers.device import doctor, env_report
+    from gpuformers.doctor import doctor, env_report
 
     findings = doctor(env_report())
     print(json.dumps([asdict(f) for f in findings], indent=2) if args.json else format_findings(findings))

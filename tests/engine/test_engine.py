@@ -119,9 +119,39 @@ def test_threaded_manager_streaming_cancel_and_errors(qwen3):
         manager.cancel_request(long)
         cancelled = manager.get_result(long, timeout=30)
         assert cancelled.status is RequestStatus.FAILED and cancelled.error == "cancelled"
-        assert manager.get_result(timeout=0.05) is not None  # the queue of finished outputs
+        assert manager.get_result(timeout=0.05) is None  # every finished output was taken: nothing left over
+        anyone = manager.add_request(prompts[2], max_new_tokens=2)
+        assert manager.get_result(timeout=30).request_id == anyone  # get_result(None): the next one to finish
     assert not manager.is_running()
     assert manager.block_manager.num_free_blocks == 16
+
+
+def test_the_manager_forgets_every_request_once_its_output_is_taken(qwen3):
+    """A server runs for weeks: after many streaming, plain and cancelled requests (streams read to the end,
+    results taken by id or by get_result(None)), the manager holds nothing per request and every block is free."""
+    model, prompts, reference = qwen3
+    manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64, max_batch_tokens=64)
+    with manager:
+        for round_ in range(3):
+            streamed = [manager.add_request(p, max_new_tokens=NEW_TOKENS, streaming=True) for p in prompts[:12]]
+            by_id = [manager.add_request(p, max_new_tokens=NEW_TOKENS) for p in prompts[12:20]]
+            by_any = [manager.add_request(p, max_new_tokens=NEW_TOKENS) for p in prompts[20:26]]
+            cancelled_stream = manager.add_request([1, 2, 3], max_new_tokens=200, streaming=True)
+            cancelled_plain = manager.add_request([4, 5, 6], max_new_tokens=200)
+            manager.cancel_request(cancelled_stream)
+            manager.cancel_request(cancelled_plain)
+            finals = [list(manager.request_id_iter(r))[-1] for r in streamed]
+            assert [f.generated_tokens for f in finals] == reference[:12]
+            assert [manager.get_result(r, timeout=30).generated_tokens for r in by_id] == reference[12:20]
+            assert list(manager.request_id_iter(cancelled_stream))[-1].error == "cancelled"
+            assert manager.get_result(cancelled_plain, timeout=30).error == "cancelled"
+            anyone = {manager.get_result(timeout=30).request_id for _ in by_any}
+            assert anyone == set(by_any)
+            assert manager.get_result(timeout=0) is None
+        assert manager.num_finished == 3 * 28
+        assert manager._finished == {} and manager._streams == {}
+        assert not manager.scheduler.waiting and not manager.scheduler.running
+    assert manager.block_manager.num_free_blocks == 64
 
 
 def test_sampling_is_per_request_and_seeded(qwen3):

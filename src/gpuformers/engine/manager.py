@@ -154,9 +154,13 @@ class ContinuousBatchingManager:
 
             self.runner.graphs = DecodeGraphs(self.runner, cfg.max_requests_per_batch)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outputs: queue.Queue = queue.Queue()  # finished requests, for get_result(None)
+        # What the manager keeps per request until its caller takes the final output, and not a moment longer
+        # (a server runs for weeks): a non-streaming request's final output waits in `_finished` (in finishing
+        # order, for get_result(None)) until get_result returns it; a streaming request's outputs go only to its
+        # queue in `_streams`, which request_id_iter drops once it has yielded the final one.
         self._finished: dict[str, GenerationOutput] = {}
         self._streams: dict[str, queue.Queue] = {}
+        self.num_finished = 0  # requests finished so far (a count, not a store: for progress bars)
         self._done = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,12 +196,12 @@ class ContinuousBatchingManager:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(self.scheduler.waiting) + len(self.scheduler.running), desc="generate_batch")
-        finished_before = len(self._finished)
+        finished_before = self.num_finished
         while self.step() or not self._inbox.empty():
             if bar is not None:
-                bar.update(len(self._finished) - finished_before - bar.n)
+                bar.update(self.num_finished - finished_before - bar.n)
         if bar is not None:
-            bar.update(len(self._finished) - finished_before - bar.n)
+            bar.update(self.num_finished - finished_before - bar.n)
             bar.close()
 
     def _drain_inbox(self) -> None:
@@ -232,14 +236,15 @@ class ContinuousBatchingManager:
             created_time=seq.created_time,
             finished_time=time.time() if final else None,
         )
-        stream = self._streams.get(seq.request_id)
-        if stream is not None:
-            stream.put(output)
-        if final:
-            with self._done:
-                self._finished[seq.request_id] = output
+        with self._done:
+            stream = self._streams.get(seq.request_id)
+            if stream is not None:
+                stream.put(output)  # its reader drops the stream after the final output
+            elif final:
+                self._finished[seq.request_id] = output  # until get_result returns it
+            if final:
+                self.num_finished += 1
                 self._done.notify_all()
-            self._outputs.put(output)
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> None:
         for seq in batch.sequences:
@@ -299,7 +304,8 @@ class ContinuousBatchingManager:
         seq = Sequence(request_id, list(input_ids), params, streaming=streaming)
         seq.created_time = time.time()
         if streaming:
-            self._streams[request_id] = queue.Queue()
+            with self._done:
+                self._streams[request_id] = queue.Queue()
         self._inbox.put(("add", seq))
         return request_id
 
@@ -312,23 +318,38 @@ class ContinuousBatchingManager:
         self._inbox.put(("cancel", request_id))
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next finished request (any, or the one named); None when none finishes within timeout seconds."""
-        if request_id is None:
+        """The next finished request (any non-streaming one, or the one named); None when none finishes within
+        timeout seconds. The manager forgets a request once this returns it."""
+        if request_id is not None:
+            with self._done:
+                stream = self._streams.get(request_id)
+            if stream is not None:  # a streaming request: read its stream to the end
+                return self._last_output(request_id, stream, timeout)
+        with self._done:
+            ready = (lambda: request_id in self._finished) if request_id is not None else (lambda: self._finished)
+            if not self._done.wait_for(ready, timeout):
+                return None
+            key = request_id if request_id is not None else next(iter(self._finished))  # the oldest
+            return self._finished.pop(key)
+
+    def _last_output(self, request_id: str, stream: queue.Queue, timeout: float | None) -> GenerationOutput | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                output = self._outputs.get(timeout=timeout)
+                output = stream.get(timeout=left)
             except queue.Empty:
                 return None
-            with self._done:
-                self._finished.pop(output.request_id, None)
-            return output
-        with self._done:
-            if not self._done.wait_for(lambda: request_id in self._finished, timeout):
-                return None
-            return self._finished.pop(request_id)
+            if output.is_finished():
+                with self._done:
+                    self._streams.pop(request_id, None)
+                return output
 
     def request_id_iter(self, request_id: str):
-        """Yield a streaming request's progress after each new token, ending with its final output."""
-        stream = self._streams.get(request_id)
+        """Yield a streaming request's progress after each new token, ending with its final output (after which
+        the manager forgets the request). A non-streaming request yields its final output only."""
+        with self._done:
+            stream = self._streams.get(request_id)
         if stream is None:
             output = self.get_result(request_id)
             if output is not None:
@@ -336,10 +357,14 @@ class ContinuousBatchingManager:
             return
         while True:
             output = stream.get()
-            yield output
             if output.is_finished():
-                del self._streams[request_id]
+                # Dropped before the yield: a consumer that stops iterating at the final output (or a generator
+                # that is never resumed after it) must not keep the request alive.
+                with self._done:
+                    self._streams.pop(request_id, None)
+                yield output
                 return
+            yield output
 
     # --- facts ------------------------------------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""`model.generate()`: greedy, multinomial sampling and beam search over a KV cache, as transformers' generate.
+"""`model.generate()` as transformers': input preparation, greedy and sampling decode over a KV cache, dispatch.
+
+Beam search (num_beams > 1) lives in generation/beam_search.py; generate() prepares its inputs and calls it.
 
     prompt -> prefill (logits for the last position only) -> decode loop:
         logits (rows, vocab) -> logits processors -> argmax | sample | beam top-k -> stop checks -> streamer
@@ -13,14 +15,15 @@ race below instead of torch.multinomial, which synchronises). The one question t
 finished?", is asked only when something other than the length limit can finish a row (eos, stop strings,
 max_time, user criteria), and on an accelerator only every `STOP_CHECK_INTERVAL` steps; the extra steps cost
 padding tokens that are cut off at the end, so the output equals checking every step. A streamer needs the tokens
-on the host anyway, so with one the check runs every step. Beam search asks its stop question every step.
+on the host anyway, so with one the check runs every step.
 
 Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache).
 On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed shapes and is compiled with
 `torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
 Elsewhere it runs eagerly and attends over the written slots only, which makes it no slower than the dynamic cache.
 
-Offers: GenerationMixin, GenerateDecoderOnlyOutput, GenerateBeamDecoderOnlyOutput, STOP_CHECK_INTERVAL.
+Offers: GenerationMixin, GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL (and, from beam_search.py,
+GenerateBeamDecoderOnlyOutput).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# GenerateBeamDecoderOnlyOutput is re-exported: both output types of generate() can be imported from here
+from gpuformers.generation.beam_search import GenerateBeamDecoderOnlyOutput, beam_search  # noqa: F401
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
 from gpuformers.generation.config import CompileConfig, GenerationConfig
 from gpuformers.models.outputs import ModelOutput
@@ -42,8 +47,6 @@ from gpuformers.models.outputs import ModelOutput
 STOP_CHECK_INTERVAL = 8
 # The cache implementations generate() builds itself.
 _CACHES = {"dynamic": DynamicCache, "static": StaticCache}
-# Beam search marks impossible candidates with this score (transformers' value, kept for equal scores).
-_NEG = -1.0e9
 
 
 @dataclass
@@ -57,22 +60,6 @@ class GenerateDecoderOnlyOutput(ModelOutput):
 
     @property
     def cache(self) -> Cache | None:  # transformers 5's name for the field
-        return self.past_key_values
-
-
-@dataclass
-class GenerateBeamDecoderOnlyOutput(ModelOutput):
-    """generate(..., num_beams>1, return_dict_in_generate=True)."""
-
-    sequences: torch.LongTensor | None = None  # (batch * num_return_sequences, length)
-    sequences_scores: torch.Tensor | None = None  # (batch * num_return_sequences,) length-penalised log-probs
-    scores: tuple[torch.Tensor, ...] | None = None  # processed log-probs, one (batch * num_beams, vocab) per step
-    logits: tuple[torch.Tensor, ...] | None = None
-    beam_indices: torch.LongTensor | None = None  # (batch * num_return_sequences, new tokens): source row per step
-    past_key_values: Cache | None = None
-
-    @property
-    def cache(self) -> Cache | None:
         return self.past_key_values
 
 
@@ -203,7 +190,7 @@ class GenerationMixin:
         step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
         forward = self._decode_forward(config, cache)
         if beams > 1:
-            return self._beam_search(input_ids, step_inputs, forward, config, processors, criteria, batch)
+            return beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
         return self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
 
     # --- preparation ------------------------------------------------------------------------------------------
@@ -396,131 +383,6 @@ class GenerationMixin:
             past_key_values=step_inputs.cache,
         )
 
-    # --- beam search ------------------------------------------------------------------------------------------
-
-    def _beam_search(self, input_ids, step_inputs: _StepInputs, forward, config, processors, criteria, batch):
-        """Beam search as transformers' (same candidates, length penalty, early stopping and scores).
-
-        Each step keeps `keep` = max(2, 1 + #eos) * beams candidates per prompt so that beams survive when the
-        best candidates end; candidates that end go to a per-prompt list of the best `beams` finished sequences,
-        scored by sum of log-probs / new_length ** length_penalty.
-        """
-        beams, max_length = config.num_beams, config.max_length
-        rows, prompt_length = input_ids.shape
-        device = input_ids.device
-        length_penalty, early_stopping = config.length_penalty, config.early_stopping
-        keep = max(2, 1 + len(config.eos_token_ids)) * beams
-        is_top = torch.arange(keep, device=device) < beams  # candidates that may enter the finished list
-        # transformers' fill value for unused slots: pad (unless it is 0) else eos[0], or -1 without eos
-        eos = config.eos_token_ids
-        fill = (config.pad_token_id or eos[0]) if eos else -1
-
-        # running: the beams still growing; finished: the best ended sequences. (batch, beams, ...)
-        running = torch.full((batch, beams, max_length), fill, dtype=torch.long, device=device)
-        running[:, :, :prompt_length] = input_ids.view(batch, beams, prompt_length)
-        finished = running.clone()
-        running_scores = torch.zeros(batch, beams, device=device)
-        running_scores[:, 1:] = _NEG  # all beams start equal: only the first one may expand at step one
-        finished_scores = torch.full((batch, beams), _NEG, device=device)
-        running_origin = torch.full((batch, beams, max_length - prompt_length), -1, dtype=torch.long, device=device)
-        finished_origin = running_origin.clone()
-        finished_done = torch.zeros(batch, beams, dtype=torch.bool, device=device)
-        can_improve = torch.ones(batch, 1, dtype=torch.bool, device=device)
-        row_offset = torch.arange(batch, device=device)[:, None] * beams  # (batch, 1): beam -> flat row
-        scores_out = [] if config.return_dict_in_generate and config.output_scores else None
-        logits_out = [] if config.return_dict_in_generate and config.output_logits else None
-
-        outputs = self(**step_inputs.prefill(input_ids), past_key_values=step_inputs.cache,
-                       use_cache=step_inputs.cache is not None, logits_to_keep=1)
-        length = prompt_length
-        while True:
-            logits = outputs.logits[:, -1].float()  # (batch * beams, vocab)
-            del outputs
-            vocab = logits.shape[-1]
-            log_probs = processors(running[:, :, :length].reshape(rows, length), F.log_softmax(logits, dim=-1))
-            if scores_out is not None:
-                scores_out.append(log_probs)
-            if logits_out is not None:
-                logits_out.append(logits)
-            total = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
-
-            # (batch, keep) candidate continuations, best first
-            if config.do_sample:
-                picked = torch.multinomial(F.softmax(total, dim=-1), num_samples=keep)
-                cand_scores, order = total.gather(1, picked).sort(dim=-1, descending=True)
-                picked = picked.gather(1, order)
-            else:
-                cand_scores, picked = total.topk(keep, dim=-1)
-            source, token = picked // vocab, picked % vocab
-            cand = _gather(running, source)
-            cand[:, :, length] = token
-            cand_origin = _gather(running_origin, source)
-            cand_origin[:, :, length - prompt_length] = source + row_offset
-            ends = criteria(cand[:, :, :length + 1].reshape(batch * keep, length + 1), None).view(batch, keep)
-
-            # The best `beams` candidates that did not end keep running.
-            alive_scores = cand_scores + ends.float() * _NEG
-            best = alive_scores.topk(beams, dim=-1).indices
-            running, running_scores = _gather(cand, best), _gather(alive_scores, best)
-            running_origin = _gather(cand_origin, best)
-
-            # Ended candidates among the top `beams` join the finished list if they beat its members.
-            just_ended = ends & is_top
-            final_scores = cand_scores / ((length + 1 - prompt_length) ** length_penalty)
-            if early_stopping is True:
-                final_scores = final_scores + finished_done.all(-1, keepdim=True).float() * _NEG
-            final_scores = final_scores + (~can_improve).float() * _NEG + (~just_ended).float() * _NEG
-            merged_scores = torch.cat((finished_scores, final_scores), dim=1)
-            best = merged_scores.topk(beams, dim=-1).indices
-            finished = _gather(torch.cat((finished, cand), dim=1), best)
-            finished_scores = _gather(merged_scores, best)
-            finished_origin = _gather(torch.cat((finished_origin, cand_origin), dim=1), best)
-            finished_done = _gather(torch.cat((finished_done, just_ended), dim=1), best)
-
-            if step_inputs.cache is not None:
-                step_inputs.cache.reorder_cache(running_origin[:, :, length - prompt_length].reshape(rows))
-            length += 1
-            can_improve = can_improve & self._beam_can_improve(
-                running_scores, finished_scores, finished_done, length, prompt_length, max_length,
-                length_penalty, early_stopping)
-            all_full = bool(finished_done.all()) and early_stopping is True
-            if length >= max_length or not bool(can_improve.any()) or all_full or bool(ends.all()):
-                break
-            flat = running.view(rows, max_length)
-            outputs = forward(**step_inputs.step(flat, length), past_key_values=step_inputs.cache,
-                              use_cache=step_inputs.cache is not None)
-
-        returned = config.num_return_sequences
-        sequences = finished[:, :returned].reshape(batch * returned, max_length)
-        sequence_scores = finished_scores[:, :returned].reshape(batch * returned)
-        origin = finished_origin[:, :returned].reshape(batch * returned, -1)
-        new_tokens = int((origin >= 0).sum(dim=1).max())
-        sequences, origin = sequences[:, :prompt_length + new_tokens], origin[:, :new_tokens]
-        if not config.return_dict_in_generate:
-            return sequences
-        return GenerateBeamDecoderOnlyOutput(
-            sequences=sequences,
-            sequences_scores=sequence_scores if config.output_scores else None,
-            scores=tuple(scores_out) if scores_out is not None else None,
-            logits=tuple(logits_out) if logits_out is not None else None,
-            beam_indices=origin,
-            past_key_values=step_inputs.cache,
-        )
-
-    @staticmethod
-    def _beam_can_improve(running_scores, finished_scores, finished_done, length, prompt_length, max_length,
-                          length_penalty, early_stopping) -> torch.Tensor:
-        """(batch, 1): may a running beam still beat the worst finished one? transformers' heuristic: the best
-        running score is judged at the current length, or at max_length with early_stopping="never" and a
-        positive length penalty (longer can only be better then)."""
-        if early_stopping == "never" and length_penalty > 0.0:
-            best_length = max_length - prompt_length
-        else:
-            best_length = length - prompt_length
-        best_running = running_scores[:, :1] / (best_length ** length_penalty)
-        worst_finished = torch.where(finished_done, finished_scores.min(dim=1, keepdim=True).values, _NEG)
-        return (best_running > worst_finished).any(dim=-1, keepdim=True)
-
 
 def _stop_check_interval(device: torch.device, streamer) -> int:
     """Decode steps between two "have all rows finished?" checks: every step where a check costs nothing (the
@@ -539,12 +401,6 @@ def _select_tokens(scores: torch.Tensor) -> torch.Tensor:
     if probs.device.type == "cpu":
         return torch.multinomial(probs, num_samples=1).squeeze(1)
     return probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
-
-
-def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Pick along dim 1 (the beam dim): tensor (batch, n, ...), index (batch, k) -> (batch, k, ...)."""
-    index = index.view(*index.shape, *([1] * (tensor.dim() - 2)))
-    return tensor.take_along_dim(index, dim=1)
 
 
 def _length_criteria(criteria) -> int:

@@ -44,7 +44,6 @@ class Engine:
         self.max_pending = max_pending
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._drain_lock = threading.Lock()
 
     def reserve(self, count: int) -> None:
         """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere)."""
@@ -74,11 +73,6 @@ class Engine:
                 loop.call_soon_threadsafe(queue.put_nowait, (tag, output))
         except RuntimeError:  # the event loop closed under us (server shutdown)
             return
-        # The engine also files every finished output for get_result; the server reads streams only, so it
-        # empties that store here or it would grow with every request served.
-        with self._drain_lock:
-            while self.manager.get_result(None, timeout=0) is not None:
-                pass
 
     def cancel(self, request_id: str) -> None:
         self.manager.cancel_request(request_id)
