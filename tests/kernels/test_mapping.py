@@ -68,6 +68,20 @@ def test_inference_logits_match_and_kernels_run(qwen3_dir, monkeypatch):
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
 
 
+def test_fused_residual_add_rms_norm_runs_in_every_layer(qwen3_dir, monkeypatch):
+    calls = []
+    original = mapping._add_rms_norm
+    monkeypatch.setattr(mapping, "_add_rms_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ref, fast = _load(qwen3_dir), _load(qwen3_dir, use_kernels=True)
+    assert fast._kernel_state.functions["AddRMSNorm"] is not None
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = fast(ids, attention_mask=mask).logits
+    assert len(calls) == TINY["num_hidden_layers"]  # the fused kernel ran once per decoder layer
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
 def test_triton_attention_backend_in_a_model(qwen3_dir):
     ref, fast = _load(qwen3_dir), _load(qwen3_dir, attn_implementation="triton", use_kernels=True)
     ids, mask = _batch()
@@ -142,7 +156,7 @@ def test_kernel_config_chooses_per_layer(qwen3_dir):
 
 
 def test_kernel_config_errors_list_the_valid_choices():
-    with pytest.raises(ValueError, match="layer 'LayerNorm', which is not one of: ForCausalLMLoss, LinearForCausalLMLoss, RMSNorm, SiLU"):
+    with pytest.raises(ValueError, match="layer 'LayerNorm', which is not one of: AddRMSNorm, ForCausalLMLoss, LinearForCausalLMLoss, RMSNorm, SiLU"):
         KernelConfig(kernel_mapping={"LayerNorm": "triton"})
     with pytest.raises(ValueError, match="device 'rocm', which is not one of: cuda, cpu"):
         KernelConfig(kernel_mapping={"RMSNorm": {"rocm": "triton"}})

@@ -97,6 +97,7 @@ for _kernel in (
                 "gpuformers.kernels.rotary:apply_rotary", is_function=True),
     LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
                 "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton", is_function=True),
+    LayerKernel("AddRMSNorm", "triton", f"{_ADAPTERS}:_add_rms_norm", f"{_ADAPTERS}:_add_rms_norm", is_function=True),
     # Training only: the model takes this path in train() mode alone, so evaluation still returns logits.
     LayerKernel("LinearForCausalLMLoss", "triton", "gpuformers.layers.loss:linear_causal_lm_loss",
                 "gpuformers.kernels.fused_linear_cross_entropy:linear_causal_lm_loss_triton", is_function=True),
@@ -110,6 +111,12 @@ def _rms_norm_forward(self, hidden_states):
     from gpuformers.kernels.rms_norm import rms_norm
 
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _add_rms_norm(hidden_states, residual, norm):
+    from gpuformers.kernels.rms_norm import rms_norm
+
+    return rms_norm(hidden_states, norm.weight, norm.variance_epsilon, residual=residual)
 
 
 def _swiglu_mlp_forward(self, x):

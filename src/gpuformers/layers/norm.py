@@ -3,7 +3,7 @@
 Computed in float32 and cast back, like transformers, so that bfloat16 models give the same numbers.
 `kernel_layer_name` marks the layer for `use_kernels=True` (a fused Triton kernel may replace its forward).
 
-Offers: RMSNorm.
+Offers: RMSNorm, add_rms_norm.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpuformers.kernels.mapping import use_kernel_function
 
 
 class RMSNorm(nn.Module):
@@ -33,3 +35,12 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+@use_kernel_function("AddRMSNorm")  # use_kernels=True: one Triton kernel reads both inputs and writes both outputs
+def add_rms_norm(hidden_states: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + hidden_states), residual + hidden_states): the residual add of a decoder layer fused with
+    the normalisation that follows it."""
+    summed = residual + hidden_states
+    return norm(summed), summed
+

@@ -19,7 +19,7 @@ from gpuformers.layers.attention import AttentionInterface, build_attention_mask
 from gpuformers.kernels.mapping import active_kernel_functions
 from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss
 from gpuformers.layers.mlp import GatedMLP
-from gpuformers.layers.norm import RMSNorm
+from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.modeling import PreTrainedModel
@@ -84,13 +84,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        residual = hidden_states
-        hidden_states = self.self_attn(
+        attn_out = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position
         )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        # residual add + post-attention norm: one fused kernel with use_kernels=True
+        normed, hidden_states = add_rms_norm(attn_out, hidden_states, self.post_attention_layernorm)
+        return hidden_states + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
