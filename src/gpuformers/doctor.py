@@ -1,0 +1,172 @@
+"""The environment report and the setup checks behind `gpuformers env` and `gpuformers doctor`.
+
+Offers:
+- `env_report()` -> dict: everything `gpuformers env` shows (versions, CUDA variables, GPUs joined to nvidia-smi's)
+- `Finding`: one checked line, level "ok" / "info" / "warn" / "fail" and its fix
+- `doctor(report)` -> list of `Finding`; `gpu_mapping(report)`: "cuda:i -> nvidia-smi j -> bus id" lines
+
+GPU discovery itself (`gpu_info`, `nvidia_gpus`, `visible_devices_problems`) lives in gpuformers.device; this file
+only reads it. torch is imported inside `env_report`, so that a broken torch install is reported, not raised.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from gpuformers.device import GPUS_FLAG_VARIABLE, NvidiaReport, gpu_info, nvidia_gpus, visible_devices_problems
+
+
+def _package_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)  # reads metadata only: importing bitsandbytes is slow and noisy
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | None] = nvidia_gpus,
+               environ: Any = None, versions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything `gpuformers env` prints, as plain data (json-ready). `versions` overrides detected versions."""
+    import gpuformers
+
+    environ = os.environ if environ is None else environ
+    nvidia = probe_nvidia()
+    report: dict[str, Any] = {
+        "versions": {"python": platform.python_version(), "gpuformers": gpuformers.__version__, "torch": None,
+                     "torch_cuda": None, "driver": nvidia.driver if nvidia else None,
+                     "triton": _package_version("triton", "pytorch-triton", "triton-windows"),
+                     "flash_attn": _package_version("flash-attn", "flash-attn-3"),
+                     "bitsandbytes": _package_version("bitsandbytes")},
+        "torch_error": None, "cuda_available": False, "device_count": 0, "cuda_error": None,
+        "environ": {name: environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")},
+        "gpus_flag": environ.get(GPUS_FLAG_VARIABLE),
+        "gpus": [],
+        "nvidia": None if nvidia is None else {"source": nvidia.source, "gpus": [asdict(g) for g in nvidia.gpus]},
+    }
+    try:
+        import torch
+
+        report["versions"].update(torch=torch.__version__, torch_cuda=torch.version.cuda)
+        cuda = torch.cuda if cuda is None else cuda
+    except Exception as error:  # a broken wheel or a missing CUDA library: report it, do not crash
+        report["torch_error"] = f"{type(error).__name__}: {error}"
+    report["versions"].update(versions or {})
+    if cuda is None:
+        return report
+    report["cuda_available"] = bool(cuda.is_available())
+    report["device_count"] = cuda.device_count() if report["cuda_available"] else 0
+    if not report["cuda_available"] and report["versions"]["torch_cuda"] and nvidia and nvidia.gpus:
+        try:
+            cuda.init()  # torch.cuda.is_available() hides the reason; init() raises it
+        except Exception as error:
+            report["cuda_error"] = f"{type(error).__name__}: {error}"
+    by_bus = {g.pci_bus_id: g.index for g in nvidia.gpus} if nvidia else {}
+    for gpu in gpu_info(cuda):
+        report["gpus"].append({**asdict(gpu), "nvidia_smi_index": by_bus.get(gpu.pci_bus_id)})
+    return report
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of `gpuformers doctor`: level "ok", "info", "warn" or "fail", and how to fix it."""
+
+    level: str
+    check: str
+    message: str
+    fix: str | None = None
+
+
+def gpu_mapping(report: dict[str, Any]) -> list[str]:
+    """ "cuda:0 -> nvidia-smi 2 -> 00000000:3B:00.0" for each visible GPU."""
+    return [f"cuda:{g['index']} -> nvidia-smi {'?' if g['nvidia_smi_index'] is None else g['nvidia_smi_index']} "
+            f"-> {g['pci_bus_id'] or 'PCI bus unknown'} ({g['name']})" for g in report["gpus"]]
+
+
+def doctor(report: dict[str, Any]) -> list[Finding]:
+    """Check an env_report for what goes wrong in practice. A "fail" makes `gpuformers doctor` exit non-zero.
+
+    It sees this process's environment only: a CUDA_VISIBLE_DEVICES exported in the shell and one set for a single
+    command look the same from here, so any value not set by --gpus gets the warning (docs/gpus.md).
+    """
+    found: list[Finding] = []
+    versions, env, gpus = report["versions"], report["environ"], report["gpus"]
+    physical = report["nvidia"]["gpus"] if report["nvidia"] else []
+    visible, order = env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]
+
+    if report["torch_error"]:
+        found.append(Finding("fail", "torch", f"import torch fails: {report['torch_error']}",
+                             "reinstall torch for your CUDA (https://pytorch.org/get-started/locally/)"))
+    elif physical and versions["torch_cuda"] is None:
+        found.append(Finding("fail", "torch", f"nvidia-smi lists {len(physical)} GPU(s) but torch "
+                             f"{versions['torch']} is a CPU-only build", "install a CUDA build of torch: "
+                             "pip install torch --index-url https://download.pytorch.org/whl/cu126 (pick the CUDA "
+                             "version nvidia-smi supports)"))
+    else:
+        found.append(Finding("ok", "torch", f"torch {versions['torch']} imports"
+                             + (f", built for CUDA {versions['torch_cuda']}" if versions["torch_cuda"] else "")))
+
+    if visible is not None:
+        problems = visible_devices_problems(visible, len(physical) or None, tuple(g["uuid"] for g in physical))
+        from_flag = report["gpus_flag"] == visible
+        if problems:
+            found.append(Finding("fail", "CUDA_VISIBLE_DEVICES", f"CUDA_VISIBLE_DEVICES={visible!r} is invalid: "
+                                 + "; ".join(problems) + " (CUDA silently drops that entry and all after it)",
+                                 "use indices as nvidia-smi lists them, e.g. --gpus 0,1"))
+        elif visible.strip() in ("", "-1"):
+            found.append(Finding("info" if from_flag else "warn", "CUDA_VISIBLE_DEVICES",
+                                 f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU: runs use the CPU",
+                                 None if from_flag else 'unset CUDA_VISIBLE_DEVICES, or use --gpus "" for one run'))
+        if from_flag:
+            found.append(Finding("ok", "CUDA_VISIBLE_DEVICES", f"GPUs {visible!r} chosen by --gpus for this run"))
+        else:
+            found.append(Finding("warn", "CUDA_VISIBLE_DEVICES", f"CUDA_VISIBLE_DEVICES={visible!r} is set in the "
+                                 "environment; if it is exported, every later command in this shell inherits it",
+                                 "unset CUDA_VISIBLE_DEVICES and pass --gpus (or set it in front of one command: "
+                                 "CUDA_VISIBLE_DEVICES=0 cmd); `export -p | grep CUDA_` shows what is exported"))
+    else:
+        found.append(Finding("ok", "CUDA_VISIBLE_DEVICES", "not set: every GPU is visible"))
+
+    if order not in (None, "FASTEST_FIRST", "PCI_BUS_ID"):
+        found.append(Finding("warn", "CUDA_DEVICE_ORDER", f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows; "
+                             "it falls back to FASTEST_FIRST", "export CUDA_DEVICE_ORDER=PCI_BUS_ID"))
+    elif max(len(physical), len(gpus)) > 1 and order != "PCI_BUS_ID":
+        moved = [g for g in gpus if g["nvidia_smi_index"] not in (None, g["index"])]
+        found.append(Finding("warn", "CUDA_DEVICE_ORDER", "several GPUs and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA "
+                             "numbers them fastest first, so cuda:i and CUDA_VISIBLE_DEVICES indices may not be "
+                             "nvidia-smi's" + (" (here they differ)" if moved else "") + "\n" + "\n".join(gpu_mapping(report)),
+                             "export CUDA_DEVICE_ORDER=PCI_BUS_ID (--gpus sets it for its run)"))
+
+    if report["cuda_available"]:
+        found.append(Finding("ok", "CUDA", f"torch.cuda.is_available() True, {report['device_count']} GPU(s)"))
+    elif physical and versions["torch_cuda"] and not (visible is not None and visible.strip() in ("", "-1")):
+        found.append(Finding("fail", "CUDA", f"nvidia-smi lists {len(physical)} GPU(s) but torch cannot use them: "
+                             f"{report['cuda_error'] or 'torch.cuda.is_available() is False'}",
+                             f"update the NVIDIA driver (torch needs one for CUDA {versions['torch_cuda']}), or in "
+                             "a container start it with --gpus all"))
+    elif physical:
+        found.append(Finding("info", "CUDA", f"torch sees none of the {len(physical)} GPU(s) nvidia-smi lists "
+                             "(see above): gpuformers runs on the CPU"))
+    else:
+        found.append(Finding("info", "CUDA", "no CUDA GPU: gpuformers runs on the CPU"))
+
+    for gpu in gpus:
+        if not gpu["bf16"]:
+            major, minor = gpu["capability"]
+            found.append(Finding("warn", "capability", f"cuda:{gpu['index']} {gpu['name']} has compute capability "
+                                 f"{major}.{minor} < 8.0: no bfloat16 (dtype='auto' picks float16) and no "
+                                 "FlashAttention 2", "use attn_implementation='sdpa'; bfloat16 needs an Ampere or newer GPU"))
+    for package, what in (("triton", "the fused kernels (use_kernels=True)"),
+                          ("flash_attn", "attn_implementation='flash_attention_2'")):
+        if versions[package]:
+            found.append(Finding("ok", package, f"{package} {versions[package]}"))
+        elif gpus:
+            found.append(Finding("warn", package, f"{package} is not installed: {what} is unavailable",
+                                 f"pip install {'triton' if package == 'triton' else 'flash-attn --no-build-isolation'}"))
+        else:
+            found.append(Finding("info", package, f"{package} is not installed (only needed on a GPU)"))
+    return found
