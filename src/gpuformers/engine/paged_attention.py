@@ -132,7 +132,7 @@ def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
         n = ctx.query_start[i + 1] - ctx.query_start[i]
         ctx_len = ctx.context_lens_list[i]
         slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
-        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window)
+        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, slots.device)
         if mask is None and n == 1:
             # A decode's query heads are folded into query rows (see paged_attention): say "no mask" with an
             # explicit all-True one, since backends read a missing mask with several query rows as causal.
@@ -154,7 +154,12 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     out = query.new_empty(total, heads, head_dim)
     nd = ctx.num_decodes
     # On a GPU the decodes are attended in one batched call (few kernel launches; padded keys are masked). On the
-    # CPU a loop over sequences is ~3x faster: it copies only each sequence's real keys and needs no mask.
+    # CPU a loop over sequences is faster: it copies only each sequence's real keys and needs no mask, and its copy
+    # (~270 KB) is still in cache when SDPA reads it. Measured at 1 thread, 64 decodes of 40..500 tokens, 4 kv heads
+    # of 64, per layer: this loop 7-9 ms; one padded block gather + masked SDPA 40 ms (5x: twice the keys, fresh
+    # pages for a 33 MB buffer); the same into a reused buffer 23 ms; groups of 2..16 by length 8-16 ms; one
+    # gather of all real keys, then SDPA on slices 14-18 ms (the keys are out of cache when read); block-by-block
+    # matmuls on the cache in place, no copy, 14 ms (two ops per block instead of two per sequence).
     batched = nd if _batch_decodes(query, ctx) else 0
     if batched and base is sdpa_attention and _triton_decode_available(query):
         from gpuformers.engine.paged_attention_triton import paged_decode_attention
