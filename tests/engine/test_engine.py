@@ -177,6 +177,28 @@ def test_sampling_is_per_request_and_seeded(qwen3):
     torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_top_logprobs_are_the_most_likely_tokens(qwen3):
+    """top_logprobs=k returns, per generated token, the k most likely tokens of the model's own distribution,
+    best first, the chosen (greedy) token among them with its logprob."""
+    model, prompts, _ = qwen3
+    manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64)
+    rid = manager.add_request(prompts[3], max_new_tokens=6, top_logprobs=3)
+    plain = manager.add_request(prompts[4], max_new_tokens=6, return_logprobs=True)
+    manager.run_until_done()
+    out, other = manager.get_result(rid, timeout=0), manager.get_result(plain, timeout=0)
+    assert len(out.top_logprobs) == 6 and other.top_logprobs == []
+    full = torch.tensor([prompts[3] + out.generated_tokens])
+    with torch.no_grad():
+        log_probs = model(full).logits[0, len(prompts[3]) - 1:-1].float().log_softmax(-1)
+    for step, (token, logprob, top) in enumerate(zip(out.generated_tokens, out.logprobs, out.top_logprobs)):
+        values, ids = log_probs[step].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=1e-4)
+        assert top[0] == (token, logprob)
+    with pytest.raises(ValueError, match="top_logprobs=21"):
+        manager.add_request(prompts[3], top_logprobs=21)
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
         ContinuousBatchingConfig(block_size=48)

@@ -25,7 +25,8 @@ class TableTokenizer:
 def outputs(ids, last=RequestStatus.FINISHED):
     for k in range(1, len(ids) + 1):
         status = last if k == len(ids) else RequestStatus.DECODING
-        yield SimpleNamespace(generated_tokens=ids[:k], logprobs=[-1.0] * k, status=status, error=None)
+        yield SimpleNamespace(generated_tokens=ids[:k], logprobs=[-1.0] * k, top_logprobs=[], status=status,
+                              error=None)
 
 
 def stream(ids, stops=(), eos=(0,), last=RequestStatus.FINISHED):

@@ -159,6 +159,31 @@ def test_logprobs_match_the_model(server, reference):
     assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
 
 
+def test_top_logprobs_are_the_model_top_tokens(server, reference):
+    import torch
+
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = chat_ids(reference, messages)
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    generated = greedy_reference(reference, ids, 5)
+    with torch.inference_mode():
+        log_probs = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
+    for step, item in enumerate(content):
+        values, top_ids = log_probs[step].topk(3)
+        assert [alt.token for alt in item.top_logprobs] == [tokenizer.decode([t]) for t in top_ids.tolist()]
+        torch.testing.assert_close(torch.tensor([alt.logprob for alt in item.top_logprobs]), values,
+                                   atol=2e-3, rtol=1e-3)
+        assert item.top_logprobs[0].token == item.token  # greedy picks the most likely token
+    completion = client(server).completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, temperature=0,
+                                                   logprobs=2)
+    tops = completion.choices[0].logprobs.top_logprobs
+    assert len(tops) == 5 and all(len(alternatives) <= 2 for alternatives in tops)
+    assert completion.choices[0].logprobs.tokens[0] in tops[0]
+
+
 def test_echo_prepends_the_prompt(server):
     out = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0, echo=True)
     plain = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0)
@@ -261,7 +286,7 @@ BAD_REQUESTS = [
     ("/completions", {"model": M, "prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/completions", {"model": M, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/completions", {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/completions", {"model": M, "prompt": "hi", "logprobs": 5}, 400, "logprobs"),
+    ("/completions", {"model": M, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/completions", {"model": M, "prompt": "hi", "logprobs": 100}, 400, "logprobs"),
     ("/completions", {"model": M, "prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
     ("/completions", {"model": M, "prompt": "x " * 3000}, 400, "prompt"),
@@ -277,7 +302,7 @@ BAD_REQUESTS = [
     ("/chat/completions", {"model": M, "messages": USER, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("/chat/completions", {"model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/chat/completions", {"model": M, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/chat/completions", {"model": M, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/chat/completions", {"model": M, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/chat/completions", {"model": M, "messages": USER, "max_completion_tokens": -3}, 400,
      "max_completion_tokens"),

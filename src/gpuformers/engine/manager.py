@@ -98,6 +98,8 @@ class GenerationOutput:
     prompt_ids: list[int] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # per generated token, the top_logprobs most likely (token id, logprob) pairs, when the request asked for them
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     created_time: float = 0.0
@@ -231,6 +233,7 @@ class ContinuousBatchingManager:
             prompt_ids=list(seq.prompt_ids),
             generated_tokens=list(seq.generated_ids),
             logprobs=list(seq.logprobs),
+            top_logprobs=list(seq.top_logprobs),
             error=seq.error,
             status=seq.status,
             created_time=seq.created_time,
@@ -293,7 +296,7 @@ class ContinuousBatchingManager:
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
-        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs."""
+        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs, top_logprobs."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         if request_id is None:

@@ -115,8 +115,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple[int, float | None]]:
-    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs)."""
+def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple]:
+    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs), plus, for a
+    sequence that asked for top_logprobs=k, the k most likely (token, logprob) pairs of the same distribution."""
     logits = logits.float()
     tokens = logits.argmax(-1)  # greedy rows: one call for all of them
     scores = logits
@@ -132,9 +133,19 @@ def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple
             tokens[i] = torch.multinomial(probs, 1, generator=sequences[i].generator)[0]
             scores[i] = row
     want_logprobs = [i for i, seq in enumerate(sequences) if seq.params.return_logprobs]
-    logprobs = {}
+    logprobs, top = {}, {}
     if want_logprobs:
         rows = torch.tensor(want_logprobs, device=logits.device)
-        chosen = torch.log_softmax(scores[rows], -1).gather(1, tokens[rows, None])[:, 0]
+        log_probs = torch.log_softmax(scores[rows], -1)  # (rows, vocab)
+        chosen = log_probs.gather(1, tokens[rows, None])[:, 0]
         logprobs = dict(zip(want_logprobs, chosen.tolist()))
-    return [(token, logprobs.get(i)) for i, token in enumerate(tokens.tolist())]
+        k = max(sequences[i].params.top_logprobs for i in want_logprobs)
+        if k:
+            values, ids = log_probs.topk(k, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            for row, i in enumerate(want_logprobs):
+                wanted = sequences[i].params.top_logprobs
+                if wanted:
+                    top[i] = list(zip(ids[row][:wanted], values[row][:wanted]))
+    return [(token, logprobs.get(i)) if i not in top else (token, logprobs.get(i), top[i])
+            for i, token in enumerate(tokens.tolist())]

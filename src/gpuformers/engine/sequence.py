@@ -47,6 +47,7 @@ class SamplingParams:
     stop: list[int | list[int]] = field(default_factory=list)
     seed: int | None = None
     return_logprobs: bool = False
+    top_logprobs: int = 0  # with return_logprobs: also the k most likely tokens at each step (at most 20)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -57,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, 20]")
+        if self.top_logprobs:
+            self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         self.stop = [[s] if isinstance(s, int) else [int(t) for t in s] for s in self.stop]
 
@@ -78,6 +83,7 @@ class Sequence:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.generated_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per generated token, when params.top_logprobs
         self.params = params
         self.streaming = streaming
         self.status = RequestStatus.PENDING
@@ -120,11 +126,15 @@ class Sequence:
 
     # --- updates ------------------------------------------------------------------------------------------------
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
-        """Add a sampled token and decide whether the request is done (eos, a stop sequence or the length)."""
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top: list[tuple[int, float]] | None = None) -> None:
+        """Add a sampled token (with its logprob and the top alternatives when asked for) and decide whether the
+        request is done (eos, a stop sequence or the length)."""
         self.generated_ids.append(int(token_id))
         if logprob is not None:
             self.logprobs.append(float(logprob))
+        if top is not None:
+            self.top_logprobs.append(top)
         params = self.params
         done = len(self.generated_ids) >= params.max_new_tokens
         done = done or (not params.ignore_eos and token_id in params.eos_token_ids)

@@ -15,7 +15,8 @@ from typing import Any
 
 MAX_N = 16  # choices per request: each is a full engine request
 MAX_STOP = 4  # stop strings, as OpenAI allows
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -177,7 +178,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     else:
         raise APIError(400, f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:300],
                        "prompt")
-    logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if logprobs is not None:
         request.logprobs, request.top_logprobs = True, logprobs
     request.echo = _bool(body, "echo")

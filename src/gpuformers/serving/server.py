@@ -92,6 +92,7 @@ class ChoiceText:
         self.eos_ids = eos_ids
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.text = ""
         self.sent = 0  # characters of self.text already returned by update
         self.finish_reason: str | None = None
@@ -108,6 +109,7 @@ class ChoiceText:
             return ""
         self.token_ids = list(output.generated_tokens)
         self.logprobs = list(output.logprobs)
+        self.top_logprobs = list(output.top_logprobs)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         done = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
@@ -290,7 +292,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
 
     def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int) -> dict:
         values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": parsed.ignore_eos,
-                                  "return_logprobs": parsed.logprobs}
+                                  "return_logprobs": parsed.logprobs, "top_logprobs": parsed.top_logprobs}
         if parsed.temperature == 0:
             values["do_sample"] = False
         else:
@@ -305,10 +307,6 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         if parsed.model != state.model_name:
             raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves "
                                 f"{state.model_name!r}", "model", code="model_not_found")
-        if parsed.top_logprobs:
-            raise APIError(400, f"top_logprobs={parsed.top_logprobs} is not supported yet: the engine returns the "
-                                "chosen token's logprob only; ask for logprobs with top_logprobs 0",
-                           "top_logprobs" if parsed.chat else "logprobs")
         if parsed.echo and parsed.logprobs:
             raise APIError(400, "echo with logprobs needs prompt logprobs, which the engine does not compute yet; "
                                 "use one of them", "echo")
@@ -420,14 +418,20 @@ class _Job:
         end = choice.num_tokens_kept() if end is None else end
         ids, values = choice.token_ids[start:end], choice.logprobs[start:end]
         strings = [tokenizer.decode([t]) for t in ids]
+        # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
+        tops = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in choice.top_logprobs[start:end]]
+        tops += [[] for _ in range(len(strings) - len(tops))]
         if self.parsed.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                                for s, lp in zip(strings, values)]}
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                                 "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
+                                                  for ts, tl in top]}
+                                for s, lp, top in zip(strings, values, tops)]}
         offsets, position = [], offset
         for s in strings:
             offsets.append(position)
             position += len(s)
-        return {"tokens": strings, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        top_dicts = [dict(top) for top in tops] if self.parsed.top_logprobs else None
+        return {"tokens": strings, "token_logprobs": values, "top_logprobs": top_dicts, "text_offset": offsets}
 
     async def whole(self, request) -> dict:
         try:
