@@ -118,6 +118,11 @@ class StaticCache(Cache):
         shape = (batch, self.num_kv_heads, self.max_cache_len, self.head_dim)
         self.key_cache[layer_idx] = torch.zeros(shape, device=device, dtype=dtype)
         self.value_cache[layer_idx] = torch.zeros(shape, device=device, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            # Written in place by a captured decode step: tell torch.compile the buffers never move, or CUDA graphs
+            # are skipped for mutating their inputs (or copy them in at every replay).
+            torch._dynamo.mark_static_address(self.key_cache[layer_idx])
+            torch._dynamo.mark_static_address(self.value_cache[layer_idx])
         if self._positions is None:
             self._positions = torch.arange(self.max_cache_len, device=device)
 
