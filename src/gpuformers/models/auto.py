@@ -236,10 +236,8 @@ def _apply_kernels(model, use_kernels: bool, kernel_config, attn_implementation:
 
 
 def _generation_config(path: Path, config: ModelConfig):
-    try:
-        from gpuformers.generation.config import GenerationConfig
-    except ImportError:  # pragma: no cover - while the generation package is being built
-        return None
+    from gpuformers.generation.config import GenerationConfig
+
     if path.is_file():
         try:
             return GenerationConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
@@ -271,10 +269,7 @@ def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, prog
     for name in tqdm(names, desc="Dequantizing GGUF tensors", disable=not progress):
         assign_tensor(model, name, checkpoint.load_tensor(name, dtype=dtype, device=device))
     model = _finish(model, device, attn_implementation, str(path))
-    try:
-        from gpuformers.generation.config import GenerationConfig
+    from gpuformers.generation.config import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_dict(checkpoint.generation_config)
-    except ImportError:  # pragma: no cover
-        pass
+    model.generation_config = GenerationConfig.from_dict(checkpoint.generation_config)
     return model

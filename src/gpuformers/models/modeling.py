@@ -1,6 +1,7 @@
-"""PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice.
+"""PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice,
+and, through its mixins, generate() and continuous batching.
 
-Offers: PreTrainedModel.
+Offers: PreTrainedModel, skip_init.
 """
 
 from __future__ import annotations
@@ -12,15 +13,9 @@ import torch
 from torch import nn
 
 from gpuformers.engine.mixin import ContinuousBatchingMixin
+from gpuformers.generation.generate import GenerationMixin
 from gpuformers.layers.attention import AttentionInterface
 from gpuformers.models.config import ModelConfig
-
-try:  # generate() and friends; the generation package is optional while it is being built
-    from gpuformers.generation.generate import GenerationMixin
-except ImportError:  # pragma: no cover - only while generation/generate.py does not exist
-    class GenerationMixin:  # type: ignore[no-redef]
-        pass
-
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
                    "trunc_normal_", "zeros_", "ones_", "constant_")
