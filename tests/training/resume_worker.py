@@ -8,6 +8,8 @@ import argparse
 import os
 import signal
 
+import torch
+
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer, TrainerCallback
 from tests.training.helpers import make_rows, tiny_args
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("output_dir")
     parser.add_argument("--kill-at-save", type=int, default=None)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as the test's own runs: bit-exact comparisons need one thread (see the test)
     callbacks = [KillAtSave(args.kill_at_save)] if args.kill_at_save else []
     build_trainer(args.checkpoint, args.output_dir, callbacks).train()
 
