@@ -13,11 +13,12 @@ Chat templates are rendered the way transformers renders them (sandboxed Jinja w
 lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, `{% generation %}`
 blocks for assistant masks), so a prompt is byte-for-byte the one the model was trained on.
 
-Offers: PreTrainedTokenizerFast, BatchEncoding.
+Offers: PreTrainedTokenizerFast, BatchEncoding, byte_level_alphabet.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -67,6 +68,21 @@ _CONFIG_KEYS_CONSUMED = {
     "is_local",
     "local_files_only",
 }
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable bytes stand for themselves, the other 68 move to U+0100 upward,
+    so every byte string is spelled with visible characters (space -> "Ġ", newline -> "Ċ")."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(0x100 + shifted)
+            shifted += 1
+    return table
 
 
 class BatchEncoding(dict):

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from gpuformers.generation.config import GenerationConfig
+from gpuformers.tokenizer import byte_level_alphabet
 
 
 class StoppingCriteria:
@@ -228,7 +229,7 @@ def token_bytes(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     byte_level = "ByteLevel" in decoder_types
     byte_fallback = "ByteFallback" in decoder_types
     metaspace = "Metaspace" in decoder_types or "Replace" in decoder_types
-    char_to_byte = {c: b for b, c in _byte_to_char().items()} if byte_level else {}
+    char_to_byte = {c: b for b, c in byte_level_alphabet().items()} if byte_level else {}
     size = max(vocab.values()) + 1 if vocab else 0
     pieces = [b""] * size
     for token, index in vocab.items():
@@ -287,17 +288,3 @@ def _decoder_types(tokenizer: Any) -> set[str]:
 
     walk(config)
     return found
-
-
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68 bytes are shifted to
-    code points 256, 257, ... in byte order, so every byte has a visible character."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
-    table, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table

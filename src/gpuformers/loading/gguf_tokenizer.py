@@ -13,8 +13,9 @@ Offers: `tokenizer_parts(meta, file_name, model_max_length)`, which GGUFCheckpoi
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
+
+from gpuformers.tokenizer import byte_level_alphabet
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
@@ -90,21 +91,6 @@ def tokenizer_parts(meta: Callable[..., Any], file_name: str, model_max_length: 
     return tokenizer, config
 
 
-@functools.cache
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: printable bytes stand for themselves, the other 68 move to U+0100 upward,
-    so every byte string is spelled with visible characters (space -> "Ġ", newline -> "Ċ")."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    table, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(0x100 + shifted)
-            shifted += 1
-    return table
-
-
 def _byte_level_pre_tokenizer(pre: str):
     from tokenizers import Regex, pre_tokenizers
 
@@ -136,7 +122,7 @@ def _byte_level_bpe(tokens, token_types, merges, pre, specials):
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
 
-    spelling = _byte_to_unicode()
+    spelling = byte_level_alphabet()
     alphabet = set(spelling.values())
     # tokens are stored in the byte alphabet already; the odd added token spelled in plain UTF-8 is respelled
     vocab = {}
