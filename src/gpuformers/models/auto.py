@@ -10,7 +10,6 @@ Offers: AutoConfig, AutoModelForCausalLM, AutoTokenizer, load_pretrained.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -239,10 +238,7 @@ def _generation_config(path: Path, config: ModelConfig):
     from gpuformers.generation.config import GenerationConfig
 
     if path.is_file():
-        try:
-            return GenerationConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); fix or delete the file") from err
+        return GenerationConfig.from_pretrained(path)
     return GenerationConfig.from_model_config(config)
 
 
