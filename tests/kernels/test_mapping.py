@@ -181,24 +181,33 @@ def test_silu_modules_are_kernel_layers():
     torch.testing.assert_close(out, torch.nn.functional.silu(layer[0](x)))
 
 
-@pytest.mark.parametrize("switch", ["disable-env", "no-interpreter", "torch-compile"])
+@pytest.mark.parametrize("switch", ["disable-env", "no-interpreter"])
 def test_switches_keep_the_torch_layers_and_say_so_once(qwen3_dir, monkeypatch, caplog, fresh_warnings, switch):
     mode = Mode.INFERENCE
     if switch == "disable-env":
         monkeypatch.setenv(mapping.DISABLE_ENV, "1")
-    elif switch == "no-interpreter":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
-        mode = Mode.INFERENCE | Mode.TORCH_COMPILE
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = _load(qwen3_dir)
     with caplog.at_level(logging.WARNING, logger="gpuformers.kernels.mapping"):
         kernelize(model, mode=mode)
         kernelize(model, mode=mode)
     assert "forward" not in model.model.norm.__dict__
     assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
-    expected = {"disable-env": mapping.DISABLE_ENV, "no-interpreter": "TRITON_INTERPRET=1 is not set",
-                "torch-compile": "torch.compile"}[switch]
+    expected = {"disable-env": mapping.DISABLE_ENV, "no-interpreter": "TRITON_INTERPRET=1 is not set"}[switch]
     assert expected in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", [Mode.INFERENCE, Mode.TRAINING], ids=["inference", "training"])
+def test_torch_compile_mode_swaps_in_the_kernels_silently(qwen3_dir, caplog, fresh_warnings, mode):
+    # The kernels are torch.library ops (tests/kernels/test_compile.py compiles models with them).
+    model = _load(qwen3_dir)
+    with caplog.at_level(logging.WARNING, logger="gpuformers.kernels.mapping"):
+        kernelize(model, mode=mode | Mode.TORCH_COMPILE)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert model.model.norm.forward.__func__ is mapping._rms_norm_forward
+    assert model.model.norm._kernel_mode == mode | Mode.TORCH_COMPILE
+    assert set(model._kernel_state.functions) >= {"rotary_pos_emb", "AddRMSNorm", "ForCausalLMLoss"}
 
 
 def test_flash_attention_2_on_cpu_fails_at_load(qwen3_dir):

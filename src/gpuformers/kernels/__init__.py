@@ -2,10 +2,11 @@
 
 Files: rms_norm.py (RMSNorm and fused residual-add + RMSNorm), swiglu.py (SiLU and SiLU-and-mul), rotary.py
 (rotary embedding of q and k), attention.py (FlashAttention-style forward and backward), fused_linear_cross_entropy.py
-(linear + cross-entropy without the full logits, and cross-entropy over given logits), mapping.py (KernelConfig,
-Mode, kernelize, the layer-name registry), checks.py (launcher checks and "can Triton run here").
+(linear + cross-entropy without the full logits, and cross-entropy over given logits), ops.py (each kernel as a
+torch.library op, `torch.ops.gpuformers.*`, which the kernel functions call under torch.compile), mapping.py
+(KernelConfig, Mode, kernelize, the layer-name registry), checks.py (launcher checks and "can Triton run here").
 
-Importing this package does not import triton; the kernel files do, when first used.
+Importing this package does not import triton; the kernel files do, when first used (and register the ops).
 
 Offers: KernelConfig, Mode, kernelize, kernels_available.
 """

@@ -19,6 +19,9 @@ Layouts: padded q (batch, heads, q_len, head_dim), k and v (batch, kv_heads, kv_
 a contiguous last dimension); packed q (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim) with
 cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 offsets.
 
+Under torch.compile, flash_attention calls the torch.library op gpuformers::flash_attention (ops.py) instead of
+FlashAttentionFunction; packed sequences then need max_seqlen_q / max_seqlen_k (no host sync in a graph).
+
 Offers: flash_attention, attention_reference, FlashAttentionFunction.
 """
 
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
@@ -435,8 +439,16 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     mask: optional bool (batch or 1, 1, q_len, kv_len), True where a query may attend (combined with causal and
     sliding_window). scale defaults to head_dim ** -0.5. Differentiable in q, k and v.
     """
-    problem = _Problem(q, k, v, causal, sliding_window, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        if (cu_seqlens_q is not None or cu_seqlens_k is not None) and not (max_seqlen_q and max_seqlen_k):
+            raise ValueError("under torch.compile pass max_seqlen_q and max_seqlen_k with packed sequences "
+                             "(computing them from cu_seqlens needs a host sync)")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+        return ops.flash_attention(q, k, v, bool(causal), scale, int(sliding_window or 0), mask, cu_seqlens_q,
+                                   cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0))[0]
+    problem = _Problem(q, k, v, causal, sliding_window, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return FlashAttentionFunction.apply(q, k, v, problem, scale)
     return _forward(problem, q, k, v, scale)[0]

@@ -10,8 +10,11 @@ So the peak holds one (C, vocab) chunk instead of the (tokens, vocab) logits plu
 Labels equal to ignore_index (-100) add nothing; the mean divides by the number of counted labels, or by
 num_items_in_batch when given (gradient accumulation), as layers/loss.py does.
 
-Offers: cross_entropy, causal_lm_loss_triton, fused_linear_cross_entropy, linear_causal_lm_loss_triton, fused_linear_cross_entropy_reference,
-CrossEntropyFunction, FusedLinearCrossEntropyFunction.
+Under torch.compile, cross_entropy and fused_linear_cross_entropy call the torch.library ops of ops.py
+(gpuformers::cross_entropy, gpuformers::fused_linear_cross_entropy) instead of their autograd.Functions.
+
+Offers: cross_entropy, causal_lm_loss_triton, fused_linear_cross_entropy, linear_causal_lm_loss_triton,
+fused_linear_cross_entropy_reference, fused_forward, CrossEntropyFunction, FusedLinearCrossEntropyFunction.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, next_power_of_2
 
 IGNORE_INDEX = -100
@@ -108,6 +112,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     """Mean cross-entropy of logits (rows, vocab) against labels (rows,), in float32; differentiable."""
     check_tensor("logits", logits, ndim=2)
     _check_labels(labels, logits.shape[0], logits.device)
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        scale = _inverse_count(labels, ignore_index, num_items_in_batch)
+        with_grad = torch.is_grad_enabled() and logits.requires_grad
+        return ops.cross_entropy(logits, labels.reshape(-1), scale, ignore_index, with_grad)[0]
     return CrossEntropyFunction.apply(logits, labels.reshape(-1), ignore_index, num_items_in_batch)
 
 
@@ -120,27 +128,36 @@ def causal_lm_loss_triton(logits, labels, num_items_in_batch=None, ignore_index:
                          num_items_in_batch)
 
 
+def fused_forward(hidden, weight, labels, scale, ignore_index: int, chunk_size: int, grad_hidden: bool,
+                  grad_weight: bool):
+    """The chunked loop: (mean loss, d loss / d hidden or None, d loss / d weight or None), the gradients written
+    during the forward for the inputs that asked for them. scale (1,) float32 is 1 / the mean's denominator."""
+    rows = hidden.shape[0]
+    want_grad = grad_hidden or grad_weight
+    dhidden = torch.empty_like(hidden) if grad_hidden else None
+    # Accumulated in the weight's dtype: each chunk's GEMM sums in float32 and rounds once, as Liger and the
+    # unfused torch backward (one big GEMM, rounded once) do; a float32 buffer would double the peak memory.
+    dweight = torch.zeros_like(weight) if grad_weight else None
+    losses = []
+    for start in range(0, rows, chunk_size):
+        h = hidden[start:start + chunk_size]  # (C, hidden)
+        logits = h @ weight.t()  # (C, vocab): the only logits that ever exist
+        losses.append(_launch(logits, labels[start:start + chunk_size], logits if want_grad else None, scale,
+                              ignore_index))
+        if dhidden is not None:
+            torch.matmul(logits, weight, out=dhidden[start:start + chunk_size])
+        if dweight is not None:
+            dweight.addmm_(logits.t(), h)
+    loss = (torch.cat(losses).sum() if losses else hidden.new_zeros((), dtype=torch.float32)) * scale[0]
+    return loss, dhidden, dweight
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, num_items_in_batch, chunk_size):
-        rows = hidden.shape[0]
         scale = _inverse_count(labels, ignore_index, num_items_in_batch)
-        want_grad = hidden.requires_grad or weight.requires_grad
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        # Accumulated in the weight's dtype: each chunk's GEMM sums in float32 and rounds once, as Liger and the
-        # unfused torch backward (one big GEMM, rounded once) do; a float32 buffer would double the peak memory.
-        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
-        losses = []
-        for start in range(0, rows, chunk_size):
-            h = hidden[start:start + chunk_size]  # (C, hidden)
-            logits = h @ weight.t()  # (C, vocab): the only logits that ever exist
-            losses.append(_launch(logits, labels[start:start + chunk_size], logits if want_grad else None, scale,
-                                  ignore_index))
-            if grad_hidden is not None:
-                torch.matmul(logits, weight, out=grad_hidden[start:start + chunk_size])
-            if grad_weight is not None:
-                grad_weight.addmm_(logits.t(), h)
-        loss = (torch.cat(losses).sum() if losses else hidden.new_zeros((), dtype=torch.float32)) * scale[0]
+        loss, grad_hidden, grad_weight = fused_forward(hidden, weight, labels, scale, ignore_index, chunk_size,
+                                                       hidden.requires_grad, weight.requires_grad)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 
@@ -175,6 +192,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         chunk_size = max(1, triton.cdiv(rows, max(1, triton.cdiv(vocab, hidden.shape[1]))))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        scale = _inverse_count(labels, ignore_index, num_items_in_batch)
+        grad = torch.is_grad_enabled()
+        return ops.fused_linear_cross_entropy(hidden, weight, labels.reshape(-1), scale, ignore_index, int(chunk_size),
+                                              grad and hidden.requires_grad, grad and weight.requires_grad)[0]
     return FusedLinearCrossEntropyFunction.apply(hidden, weight, labels.reshape(-1), ignore_index,
                                                  num_items_in_batch, int(chunk_size))
 

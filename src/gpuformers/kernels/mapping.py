@@ -6,17 +6,21 @@ counts as "SiLU"); functions do it with the `use_kernel_function(name)` decorato
 
     module layer   -> its forward is replaced on that instance (the class and the weights are untouched)
     function layer -> while the model's forward runs, calls to the function go to the kernel (a ContextVar set by
-                      forward hooks on the model, so two models in one process keep their own choice)
+                      forward hooks on the model, so two models in one process keep their own choice; torch.compile
+                      cannot read a ContextVar, so compiled code reads the same choice from a stack the hooks push)
 
 Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place), Mode.TRAINING (kernels with a backward),
-Mode.TORCH_COMPILE (added to either: our kernels are not torch.library ops yet, so under compile the torch layers
-stay and torch.compile fuses them itself). `model.train()` / `model.eval()` call kernelize again for the new mode.
+Mode.TORCH_COMPILE (added to either, for a model that will run under torch.compile; it installs the same kernels).
+Every kernel is also a torch.library op (ops.py, namespace `gpuformers`) and the kernel functions call their op
+while torch.compile traces them, so a compiled model keeps the kernels in its graph with no graph break,
+fullgraph=True included; rotary is then out of place. `model.train()` / `model.eval()` call kernelize again for the
+new mode.
 
 Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests); elsewhere the torch layers are
 kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
 
 Offers: Mode, KernelConfig, kernelize, rekernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
-register_layer_kernel, layer_names, DISABLE_ENV.
+register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV.
 """
 
 from __future__ import annotations
@@ -138,6 +142,16 @@ _ACTIVE_FUNCTIONS: contextvars.ContextVar[dict[str, Callable]] = contextvars.Con
 # How many kernelized forwards are running, in any thread. While it is 0 a marked function calls torch directly
 # without reading the ContextVar, which torch.compile cannot trace (a graph break in every layer otherwise).
 _ACTIVE_DEPTH = 0
+# The same choices as a plain stack (one dict per running kernelized forward, innermost last), which torch.compile
+# can read and push to. Process-wide, so compiled code in two threads running differently kernelized models at
+# the same moment could see the other's choice; eager code reads the per-thread ContextVar.
+_COMPILED_STACK: list[dict[str, Callable]] = []
+
+
+def _functions_in_force() -> dict[str, Callable]:
+    if torch.compiler.is_compiling():
+        return _COMPILED_STACK[-1] if _COMPILED_STACK else {}
+    return _ACTIVE_FUNCTIONS.get()
 
 
 def use_kernel_function(layer_name: str):
@@ -148,7 +162,7 @@ def use_kernel_function(layer_name: str):
         def dispatch(*args, **kwargs):
             if not _ACTIVE_DEPTH:
                 return fn(*args, **kwargs)
-            kernel = _ACTIVE_FUNCTIONS.get().get(layer_name)
+            kernel = _functions_in_force().get(layer_name)
             return fn(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
 
         dispatch.kernel_layer_name = layer_name
@@ -267,10 +281,6 @@ def kernelize(model: nn.Module, mode: Mode = Mode.INFERENCE, kernel_config: Kern
     if not available:
         _warn_once(f"use_kernels=True keeps the torch layers: {why}")
         return model
-    if Mode.TORCH_COMPILE in mode:
-        _warn_once("kernelize(mode=...TORCH_COMPILE): the Triton kernels are not torch.library ops yet, so the torch "
-                   "layers are kept and torch.compile fuses them")
-        return model
     for module in model.modules():
         layer = _layer_name(module)
         if layer is None or layer not in _REGISTRY:
@@ -309,7 +319,10 @@ def _enter_functions(state: _KernelState):
     def hook(module, args):
         global _ACTIVE_DEPTH
         _ACTIVE_DEPTH += 1
-        state.tokens.append(_ACTIVE_FUNCTIONS.set(dict(state.functions)))
+        _COMPILED_STACK.append(state.functions)
+        # While torch.compile traces this hook (the whole model compiled) only the stack is used; the ContextVar,
+        # which it cannot trace, is set in eager forwards.
+        state.tokens.append(None if torch.compiler.is_compiling() else _ACTIVE_FUNCTIONS.set(dict(state.functions)))
 
     return hook
 
@@ -318,15 +331,19 @@ def _exit_functions(state: _KernelState):
     def hook(module, args, output):
         global _ACTIVE_DEPTH
         if state.tokens:
-            _ACTIVE_FUNCTIONS.reset(state.tokens.pop())
+            token = state.tokens.pop()
+            if token is not None:
+                _ACTIVE_FUNCTIONS.reset(token)
+            _COMPILED_STACK.pop()
             _ACTIVE_DEPTH -= 1
 
     return hook
 
 
 def active_kernel_functions() -> dict[str, Callable]:
-    """The function kernels in force right now (inside a kernelized model's forward); for tests and debugging."""
-    return dict(_ACTIVE_FUNCTIONS.get())
+    """The function kernels in force right now (inside a kernelized model's forward; the model's forward reads it
+    to choose the fused loss, so it also works while torch.compile traces)."""
+    return dict(_functions_in_force())
 
 
 def rekernelize(model: nn.Module) -> nn.Module:

@@ -6,7 +6,9 @@
 The statistics are computed in float32 and the normalised row is rounded to the input dtype before the weight
 multiplies it, exactly as the torch layer (layers/norm.py) does, so float16 results match it bit for bit or
 within one rounding. One program normalises one row; the backward gives each program a run of rows so that the
-weight gradient is summed in registers and only (programs, hidden) partial sums reach memory.
+weight gradient is summed in registers and only (programs, hidden) partial sums reach memory. Under torch.compile,
+rms_norm calls the torch.library ops gpuformers::rms_norm / gpuformers::add_rms_norm (ops.py) instead of
+RMSNormFunction.
 
 Offers: rms_norm, rms_norm_reference, rms_norm_forward, rms_norm_backward, RMSNormFunction.
 """
@@ -17,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, next_power_of_2
 
 
@@ -162,6 +165,11 @@ class RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
     """Triton RMSNorm of x (..., hidden); with `residual`, returns (rms_norm(x + residual), x + residual)."""
+    if torch.compiler.is_compiling():  # the torch.library ops: torch.compile keeps them in its graph
+        if residual is None:
+            return ops.rms_norm(x, weight, eps)[0]
+        y, summed, _ = ops.add_rms_norm(x, residual, weight, eps)
+        return y, summed
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
     )

@@ -6,7 +6,8 @@ backward (training), beside the torch reference in layers/rotary.py.
     y2 = x2 * cos[half:] + x1 * sin[half:]
 
 The backward is the transposed rotation (dy rotated by -sin). One program handles one (batch, position) and a
-block of heads, so cos and sin are read once per token.
+block of heads, so cos and sin are read once per token. Under torch.compile both functions call the
+torch.library op gpuformers::rotary (ops.py), out of place.
 
 Offers: apply_rotary, apply_rotary_inplace, rotary_reference, rotary_forward, RotaryFunction.
 """
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, next_power_of_2
 
 
@@ -113,11 +115,15 @@ def apply_rotary(q, k, cos, sin, unsqueeze_dim: int = 1):
     if cos.requires_grad or sin.requires_grad:
         # Learned rotary tables are not a thing in this library; keep torch so their gradient is right.
         return rotary_reference(q, k, cos, sin, unsqueeze_dim)
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        return ops.rotary(q, cos, sin, unsqueeze_dim, False), ops.rotary(k, cos, sin, unsqueeze_dim, False)
     return RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim)
 
 
 def apply_rotary_inplace(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Rotates q and k in place when no gradient is needed (inference), else falls back to apply_rotary."""
+    if torch.compiler.is_compiling():  # out of place: the compiler plans the buffers (an in-place op would be
+        return apply_rotary(q, k, cos, sin, unsqueeze_dim)  # turned into a copy anyway)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
         return apply_rotary(q, k, cos, sin, unsqueeze_dim)
     return rotary_forward(q, cos, sin, q, unsqueeze_dim), rotary_forward(k, cos, sin, k, unsqueeze_dim)

@@ -5,6 +5,8 @@
 
 The torch MLP computes silu in float32 and rounds it before the product; the kernel rounds at the same place, so
 float16 results match it. Elementwise and memory-bound: each program handles BLOCK elements of one row.
+Under torch.compile, silu_and_mul and silu call the torch.library ops gpuformers::silu_and_mul / gpuformers::silu
+(ops.py) instead of their autograd.Functions.
 
 Offers: silu_and_mul, silu, swiglu_reference, silu_and_mul_forward, silu_and_mul_backward, SiluAndMulFunction.
 """
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor
 
 _BLOCK = 1024
@@ -115,6 +118,8 @@ class SiluAndMulFunction(torch.autograd.Function):
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton silu(gate) * up, differentiable."""
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        return ops.silu_and_mul(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return SiluAndMulFunction.apply(gate, up)
     return silu_and_mul_forward(gate, up)
@@ -134,6 +139,8 @@ class _SiluFunction(torch.autograd.Function):
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """Triton silu(x), differentiable."""
+    if torch.compiler.is_compiling():
+        return ops.silu(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _SiluFunction.apply(x)
     return silu_and_mul_forward(x, None)
