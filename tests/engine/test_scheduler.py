@@ -185,3 +185,38 @@ def test_bad_settings_name_the_value():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="empty prompt"):
         Sequence("x", [], SamplingParams())
+
+
+def test_sequences_get_consecutive_blocks_to_grow_into():
+    """Concurrent requests decoding side by side each keep consecutive blocks (the CPU attends them in place)."""
+    scheduler, runner = make(num_blocks=64, block_size=4, max_batch_tokens=64)
+    for i in range(4):
+        scheduler.add(seq(f"r{i}", range(10 * i, 10 * i + 6), max_new_tokens=12))  # 6 + 12 - 1 tokens: 5 blocks
+    tables = {}
+    while scheduler.has_work:
+        batch = scheduler.schedule()
+        for s in batch.sequences:
+            tables[s.request_id] = list(s.block_table)
+        scheduler.postprocess(batch, runner.run(batch))
+    assert sorted(tables) == ["r0", "r1", "r2", "r3"]
+    for table in tables.values():
+        assert len(table) == 5
+        assert table == list(range(table[0], table[0] + 5))
+    assert_all_free(scheduler.block_manager)
+
+
+def test_full_cache_still_allocates_scattered_blocks():
+    """Contiguity is a preference: with no free run left, any free block is used."""
+    manager = BlockManager(8, 4, allow_block_sharing=False)
+    holders = [seq(f"h{i}", range(4)) for i in range(8)]
+    for h in holders:
+        manager.allocate(h, 4)  # one block each: the whole cache
+    assert sorted(h.block_table[0] for h in holders) == list(range(8))
+    for h in holders:
+        if h.block_table[0] % 2 == 0:
+            manager.free_sequence(h)  # free blocks 0, 2, 4, 6: no two consecutive
+    s = seq("s", range(12), max_new_tokens=1)
+    manager.allocate(s, 12)
+    assert sorted(s.block_table) == [0, 2, 4]
+    manager.allocate(s, 16)
+    assert sorted(s.block_table) == [0, 2, 4, 6] and manager.num_free_blocks == 0

@@ -190,6 +190,46 @@ def test_echo_prepends_the_prompt(server):
     assert out.choices[0].text == "Echo me" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, reference):
+    """echo + logprobs: OpenAI's completions shape over prompt + completion tokens, the prompt's values from the
+    model's own distribution (the first token has none: null), shared by the n choices."""
+    import torch
+
+    model, tokenizer = reference
+    text = "The quick brown fox jumps"
+    ids = tokenizer.encode(text)
+    generated = greedy_reference(reference, ids, 4)
+    out = client(server).completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=2, n=2)
+    all_ids = ids + generated
+    with torch.inference_mode():
+        log_probs = model(torch.tensor([all_ids])).logits[0, :-1].float().log_softmax(-1)
+    expected = log_probs.gather(1, torch.tensor(all_ids[1:])[:, None])[:, 0]
+    for choice in out.choices:
+        assert choice.text == text + decode(reference, generated)
+        lp = choice.logprobs
+        assert lp.tokens == [tokenizer.decode([t]) for t in all_ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), expected, atol=2e-3, rtol=1e-3)
+        assert len(lp.top_logprobs) == len(all_ids)
+        for position, (token, alternatives) in enumerate(zip(lp.tokens[1:], lp.top_logprobs[1:])):
+            values, top_ids = log_probs[position].topk(2)
+            best = [tokenizer.decode([t]) for t in top_ids.tolist()]
+            assert set(best) <= set(alternatives) and token in alternatives and len(alternatives) <= 3
+            torch.testing.assert_close(torch.tensor([alternatives[b] for b in best]), values, atol=2e-3, rtol=1e-3)
+            assert alternatives[token] == pytest.approx(lp.token_logprobs[position + 1], abs=1e-6)
+        assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(text)
+        assert lp.text_offset == sorted(lp.text_offset)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 2 * len(generated)
+    # logprobs=0: the chosen tokens' values only; token ids as the prompt work the same way.
+    zero = client(server).completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                             logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs is None
+    assert zero.choices[0].logprobs.token_logprobs[0] is None
+    assert zero.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        out.choices[0].logprobs.token_logprobs[1:len(ids)], abs=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- limits
 
 

@@ -10,6 +10,14 @@ keys and values. A new request whose prompt starts with the same blocks takes th
 of computing them. A freed block keeps its hash until the free list hands it out again, so a finished or preempted
 request's prefix stays reusable for as long as memory allows (freed blocks are reused oldest first).
 
+Contiguity: attention reads a sequence's keys fastest when its blocks are consecutive in the cache (on the CPU the
+paged backend then attends a view of the cache instead of gathering a copy, see paged_attention.py). So a new
+sequence is placed next-fit at the start of a free run long enough for its whole life (prompt + max_new_tokens),
+and the rest of that run is left for it to grow into: it is not taken from the free count (a soft reservation:
+later placements start after it, but when memory runs short any free block is used, and a sequence whose blocks
+are not consecutive is simply attended through a gathered copy). A growing sequence takes the block right after
+its last one when that block is free.
+
 Offers: Block, BlockManager, CacheTooSmallError.
 """
 
@@ -51,6 +59,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hits = 0  # blocks taken from the prefix cache instead of computed
         self.prefix_queries = 0  # full prompt blocks looked up
+        self._cursor = 0  # next-fit placement of new sequences starts searching here
 
     # --- facts --------------------------------------------------------------------------------------------------
 
@@ -77,8 +86,10 @@ class BlockManager:
 
     # --- allocation ---------------------------------------------------------------------------------------------
 
-    def _take_free_block(self) -> int:
-        block_id = next(iter(self.free))
+    def _take_free_block(self, block_id: int | None = None) -> int:
+        """Take block_id (which must be free), or the free block freed longest ago."""
+        if block_id is None:
+            block_id = next(iter(self.free))
         del self.free[block_id]
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
@@ -94,7 +105,10 @@ class BlockManager:
         because the step that computes the last token is the one that gives the logits to sample from.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
-        if not self.allow_block_sharing:
+        if not self.allow_block_sharing or seq.wants_prompt_logprobs:
+            # A request still missing prompt logprobs computes every prompt position: a cached block has keys and
+            # values but no logits. (Its own blocks are still registered for others, and once its prompt logprobs
+            # are complete a recompute after a preemption takes hits again.)
             return 0
         tokens = seq.token_ids
         previous = None
@@ -130,8 +144,42 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self.free):
             raise RuntimeError(f"allocate: {needed} blocks needed, {len(self.free)} free (check can_allocate first)")
+        if needed and not seq.block_table:
+            start = self._free_run(needed, max(needed, self.blocks_for(seq.max_tokens)))
+            if start is not None:
+                seq.block_table.extend(self._take_free_block(b) for b in range(start, start + needed))
+                return
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            after = seq.block_table[-1] + 1 if seq.block_table else None
+            seq.block_table.append(self._take_free_block(after if after in self.free else None))
+
+    def _free_run(self, needed: int, wanted: int) -> int | None:
+        """Next-fit from the cursor: the start of the first run of `wanted` free blocks (or of the longest run of at
+        least `needed`), and move the cursor past the `wanted` blocks. None when no run of `needed` exists."""
+        n = self.num_blocks
+        wanted = min(wanted, n)
+        best_start, best_len = None, needed - 1
+        position, scanned = self._cursor, 0
+        while scanned < n:
+            if position + wanted > n:  # wrap: a run never crosses the end of the cache
+                scanned += n - position
+                position = 0
+                continue
+            run = 0
+            while run < wanted and position + run in self.free:
+                run += 1
+            if run == wanted:
+                best_start, best_len = position, run
+                break
+            if run > best_len:
+                best_start, best_len = position, run
+            scanned += run + 1
+            position += run + 1
+            if position >= n:
+                position = 0
+        if best_start is not None:
+            self._cursor = (best_start + best_len) % n
+        return best_start
 
     def commit(self, seq: Sequence) -> None:
         """After a step: register the blocks that became full and computed, so later requests can share them."""

@@ -100,6 +100,10 @@ class GenerationOutput:
     logprobs: list[float] = field(default_factory=list)
     # per generated token, the top_logprobs most likely (token id, logprob) pairs, when the request asked for them
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with prompt_logprobs: per prompt token, its logprob given the tokens before it (None for the first), and
+    # with prompt_logprobs=k > 0 its k most likely (token id, logprob) alternatives (None for the first)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     error: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     created_time: float = 0.0
@@ -234,6 +238,8 @@ class ContinuousBatchingManager:
             generated_tokens=list(seq.generated_ids),
             logprobs=list(seq.logprobs),
             top_logprobs=list(seq.top_logprobs),
+            prompt_logprobs=list(seq.prompt_logprobs),
+            prompt_top_logprobs=list(seq.prompt_top_logprobs),
             error=seq.error,
             status=seq.status,
             created_time=seq.created_time,
@@ -296,7 +302,8 @@ class ContinuousBatchingManager:
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
-        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs, top_logprobs."""
+        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs, top_logprobs,
+        prompt_logprobs (see SamplingParams; such a request takes no prefix-cache hits)."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         if request_id is None:

@@ -5,7 +5,14 @@ flattens a ScheduledBatch into one row of tokens with positions, slot mappings a
 decoder over it with the paged attention backend, computes logits only at the rows that sample, and samples with
 each request's own parameters (greedy rows in one argmax; sampled rows with their own seeded generator).
 
-Offers: ModelRunner, kv_bytes_per_block, sample_tokens.
+Prompt logprobs (SamplingParams.prompt_logprobs): a request that asked for them also gets logits at the rows of
+its prefill chunk, and the runner records them on the Sequence as each chunk runs (position q's logits give
+token q + 1's logprob). Requests that did not ask keep paying for one row of logits only.
+
+    chunk rows:     p3  p4  p5  p6        (positions of the flattened step that belong to this sequence)
+    logits give:    t4  t5  t6  t7        (prompt token logprobs; the last prompt position's logits sample instead)
+
+Offers: ModelRunner, kv_bytes_per_block, sample_tokens, PROMPT_LOGITS_ROWS.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import torch
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.scheduler import ScheduledBatch
 from gpuformers.engine.sequence import Sequence
+
+# Prompt logits are computed this many rows at a time: (rows, vocab) in float32 is ~150 MB for a 150k vocabulary.
+PROMPT_LOGITS_ROWS = 256
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -35,9 +45,12 @@ class ModelRunner:
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
         shape = (slots, config.num_key_value_heads, config.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                           for _ in range(config.num_hidden_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On a GPU, batched decode attention reads padding slots (masked, but 0 * NaN would still poison the sum), so
+        # the cache starts zeroed. The CPU path only ever reads slots it wrote: leaving the memory untouched lets
+        # the OS map pages as sequences first use them, instead of zeroing the whole cache (~1 s per 2 GB) at start.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.key_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.value_caches = [alloc(shape, dtype=self.dtype, device=self.device)
                              for _ in range(config.num_hidden_layers)]
         self.decoder = model.model  # the stack without the LM head: we need logits only where we sample
         self.lm_head = model.get_output_embeddings()
@@ -84,21 +97,56 @@ class ModelRunner:
 
     # --- the step -----------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int, range]]:
+        """Per sequence that wants prompt logprobs from this step: (sequence, its first prompt token to record,
+        the rows of the flattened step whose logits give them)."""
+        found, row = [], 0
+        for seq, n in zip(batch.sequences, batch.num_tokens):
+            start = seq.num_computed_tokens
+            positions = seq.prompt_logprob_positions(start, n)
+            if positions:
+                found.append((seq, positions.start + 1,
+                              range(row + positions.start - start, row + positions.stop - start)))
+            row += n
+        return found
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None] | None]:
-        """Compute the batch; per sequence, (token, logprob or None) when it sampled, else None."""
+        """Compute the batch; per sequence, (token, logprob or None) when it sampled, else None. Prompt logprobs
+        are recorded on their sequences (Sequence.add_prompt_logprobs) as a side effect."""
         input_ids, position_ids, context, sample_rows = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(batch, context):
-            logits = self.graphs.run(input_ids, position_ids, context)
+        prompt_rows = self.prompt_logprob_rows(batch)
+        if self.graphs is not None and not prompt_rows and self.graphs.can_run(batch, context):
+            logits = self.graphs.run(input_ids, position_ids, context)  # (len(batch), vocab): one row per sequence
+            if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
+                logits = logits[sample_rows]
         else:
             with paged_context(context):
                 hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
                                          past_key_values=PagedKVCache(context))
             # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
             logits = self.lm_head(hidden[0, sample_rows])
+            for seq, first, rows in prompt_rows:
+                self._record_prompt_logprobs(hidden[0], seq, first, rows)
         sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
         results = iter(sample_tokens(logits, sampling))
         return [next(results) if batch.samples(i) else None for i in range(len(batch))]
+
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, first: int, rows: range) -> None:
+        """hidden (total, hidden): the step's final hidden states; rows give prompt tokens first, first + 1, ..."""
+        k = seq.params.prompt_logprobs
+        for offset in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            piece = rows[offset:offset + PROMPT_LOGITS_ROWS]
+            # (piece, vocab) in float32, as sample_tokens computes the logprobs of generated tokens
+            log_probs = torch.log_softmax(self.lm_head(hidden[piece.start:piece.stop]).float(), -1)
+            targets = seq.prompt_ids[first + offset:first + offset + len(piece)]
+            chosen = log_probs.gather(1, torch.tensor(targets, device=log_probs.device)[:, None])[:, 0]
+            top = None
+            if k:
+                values, ids = log_probs.topk(k, dim=-1)
+                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            seq.add_prompt_logprobs(first + offset, chosen.tolist(), top)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

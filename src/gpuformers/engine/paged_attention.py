@@ -126,19 +126,43 @@ def _decode_layout(ctx: PagedContext, sliding_window: int | None):
 
 
 def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
-    """Sequence i's key slots (ctx_len,) and causal mask (1, 1, n, ctx_len), or None when plain causal suffices."""
+    """Sequence i's keys as (slots, mask): slots is a slice of the cache when its blocks are consecutive (keys are
+    then read in place, a view) or else the (ctx_len,) slot indices to gather; mask (1, 1, n, ctx_len) is causal, or
+    None when plain causal suffices."""
     key = ("prefill", i, sliding_window)
     if key not in ctx.memo:
         n = ctx.query_start[i + 1] - ctx.query_start[i]
         ctx_len = ctx.context_lens_list[i]
-        slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
-        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, slots.device)
+        slots = _contiguous_slots(ctx, i, ctx_len)
+        if slots is None:
+            slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
+        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, ctx.block_tables.device)
         if mask is None and n == 1:
             # A decode's query heads are folded into query rows (see paged_attention): say "no mask" with an
             # explicit all-True one, since backends read a missing mask with several query rows as causal.
             mask = torch.ones(1, 1, 1, ctx_len, dtype=torch.bool)
-        ctx.memo[key] = (slots, None if mask is None else mask.to(slots.device))
+        ctx.memo[key] = (slots, None if mask is None else mask.to(ctx.block_tables.device))
     return ctx.memo[key]
+
+
+def _contiguous_slots(ctx: PagedContext, i: int, ctx_len: int) -> slice | None:
+    """slice(first, first + ctx_len) when sequence i's first ctx_len slots are consecutive in the cache, else None.
+    The block manager places sequences so that this is the common case."""
+    tables = ctx.memo.get("host_tables")
+    if tables is None:
+        tables = ctx.memo["host_tables"] = ctx.block_tables.tolist()  # one copy per step, shared by all layers
+    blocks = tables[i][:-(-ctx_len // ctx.block_size)]
+    first = blocks[0]
+    if blocks != list(range(first, first + len(blocks))):
+        return None
+    return slice(first * ctx.block_size, first * ctx.block_size + ctx_len)
+
+
+def _read_keys(cache: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
+    """A sequence's keys (or values) from a layer cache (slots, kv_heads, head_dim) -> (1, kv_heads, ctx_len,
+    head_dim): a view for a slice, a gathered copy for slot indices."""
+    keys = cache[slots] if isinstance(slots, slice) else cache.index_select(0, slots)
+    return keys.transpose(0, 1).unsqueeze(0)
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
@@ -181,8 +205,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     for i in range(batched, len(ctx.query_start) - 1):
         start, end = ctx.query_start[i], ctx.query_start[i + 1]
         slots, mask = _sequence_layout(ctx, i, sliding_window)
-        k = key.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx_len, head_dim)
-        v = value.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        k, v = _read_keys(key, slots), _read_keys(value, slots)  # (1, kv_heads, ctx_len, head_dim)
         if end - start == 1 and base is sdpa_attention and sliding_window is None:
             # The CPU decode hot path, called once per sequence and layer: torch's SDPA directly (the query heads
             # folded as above, no mask: every cached key is visible), output (1, kv_heads, n_rep, head_dim).

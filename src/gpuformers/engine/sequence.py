@@ -35,6 +35,10 @@ class SamplingParams:
 
     stop: token ids (ints) or token-id sequences (lists) that end generation when the output ends with them.
     seed: a per-request generator seed, so a sampled request gives the same tokens whatever it is batched with.
+    prompt_logprobs: None (off), or k in [0, 20]: the logprob of every prompt token given the tokens before it
+        (the first token has none: None), plus its k most likely alternatives, from the model's raw logits (no
+        temperature, top-k or top-p). Such a request takes no prefix-cache hits until its prompt logprobs are all
+        computed: a block taken from the cache has keys and values but no logits.
     """
 
     max_new_tokens: int = 20
@@ -48,6 +52,7 @@ class SamplingParams:
     seed: int | None = None
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: also the k most likely tokens at each step (at most 20)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -60,6 +65,10 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, 20]")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be None (off) or an int in [0, 20]")
         if self.top_logprobs:
             self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
@@ -84,6 +93,11 @@ class Sequence:
         self.generated_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per generated token, when params.top_logprobs
+        # Per prompt token, its logprob given the tokens before it (None for the first) and, when
+        # params.prompt_logprobs > 0, its top alternatives; the model runner fills them chunk by chunk.
+        wants, top = params.prompt_logprobs is not None, bool(params.prompt_logprobs)
+        self.prompt_logprobs: list[float | None] = [None] if wants else []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if top else []
         self.params = params
         self.streaming = streaming
         self.status = RequestStatus.PENDING
@@ -120,6 +134,19 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the request asked for prompt logprobs and some prompt tokens still lack theirs."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
+        """Positions among [start, start + num_tokens) (one step's chunk) whose logits give a prompt token's
+        logprob not recorded yet: position q gives token q + 1's. Empty for requests that did not ask, and for the
+        part of a chunk recomputed after a preemption (its logprobs were recorded the first time)."""
+        if not self.wants_prompt_logprobs:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num_tokens, len(self.prompt_ids) - 1))
+
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
@@ -143,6 +170,16 @@ class Sequence:
             self.status = RequestStatus.FINISHED
         else:
             self.status = RequestStatus.DECODING
+
+    def add_prompt_logprobs(self, first: int, logprobs: list[float],
+                            top: list[list[tuple[int, float]]] | None = None) -> None:
+        """Record the logprobs of prompt tokens first, first + 1, ... (and their top alternatives when asked for)."""
+        if first != len(self.prompt_logprobs):
+            raise RuntimeError(f"request {self.request_id!r}: prompt logprobs from token {first} but "
+                               f"{len(self.prompt_logprobs)} are recorded; a prefill chunk was skipped")
+        self.prompt_logprobs.extend(float(v) for v in logprobs)
+        if top is not None:
+            self.prompt_top_logprobs.extend(top)
 
     def fail(self, message: str) -> None:
         self.status = RequestStatus.FAILED

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.protocol import APIError, CompletionRequest, error_body, parse_chat, parse_completion
 
@@ -81,8 +82,11 @@ class Engine:
 class ChoiceText:
     """One choice's text, decoded incrementally from its token ids, cut at the first stop string.
 
-    `update(output)` returns the new text that can be sent now: text that could still turn into a stop string
-    (its last len(longest stop) - 1 characters) or that ends in an incomplete UTF-8 character is held back."""
+    `update(output)` returns the new text that can be sent now. The IncrementalDetokenizer decodes only the new
+    tokens' tail and holds back an incomplete UTF-8 character; text that could still turn into a stop string (its
+    last len(longest stop) - 1 characters) is held back here. Stop strings are searched only where a new match can
+    be: the new text plus the len(stop) - 1 characters before it. So the work per token is bounded, whatever the
+    length of the answer."""
 
     def __init__(self, tokenizer, stops: list[str], max_tokens: int, eos_ids: set[int]):
         self.tokenizer = tokenizer
@@ -90,12 +94,18 @@ class ChoiceText:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.max_tokens = max_tokens
         self.eos_ids = eos_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: list[float | None] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.text = ""
         self.sent = 0  # characters of self.text already returned by update
         self.finish_reason: str | None = None
+        self.cut_at_stop = False  # a stop string ended the text (finish_reason "stop" is also eos)
+        self._kept: int | None = None  # num_tokens_kept, once a stop string cut the text
         self.error: str | None = None
 
     @property
@@ -107,36 +117,47 @@ class ChoiceText:
 
         if self.finished:
             return ""
-        self.token_ids = list(output.generated_tokens)
-        self.logprobs = list(output.logprobs)
-        self.top_logprobs = list(output.top_logprobs)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self.token_ids = output.generated_tokens
+        self.logprobs, self.top_logprobs = output.logprobs, output.top_logprobs
+        self.prompt_logprobs = getattr(output, "prompt_logprobs", [])
+        self.prompt_top_logprobs = getattr(output, "prompt_top_logprobs", [])
         done = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        detokenizer = self.detokenizer
+        searched = len(detokenizer.text)  # text before this update: already searched for stop strings
+        for token_id in self.token_ids[len(detokenizer.token_ids):]:
+            detokenizer.add(token_id)
+        if done:
+            detokenizer.flush()
+        text = detokenizer.text
+        cuts = (text.find(s, max(0, searched - len(s) + 1)) for s in self.stops)
+        cut = min((i for i in cuts if i >= 0), default=-1)
         if cut >= 0:
-            text, self.finish_reason = text[:cut], "stop"
+            text, self.finish_reason, self.cut_at_stop = text[:cut], "stop", True
         elif output.status == RequestStatus.FAILED:
             self.error = output.error or "the engine failed this request"
         elif done:
             last = self.token_ids[-1] if self.token_ids else None
             self.finish_reason = "stop" if last in self.eos_ids else "length"
         self.text = text
-        end = len(text)
-        if not self.finished:
-            end = max(self.sent, end - self.hold)
-            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character: wait for more
-                end -= 1
+        end = len(text) if self.finished else max(self.sent, len(text) - self.hold)
         new, self.sent = text[self.sent:end], max(self.sent, end)
         return new
 
     def num_tokens_kept(self) -> int:
-        """Generated tokens that the returned text covers (all of them unless a stop string cut the text)."""
-        if self.finish_reason != "stop" or not self.stops:
+        """Generated tokens that the returned text covers (all of them unless a stop string cut the text): the
+        fewest leading tokens whose decode starts with the text."""
+        if not self.cut_at_stop:
             return len(self.token_ids)
-        for k in range(len(self.token_ids) + 1):
-            if len(self.tokenizer.decode(self.token_ids[:k], skip_special_tokens=True)) >= len(self.text):
-                return k
-        return len(self.token_ids)
+        if self._kept is None:
+            # The detokenizer's count is exact but for a token that starts a character the cut leaves out (the
+            # text took that token's bytes only once the character was whole): step back over such tokens, a few
+            # full decodes once per answer.
+            kept = self.detokenizer.num_tokens_for(len(self.text))
+            while kept > 0 and self.tokenizer.decode(self.token_ids[:kept - 1],
+                                                     skip_special_tokens=True).startswith(self.text):
+                kept -= 1
+            self._kept = kept
+        return self._kept
 
 
 def _now() -> int:
@@ -299,6 +320,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
             values.update(do_sample=True, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k)
         if parsed.seed is not None:
             values["seed"] = parsed.seed + index  # n choices with one seed must still differ from each other
+        if parsed.echo and parsed.logprobs and index == 0:  # the n choices share one prompt: score it once
+            values["prompt_logprobs"] = parsed.top_logprobs
         return values
 
     async def serve(request: Request, parsed: CompletionRequest, endpoint: str):
@@ -307,9 +330,6 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         if parsed.model != state.model_name:
             raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves "
                                 f"{state.model_name!r}", "model", code="model_not_found")
-        if parsed.echo and parsed.logprobs:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which the engine does not compute yet; "
-                                "use one of them", "echo")
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         state.engine.reserve(parsed.n)
@@ -361,7 +381,7 @@ class _Job:
             return
         self.closed = True
         for request_id, choice in zip(self.request_ids, self.choices):
-            if not choice.finished or choice.finish_reason == "stop" and choice.stops:
+            if not choice.finished or choice.cut_at_stop:
                 self.state.engine.cancel(request_id)  # a no-op for a request the engine already finished
         self.state.engine.release(self.parsed.n)
         generated = sum(c.num_tokens_kept() for c in self.choices)
@@ -417,21 +437,51 @@ class _Job:
         tokenizer = self.state.tokenizer
         end = choice.num_tokens_kept() if end is None else end
         ids, values = choice.token_ids[start:end], choice.logprobs[start:end]
-        strings = [tokenizer.decode([t]) for t in ids]
-        # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-        tops = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in choice.top_logprobs[start:end]]
-        tops += [[] for _ in range(len(strings) - len(tops))]
         if self.parsed.chat:
+            strings = [tokenizer.decode([t]) for t in ids]
+            # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
+            tops = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in choice.top_logprobs[start:end]]
+            tops += [[] for _ in range(len(strings) - len(tops))]
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
                                  "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
                                                   for ts, tl in top]}
                                 for s, lp, top in zip(strings, values, tops)]}
+        return self._completion_logprobs(ids, values, choice.top_logprobs[start:end], offset)
+
+    def _completion_logprobs(self, ids: list[int], values: list[float | None],
+                             tops: list[list[tuple[int, float]] | None], offset: int) -> dict:
+        """Completions' logprobs object: tokens, token_logprobs, top_logprobs (a dict per token of up to
+        logprobs + 1 entries: the most likely tokens and, as OpenAI does, always the chosen one; None for a
+        token without logprobs, the first of an echoed prompt) and text_offset (from `offset`)."""
+        tokenizer = self.state.tokenizer
+        strings = [tokenizer.decode([t]) for t in ids]
         offsets, position = [], offset
         for s in strings:
             offsets.append(position)
             position += len(s)
-        top_dicts = [dict(top) for top in tops] if self.parsed.top_logprobs else None
+        top_dicts = None
+        if self.parsed.top_logprobs:
+            top_dicts = []
+            for string, value, top in zip(strings, values, tops + [[]] * (len(strings) - len(tops))):
+                if value is None:
+                    top_dicts.append(None)
+                    continue
+                alternatives: dict[str, float] = {}
+                for token_id, logprob in top:  # best first: a later token with the same text keeps the first
+                    alternatives.setdefault(tokenizer.decode([token_id]), logprob)
+                alternatives.setdefault(string, value)
+                top_dicts.append(alternatives)
         return {"tokens": strings, "token_logprobs": values, "top_logprobs": top_dicts, "text_offset": offsets}
+
+    def _echoed_logprobs(self, completion: dict) -> dict:
+        """The prompt's logprobs object (scored by choice 0's engine request) followed by the completion's."""
+        first = self.choices[0]
+        prompt = self._completion_logprobs(self.prompt_ids, list(first.prompt_logprobs),
+                                           list(first.prompt_top_logprobs), 0)
+        if len(prompt["token_logprobs"]) != len(self.prompt_ids):
+            raise APIError(500, f"the engine returned {len(prompt['token_logprobs'])} prompt logprobs for "
+                                f"{len(self.prompt_ids)} prompt tokens", type="server_error")
+        return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
 
     async def whole(self, request) -> dict:
         try:
@@ -449,7 +499,10 @@ class _Job:
                 prefix = ""
                 if self.parsed.echo:
                     prefix = self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
-                choices.append({"index": index, "text": prefix + choice.text, "logprobs": self._logprobs(choice),
+                logprobs = self._logprobs(choice, offset=len(prefix))
+                if self.parsed.echo and logprobs is not None:
+                    logprobs = self._echoed_logprobs(logprobs)
+                choices.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
                                 "finish_reason": choice.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
                 "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
