@@ -310,3 +310,15 @@ def test_cuda_sliding_window_without_a_mask(checkpoints):
         got = model(ids.cuda()).logits.cpu()
         expected = hf(ids).logits
     assert (got - expected).abs().max() < 1e-3
+
+
+def test_padded_batch_compiles_in_one_graph(checkpoints):
+    """A left-padded batch runs under torch.compile(fullgraph=True): the mask is built in the graph, no break."""
+    ours = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"][0], progress=False)
+    ids = torch.randint(0, 128, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    expected = ours(ids, attention_mask=mask, use_cache=False).logits
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")
+    got = compiled(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)

@@ -157,7 +157,10 @@ def build_attention_mask(
     """
     if attention_mask is not None:
         device = attention_mask.device
-    padded = attention_mask is not None and not bool(attention_mask[:, :kv_len].all())
+    # Whether any key is padding is a value, not a shape: under torch.compile assume it is (the mask is then
+    # built in the graph; the same result) instead of breaking the graph to look.
+    padded = attention_mask is not None and (torch.compiler.is_compiling()
+                                             or not bool(attention_mask[:, :kv_len].all()))
     windowed = sliding_window is not None and past_len + q_len > sliding_window
     if not padded and not windowed and (q_len == kv_len or q_len == 1) and past_len + q_len == kv_len:
         return None

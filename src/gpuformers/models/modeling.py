@@ -55,14 +55,16 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
 
         return load_pretrained(name_or_path, model_class=cls, **kwargs)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write config.json, safetensors weights (sharded with an index above max_shard_size) and
-        generation_config.json in the format transformers reads."""
+        generation_config.json in the format transformers reads. `state_dict` replaces the model's own (e.g. the
+        gathered weights of a model sharded by FSDP2)."""
         from gpuformers.loading.save import save_checkpoint
 
         generation = self.generation_config.to_dict() if self.generation_config is not None else None
         save_checkpoint(
-            self,
+            self if state_dict is None else state_dict,
             save_directory,
             config=self.config.to_dict(),
             generation_config=generation,
