@@ -188,6 +188,10 @@ def test_echo_prepends_the_prompt(server):
     out = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0, echo=True)
     plain = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0)
     assert out.choices[0].text == "Echo me" + plain.choices[0].text
+    stream = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0,
+                                               echo=True, stream=True)
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert chunks[0] == "Echo me" and "".join(chunks) == out.choices[0].text
 
 
 def test_echo_with_logprobs_scores_the_prompt(server, reference):
@@ -325,6 +329,7 @@ BAD_REQUESTS = [
     ("/completions", {"model": M, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/completions", {"model": M, "prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/completions", {"model": M, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/completions", {"model": M, "prompt": "hi", "stream": True, "echo": True, "logprobs": 1}, 400, "echo"),
     ("/completions", {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/completions", {"model": M, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/completions", {"model": M, "prompt": "hi", "logprobs": 100}, 400, "logprobs"),

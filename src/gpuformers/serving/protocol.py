@@ -182,8 +182,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     if logprobs is not None:
         request.logprobs, request.top_logprobs = True, logprobs
     request.echo = _bool(body, "echo")
-    if request.echo and request.stream:
-        raise APIError(400, "echo=true is not supported with stream=true; turn one of them off", "echo")
+    if request.echo and request.stream and request.logprobs:
+        raise APIError(400, "echo=true with logprobs is not supported with stream=true (the prompt's logprobs come "
+                            "only in a whole response); drop stream, echo or logprobs", "echo")
     return request
 
 

@@ -530,6 +530,10 @@ class _Job:
             if self.parsed.chat:
                 for index in range(self.parsed.n):
                     yield self._chunk(index, None, None, role=True)
+            elif self.parsed.echo:  # the prompt is each choice's first text chunk
+                prompt = self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
+                for index in range(self.parsed.n):
+                    yield self._chunk(index, prompt, None)
             while not all(c.finished for c in self.choices):
                 index, text = await self._next(request)
                 choice = self.choices[index]
