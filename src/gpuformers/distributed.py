@@ -1,0 +1,173 @@
+"""Several processes training one model under torchrun: the process group, DDP and FSDP2, and the few collectives
+the Trainer needs.
+
+    torchrun --nproc_per_node=N train.py      (sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+
+`init_distributed(device)` joins the group torchrun describes: NCCL when the device is a GPU (each process on
+cuda:LOCAL_RANK), gloo on the CPU (which is how the tests run it). `wrap_model` then makes the model data-parallel:
+
+    "ddp"    DistributedDataParallel: every process holds the whole model; gradients are averaged in the backward.
+    "fsdp"   FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer (the classes the model lists in
+             `no_split_modules`), then the root, is sharded over the processes; a layer's parameters are gathered
+             just before it runs and freed after, gradients are reduce-scattered. Tied weights (embeddings and the
+             LM head) stay in the root group together.
+
+Both average gradients over the processes, so a loss normalised by the tokens of the *global* batch must be
+multiplied by the world size before the backward to give the gradients of one big batch (the Trainer does that).
+Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
+functions, since they are collectives.
+
+Offers: world_size, rank, is_main_process, init_distributed, wrap_model, gradient_sync, all_reduce_sum, barrier,
+full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def init_distributed(device: torch.device, timeout_s: float = 1800) -> bool:
+    """Join torchrun's process group (once); False when this is a single process."""
+    if world_size() <= 1:
+        return False
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed; run one process")
+    if dist.is_initialized():
+        return True
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} is not set: start the "
+                           "processes with torchrun (torchrun --nproc_per_node=N script.py)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device) -> torch.nn.Module:
+    """The model made data-parallel over the group by `strategy` ("ddp" or "fsdp"); see the module docstring."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"distributed strategy {strategy!r} is not one of {STRATEGIES}")
+    if not dist.is_initialized():
+        raise RuntimeError("wrap_model needs the process group: call init_distributed(device) first (under torchrun)")
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(getattr(model, "no_split_modules", ()) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"fsdp: {type(model).__name__} names no decoder layer class (no_split_modules) to shard "
+                         "one by one; use ddp for this model")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model itself under a DDP wrapper (FSDP2 shards the model in place: it is its own unwrapped self)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Within: backward passes average gradients over the processes only if `enabled` (off for all but the last
+    micro-batch of an accumulated step: one exchange per optimizer step)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    elif _is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def all_reduce_sum(value: float | int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The sum of `value` over all processes, as a float64 tensor on `device` (a copy; the input is untouched)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict as plain CPU tensors on process 0 (an empty dict elsewhere under FSDP2).
+    A collective under FSDP2: every process must call it."""
+    model = unwrap(model)
+    if not _is_fsdp(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state with whole (gathered) tensors, keyed like optimizer.state_dict(); a collective under
+    FSDP2 (process 0 gets the values)."""
+    model = unwrap(model)
+    if not _is_fsdp(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a state written by full_optimizer_state_dict (each process passes the whole state; FSDP2 keeps its
+    shard)."""
+    model = unwrap(model)
+    if not _is_fsdp(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
