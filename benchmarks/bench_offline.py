@@ -2,7 +2,8 @@
 output lengths uniform in a range, eos ignored, output tokens per second. In the same run and on the same random
 weights, it times:
 
-  ours            gpuformers' engine (paged KV cache, chunked prefill, prefix sharing)
+  ours            gpuformers' engine (paged KV cache, chunked prefill, prefix sharing; on a GPU also with and
+                  without CUDA graphs and async batching)
   hf_generate     transformers' generate on left-padded batches (each batch decodes to its longest request;
                   only the requested tokens are counted)
   hf_cb           transformers' own continuous batching (init_continuous_batching, the engine behind
@@ -159,6 +160,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-batch-size", type=int, help="rows per padded generate batch (default: all)")
     parser.add_argument("--max-batch-tokens", type=int)
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--no-async-batching", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="time only our engine")
     parser.add_argument("--skip-hf-generate", action="store_true")
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 on a machine whose cores are shared: a "
@@ -191,6 +193,8 @@ def main(argv=None) -> None:
         engine["max_batch_tokens"] = args.max_batch_tokens
     if args.no_cuda_graph:
         engine["use_cuda_graph"] = False
+    if args.no_async_batching:
+        engine["use_async_batching"] = False
     results = {}
     elapsed, preemptions, first_token = run_ours(ours, prompts, outputs, device, **engine)
     results["ours"] = total / elapsed
@@ -198,9 +202,13 @@ def main(argv=None) -> None:
     print(f"ours          {elapsed:8.2f} s  {total / elapsed:9.1f} tok/s  ({preemptions} preemptions; "
           f"script start -> first token {first_token:.1f} s, building the transformers model included)")
     if device == "cuda" and not args.no_cuda_graph:  # the same run without CUDA graphs, for their effect
-        elapsed, _, _ = run_ours(ours, prompts, outputs, device, **engine, use_cuda_graph=False)
+        elapsed, _, _ = run_ours(ours, prompts, outputs, device, **{**engine, "use_cuda_graph": False})
         results["ours_no_graph"] = total / elapsed
         print(f"ours_no_graph {elapsed:8.2f} s  {total / elapsed:9.1f} tok/s")
+    if device == "cuda" and not args.no_async_batching:  # and without async batching, for its effect
+        elapsed, _, _ = run_ours(ours, prompts, outputs, device, **{**engine, "use_async_batching": False})
+        results["ours_no_async"] = total / elapsed
+        print(f"ours_no_async {elapsed:8.2f} s  {total / elapsed:9.1f} tok/s")
     if hf is not None and not args.skip_hf_generate:
         elapsed = run_hf_generate(hf, prompts, outputs, device, args.hf_batch_size or num)
         results["hf_generate"] = total / elapsed

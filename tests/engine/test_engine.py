@@ -204,8 +204,6 @@ def test_config_errors_name_the_value():
         ContinuousBatchingConfig(block_size=48)
     with pytest.raises(ValueError, match="max_memory_percent=1.5"):
         ContinuousBatchingConfig(max_memory_percent=1.5)
-    with pytest.raises(NotImplementedError, match="use_async_batching"):
-        ContinuousBatchingConfig(use_async_batching=True).resolve(tiny_model())
     with pytest.raises(ValueError, match="use_cuda_graph=True needs the model on a CUDA device"):
         ContinuousBatchingConfig(use_cuda_graph=True).resolve(tiny_model())
 

@@ -13,6 +13,10 @@ meets a few buckets. The first step of a new bucket pays its capture once (warm-
 Only pure decode steps replay a graph; a step with any prefill chunk runs eagerly. All graphs share one memory
 pool (they never run at the same time).
 
+With asynchronous batching a decode's input token may still be on the device (sampled by the step in flight): the
+model runner scatters it into the step's input_ids before `run`, whose copy into the static input buffer is
+ordered after it on the stream, so a graph needs nothing special and no host sync.
+
 Offers: DecodeGraphs, BATCH_BUCKETS.
 """
 

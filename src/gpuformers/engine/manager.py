@@ -1,8 +1,17 @@
 """The continuous batching engine: its settings, its outputs, and the manager that runs the engine loop.
 
-    add_request ─> inbox ─> Scheduler.schedule ─> ModelRunner.run ─> Scheduler.postprocess ─> outputs
-                                 ^                                          │
-                                 └────────────── unfinished ────────────────┘
+    add_request ─> inbox ─> Scheduler.schedule ─> ModelRunner.launch / .collect ─> Scheduler.complete ─> outputs
+                                 ^                                                        │
+                                 └──────────────────────── unfinished ────────────────────┘
+
+With asynchronous batching (`use_async_batching`, on by default with CUDA) the step is split at the device:
+step N+1 is scheduled and launched while the device still runs step N, and only then are N's tokens collected.
+The host work of a step (scheduling, building inputs, publishing outputs) then hides behind the device's.
+
+    sync   host:   schedule N, launch N | wait | collect N | schedule N+1, launch N+1 | wait | collect N+1
+           device:                      [step N]                                      [step N+1]
+    async  host:   schedule N+1, launch N+1 | collect N | schedule N+2, launch N+2 | collect N+1 | ...
+           device: [step N ........................][step N+1 .......................][step N+2 ...
 
 `ContinuousBatchingManager` runs that loop in a background thread (`start()` / `stop()`, or a `with` block) and
 takes requests at any time; `generate_batch` runs the same loop in the caller's thread until every request is done.
@@ -23,7 +32,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gpuformers.engine.block_manager import BlockManager
-from gpuformers.engine.model_runner import ModelRunner, kv_bytes_per_block
+from gpuformers.engine.model_runner import LaunchedStep, ModelRunner, kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES, ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, SamplingParams, Sequence
 
@@ -42,7 +51,7 @@ class ContinuousBatchingConfig:
     max_memory_percent: float = 0.9
     max_requests_per_batch: int | None = None
     allow_block_sharing: bool = True  # prefix caching
-    use_async_batching: bool | None = None
+    use_async_batching: bool | None = None  # default: on with CUDA (True on the CPU works, with nothing to overlap)
     use_cuda_graph: bool | None = None
     scheduler_type: str = "fifo"
     return_logprobs: bool = False
@@ -73,9 +82,8 @@ class ContinuousBatchingConfig:
         if self.use_cuda_graph and not cuda:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
         values["use_cuda_graph"] = cuda if self.use_cuda_graph is None else self.use_cuda_graph
-        if self.use_async_batching:
-            raise NotImplementedError("use_async_batching=True is not implemented yet; leave it None or False")
-        values["use_async_batching"] = False
+        # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
+        values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
         return ContinuousBatchingConfig(**values)
 
 
@@ -172,28 +180,51 @@ class ContinuousBatchingManager:
         self._thread: threading.Thread | None = None
         self._next_id = 0
         self.num_steps = 0
+        self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
 
     # --- the engine -------------------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One engine step: schedule -> run -> postprocess. Returns False when there was nothing to run."""
+        """One engine step: schedule -> launch -> collect (the step's tokens) -> publish. With async batching the
+        step collected is the previous one, so the device runs this step meanwhile. Returns False when there was
+        nothing to run."""
         self._drain_inbox()
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch and self._in_flight is None:
             if self.scheduler.has_work:
                 raise RuntimeError(f"the scheduler could not schedule any of {len(self.scheduler.waiting)} waiting "
                                    f"requests with {self.block_manager.num_free_blocks} free blocks")
             return False
+        launched = self._launch(batch) if batch else None
+        if self.config.use_async_batching:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            self._collect(done)
+        return True
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
         try:
-            sampled = self.runner.run(batch)
+            launched = self.runner.launch(batch, self._in_flight)
         except Exception as error:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_batch(batch, f"{type(error).__name__}: {error}")
-            return True
-        finished = self.scheduler.postprocess(batch, sampled)
-        self._publish(batch, sampled, finished)
+            return None
+        self.scheduler.advance(batch)
+        return launched
+
+    def _collect(self, launched: LaunchedStep) -> None:
+        try:
+            sampled = self.runner.collect(launched)
+        except Exception as error:
+            logger.exception("engine step failed")
+            self._fail_batch(launched.batch, f"{type(error).__name__}: {error}")
+            return
+        for seq in self.scheduler.complete(launched.batch, sampled):
+            if seq.is_finished or seq.streaming:
+                self._publish_one(seq, final=seq.is_finished)
         self.num_steps += 1
-        return True
 
     def run_until_done(self, progress_bar: bool = False) -> None:
         """Step in the caller's thread until every queued request has finished (generate_batch's loop)."""
@@ -224,13 +255,6 @@ class ContinuousBatchingManager:
                 if seq is not None:
                     self._publish_one(seq, final=True)
 
-    def _publish(self, batch: ScheduledBatch, sampled: list, finished: list[Sequence]) -> None:
-        for seq, sample in zip(batch.sequences, sampled):
-            if seq.is_finished:
-                self._publish_one(seq, final=True)
-            elif sample is not None and seq.streaming:
-                self._publish_one(seq, final=False)
-
     def _publish_one(self, seq: Sequence, final: bool) -> None:
         output = GenerationOutput(
             request_id=seq.request_id,
@@ -257,6 +281,8 @@ class ContinuousBatchingManager:
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> None:
         for seq in batch.sequences:
+            if seq.is_finished:  # ended while the step was in flight (async batching): already published
+                continue
             self.scheduler.cancel(seq.request_id)
             seq.error = message
             self._publish_one(seq, final=True)
@@ -278,6 +304,7 @@ class ContinuousBatchingManager:
                     time.sleep(0.002)  # idle: wait for requests without spinning a core
         except Exception as error:  # the engine itself broke: fail what is queued so that no caller waits forever
             logger.exception("the continuous batching loop stopped")
+            self._in_flight = None
             for seq in self.scheduler.waiting + self.scheduler.running:
                 self.scheduler.cancel(seq.request_id)
                 seq.error = f"engine stopped: {type(error).__name__}: {error}"
@@ -385,3 +412,8 @@ class ContinuousBatchingManager:
     @property
     def prefix_hits(self) -> int:
         return self.block_manager.prefix_hits
+
+    @property
+    def num_discarded_samples(self) -> int:
+        """Async batching: tokens sampled for a request in the step after the one that ended it (dropped)."""
+        return self.scheduler.num_discarded_samples

@@ -12,10 +12,22 @@ token q + 1's logprob). Requests that did not ask keep paying for one row of log
     chunk rows:     p3  p4  p5  p6        (positions of the flattened step that belong to this sequence)
     logits give:    t4  t5  t6  t7        (prompt token logprobs; the last prompt position's logits sample instead)
 
-Offers: ModelRunner, kv_bytes_per_block, sample_tokens, PROMPT_LOGITS_ROWS.
+A step is `launch` then `collect` (`run` does both). `launch` prepares the inputs, runs the model and chooses the
+tokens on the device (argmax, or multinomial with each request's generator; logprobs too) without waiting for the
+device, then starts copying what the host needs into pinned memory behind an event. `collect` waits for that
+event and turns the results into one (token, logprob[, top]) or None per sequence. Asynchronous batching launches
+step N+1 before collecting step N: a sequence whose last token is still a placeholder (sequence.py) takes it from
+step N's token tensor on the device (scattered into N+1's input_ids, so a CUDA graph's static input buffer gets it
+too). The one host wait left in `launch` is a step that records prompt logprobs (they are read on the host there).
+
+    launch N ──> launch N+1 (inputs: N's tokens, on the device) ──> collect N ──> launch N+2 ──> collect N+1 ...
+
+Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, sample_tokens, sample_on_device, PROMPT_LOGITS_ROWS.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +37,31 @@ from gpuformers.engine.sequence import Sequence
 
 # Prompt logits are computed this many rows at a time: (rows, vocab) in float32 is ~150 MB for a 150k vocabulary.
 PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose tokens are chosen (or being chosen) on the device and not yet read by the host."""
+
+    batch: ScheduledBatch
+    sampling: list[Sequence]  # the sequences that sample, in the row order of `tokens`
+    tokens: torch.Tensor  # (len(sampling),) int64 on the device: what the next step feeds the placeholders
+    host: list[torch.Tensor]  # tokens, then logprobs and top-k values / ids when asked for: on the host (pinned)
+    logprob_rows: list[int]  # rows of `sampling` that asked for logprobs, in the row order of host[1]
+    event: torch.cuda.Event | None  # recorded after the copies to the host; None on the CPU (already there)
+    rows: dict[Sequence, int] = field(init=False)  # each sampling sequence's row of `tokens` (hashed by identity)
+
+    def __post_init__(self):
+        self.rows = {seq: row for row, seq in enumerate(self.sampling)}
+
+
+def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device` without waiting for the device. On CUDA they are staged in pinned
+    memory: a copy from pageable memory may wait for the stream (the step in flight) to drain first, and a plain
+    list index (`tensor[list]`) copies its indices over synchronously."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -80,7 +117,7 @@ class ModelRunner:
         device = self.device
 
         def as_tensor(values):
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+            return _long_tensor(values, device)
 
         context = PagedContext(
             slot_mapping=as_tensor(slots),
@@ -92,6 +129,9 @@ class ModelRunner:
             block_size=bs,
             key_caches=self.key_caches,
             value_caches=self.value_caches,
+            # The host copy of the block tables the CPU attention path reads: given, so that reading it back from
+            # the device (a sync that would wait for the step in flight) is never needed.
+            memo={"host_tables": tables},
         )
         return as_tensor(tokens)[None], as_tensor(positions)[None], context, sample_rows
 
@@ -115,23 +155,66 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None] | None]:
         """Compute the batch; per sequence, (token, logprob or None) when it sampled, else None. Prompt logprobs
         are recorded on their sequences (Sequence.add_prompt_logprobs) as a side effect."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Start the step on the device and return without waiting for it. `previous`: the step still in flight,
+        whose tokens feed this step's placeholders."""
         input_ids, position_ids, context, sample_rows = self.prepare(batch)
+        self._carry_placeholders(batch, input_ids, context.query_start, previous)
         prompt_rows = self.prompt_logprob_rows(batch)
         if self.graphs is not None and not prompt_rows and self.graphs.can_run(batch, context):
             logits = self.graphs.run(input_ids, position_ids, context)  # (len(batch), vocab): one row per sequence
             if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
-                logits = logits[sample_rows]
+                logits = logits.index_select(0, _long_tensor(sample_rows, logits.device))
         else:
             with paged_context(context):
                 hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
                                          past_key_values=PagedKVCache(context))
             # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
-            logits = self.lm_head(hidden[0, sample_rows])
+            logits = self.lm_head(hidden[0].index_select(0, _long_tensor(sample_rows, hidden.device)))
             for seq, first, rows in prompt_rows:
                 self._record_prompt_logprobs(hidden[0], seq, first, rows)
         sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
-        results = iter(sample_tokens(logits, sampling))
-        return [next(results) if batch.samples(i) else None for i in range(len(batch))]
+        tokens, logprob_rows, on_device = sample_on_device(logits, sampling)
+        event = None
+        host = on_device
+        if tokens.device.type == "cuda":
+            # A non_blocking copy to the CPU lands in pinned memory; the event says when it has.
+            host = [t.to("cpu", non_blocking=True) for t in on_device]
+            event = torch.cuda.Event()
+            event.record()
+        return LaunchedStep(batch, sampling, tokens, host, logprob_rows, event)
+
+    def collect(self, step: LaunchedStep) -> list[tuple[int, float | None] | None]:
+        """Wait for a launched step's tokens: per sequence of its batch, what `run` returns."""
+        if step.event is not None:
+            step.event.synchronize()
+        results = _to_host_samples(step.sampling, step.logprob_rows, step.host)
+        # (not batch.samples: the scheduler has advanced the sequences since the launch)
+        return [results[step.rows[seq]] if seq in step.rows else None for seq in step.batch.sequences]
+
+    @staticmethod
+    def _carry_placeholders(batch: ScheduledBatch, input_ids: torch.Tensor, query_start: list[int],
+                            previous: LaunchedStep | None) -> None:
+        """Scatter the previous step's sampled tokens (on the device) into this step's input_ids (1, total) at
+        the rows whose token is still a placeholder."""
+        rows, sources = [], []
+        for index, seq in enumerate(batch.sequences):
+            if not seq.num_pending_tokens:
+                continue
+            row = previous.rows.get(seq) if previous is not None else None
+            if seq.num_pending_tokens != 1 or row is None:
+                raise RuntimeError(f"request {seq.request_id!r} was scheduled with {seq.num_pending_tokens} tokens "
+                                   f"of unknown value that the step in flight did not sample")
+            # The placeholder is the sequence's last token, so the last row of its chunk.
+            rows.append(query_start[index + 1] - 1)
+            sources.append(row)
+        if rows:
+            device = input_ids.device
+            rows_t, sources_t = _long_tensor(rows, device), _long_tensor(sources, device)
+            input_ids[0].index_copy_(0, rows_t, previous.tokens.index_select(0, sources_t))
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, first: int, rows: range) -> None:
         """hidden (total, hidden): the step's final hidden states; rows give prompt tokens first, first + 1, ..."""
@@ -163,9 +246,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple]:
-    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs), plus, for a
-    sequence that asked for top_logprobs=k, the k most likely (token, logprob) pairs of the same distribution."""
+def sample_on_device(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, list[int],
+                                                                              list[torch.Tensor]]:
+    """Choose each sequence's token without a host sync. logits (len(sequences), vocab) ->
+    (tokens (len(sequences),) int64, the rows that asked for logprobs, [tokens, and for those rows: logprobs
+    (rows,), and with top_logprobs the k most likely logprobs (rows, k) and token ids (rows, k)])."""
     logits = logits.float()
     tokens = logits.argmax(-1)  # greedy rows: one call for all of them
     scores = logits
@@ -181,19 +266,35 @@ def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple
             tokens[i] = torch.multinomial(probs, 1, generator=sequences[i].generator)[0]
             scores[i] = row
     want_logprobs = [i for i, seq in enumerate(sequences) if seq.params.return_logprobs]
-    logprobs, top = {}, {}
+    out = [tokens]
     if want_logprobs:
-        rows = torch.tensor(want_logprobs, device=logits.device)
+        rows = _long_tensor(want_logprobs, logits.device)
         log_probs = torch.log_softmax(scores[rows], -1)  # (rows, vocab)
-        chosen = log_probs.gather(1, tokens[rows, None])[:, 0]
-        logprobs = dict(zip(want_logprobs, chosen.tolist()))
+        out.append(log_probs.gather(1, tokens[rows, None])[:, 0])
         k = max(sequences[i].params.top_logprobs for i in want_logprobs)
         if k:
-            values, ids = log_probs.topk(k, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
+            out.extend(log_probs.topk(k, dim=-1))  # values (rows, k), ids (rows, k)
+    return tokens, want_logprobs, out
+
+
+def _to_host_samples(sequences: list[Sequence], want_logprobs: list[int], host: list[torch.Tensor]) -> list[tuple]:
+    """sample_on_device's results, on the host -> per sequence (token, logprob if it asked for logprobs), plus, for
+    a sequence that asked for top_logprobs=k, its k most likely (token, logprob) pairs."""
+    logprobs, top = {}, {}
+    if want_logprobs:
+        logprobs = dict(zip(want_logprobs, host[1].tolist()))
+        if len(host) > 2:
+            values, ids = host[2].tolist(), host[3].tolist()
             for row, i in enumerate(want_logprobs):
                 wanted = sequences[i].params.top_logprobs
                 if wanted:
                     top[i] = list(zip(ids[row][:wanted], values[row][:wanted]))
     return [(token, logprobs.get(i)) if i not in top else (token, logprobs.get(i), top[i])
-            for i, token in enumerate(tokens.tolist())]
+            for i, token in enumerate(host[0].tolist())]
+
+
+def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple]:
+    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs), plus, for a
+    sequence that asked for top_logprobs=k, the k most likely (token, logprob) pairs of the same distribution."""
+    _, want_logprobs, on_device = sample_on_device(logits, sequences)
+    return _to_host_samples(sequences, want_logprobs, [t.cpu() for t in on_device])

@@ -136,12 +136,14 @@ def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
         slots = _contiguous_slots(ctx, i, ctx_len)
         if slots is None:
             slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
-        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, ctx.block_tables.device)
+        device = ctx.block_tables.device
+        mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, device)
         if mask is None and n == 1:
             # A decode's query heads are folded into query rows (see paged_attention): say "no mask" with an
             # explicit all-True one, since backends read a missing mask with several query rows as causal.
-            mask = torch.ones(1, 1, 1, ctx_len, dtype=torch.bool)
-        ctx.memo[key] = (slots, None if mask is None else mask.to(ctx.block_tables.device))
+            # Made on the device: a host-made mask copied over would wait for the step in flight.
+            mask = torch.ones(1, 1, 1, ctx_len, dtype=torch.bool, device=device)
+        ctx.memo[key] = (slots, mask)
     return ctx.memo[key]
 
 

@@ -10,6 +10,13 @@ When a running sequence needs a block and none is free, the newest running seque
 freed and it goes back to the front of the queue, to be recomputed later (its prefix blocks often survive in the
 prefix cache, which makes the recompute cheap).
 
+After the step, `postprocess` advances each sequence and appends its sampled token. Asynchronous batching splits
+it in two: `advance` when the step is launched (computed counts move on, each sampling sequence gets a
+placeholder, so the next step can be scheduled at once) and `complete` when its tokens reach the host (real tokens
+over the placeholders, stop rules, freeing). In between, a sequence may finish (eos, stop) after it was scheduled
+again: `complete` drops that lookahead sample (`num_discarded_samples`). A preempted sequence keeps the token its
+last step sampled, as in the synchronous engine.
+
 Policies: "fifo" serves running sequences before admitting new ones (steady decode latency); "prefill_first"
 admits new requests first (faster time to first token under load).
 
@@ -42,7 +49,8 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
     def samples(self, index: int) -> bool:
-        """Whether this step reaches the sequence's last token, so its logits give a new token."""
+        """Whether this step reaches the sequence's last token, so its logits give a new token (ask before
+        `Scheduler.advance`, which moves the counts on)."""
         seq = self.sequences[index]
         return seq.num_computed_tokens + self.num_tokens[index] == seq.num_tokens
 
@@ -63,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept in arrival order: the newest is last, the first to be preempted
         self.num_preemptions = 0
         self.preempted_ids: list[str] = []  # in preemption order, for tests and logs
+        self.num_discarded_samples = 0  # async lookahead samples of requests that had ended meanwhile
 
     # --- requests -----------------------------------------------------------------------------------------------
 
@@ -113,6 +122,8 @@ class Scheduler:
                 break
             if seq not in self.running or seq in batch.sequences:
                 continue  # preempted for an older sequence, or admitted this step already (prefill_first)
+            if seq.out_of_new_tokens:
+                continue  # its last token is in flight (async batching): it finishes when that step is collected
             n = min(seq.num_uncomputed_tokens, budget[0])
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -130,6 +141,8 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_requests_per_batch:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last step is in flight: admitted once that step's token is known
             if not seq.block_table:
                 manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget[0])
@@ -162,15 +175,39 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, sampled: list[tuple[int, float | None] | None]) -> list[Sequence]:
         """Advance each sequence by its computed tokens and append its sampled token (None for a prefill chunk
         that did not reach the end); free the finished ones and return them."""
-        finished = []
-        for seq, n, sample in zip(batch.sequences, batch.num_tokens, sampled):
+        self.advance(batch)
+        return [seq for seq in self.complete(batch, sampled) if seq.is_finished]
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step was launched: count its tokens as computed and give each sampling sequence a placeholder."""
+        for index, (seq, n) in enumerate(zip(batch.sequences, batch.num_tokens)):
+            samples = batch.samples(index)  # read before the count moves on
             seq.num_computed_tokens += n
+            if samples:
+                seq.add_placeholder()
+
+    def complete(self, batch: ScheduledBatch, sampled: list[tuple[int, float | None] | None]) -> list[Sequence]:
+        """The step's tokens reached the host (after `advance`): register the blocks that became full, put each
+        sampled token over its placeholder, free the sequences that finished. Returns the sequences that took a
+        token (finished or not)."""
+        updated = []
+        for seq, sample in zip(batch.sequences, sampled):
+            if seq.is_finished:  # it ended (eos, stop, cancel) after this step was launched: drop the sample
+                self.num_discarded_samples += sample is not None
+                continue
+            preempted = seq.status is RequestStatus.PENDING  # preempted while this step was in flight
+            if sample is not None:
+                seq.fill_placeholder(*sample)
+                updated.append(seq)
+            # Filled first: with the next step in flight, the computed tokens already include the one this step
+            # sampled (as that step's input). The one the next step samples is never computed yet, so commit never
+            # hashes a placeholder.
             self.block_manager.commit(seq)
             if sample is None:
                 continue
-            seq.append_token(*sample)
             if seq.is_finished:
-                self.running.remove(seq)
+                (self.waiting if preempted else self.running).remove(seq)
                 self.block_manager.free_sequence(seq)
-                finished.append(seq)
-        return finished
+            elif preempted:
+                seq.status = RequestStatus.PENDING
+        return updated

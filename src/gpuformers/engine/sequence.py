@@ -9,7 +9,14 @@ one new token from its logits (so a decode step is simply a chunk of one token).
     [p0 p1 p2 p3 p4 p5 p6][g0 g1]
     |<---- computed ------------>|   <- decode: the last token g1 is the one uncomputed token
 
-Offers: RequestStatus, SamplingParams, Sequence.
+With asynchronous batching a step is scheduled before the previous one's tokens reach the host: a sequence that
+samples in step N gets a placeholder (`PLACEHOLDER`, counted by `num_pending_tokens`) at the end of `token_ids`
+when step N is launched, step N+1 feeds it from the device, and `fill_placeholder` writes the real token over it
+when step N is collected. `generated_ids` only ever holds real tokens.
+
+    [p0 p1 p2 p3 p4 p5 p6][g0 g1][?]    <- g1 computed by step N+1 (in flight), ? sampled by step N+1
+
+Offers: RequestStatus, SamplingParams, Sequence, PLACEHOLDER.
 """
 
 from __future__ import annotations
@@ -81,6 +88,10 @@ class SamplingParams:
 
 _arrivals = itertools.count()
 
+# A token sampled on the device whose value the host does not know yet. Negative, so that a placeholder that reached
+# an embedding by mistake fails loudly instead of reading a real token's row.
+PLACEHOLDER = -1
+
 
 class Sequence:
     """A request: prompt, generated tokens, paged-cache blocks and progress counters."""
@@ -106,6 +117,7 @@ class Sequence:
         self.block_table: list[int] = []  # physical block ids, one per block_size tokens
         self.block_hashes: list[int] = []  # prefix hash of each full, computed block (prefix sharing)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # placeholders at the end of token_ids (sampled in a step not collected yet)
         self.num_cached_tokens = 0  # tokens found in the prefix cache instead of computed (over all admissions)
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator made by the model runner when params.seed is set
@@ -115,11 +127,17 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.generated_ids
+        return self.prompt_ids + self.generated_ids + [PLACEHOLDER] * self.num_pending_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.generated_ids)
+        return len(self.prompt_ids) + len(self.generated_ids) + self.num_pending_tokens
+
+    @property
+    def out_of_new_tokens(self) -> bool:
+        """Whether the sampled tokens, counting those still in flight, reach max_new_tokens: known without waiting
+        for their values, so such a sequence is never scheduled again."""
+        return len(self.generated_ids) + self.num_pending_tokens >= self.params.max_new_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -168,8 +186,21 @@ class Sequence:
         done = done or any(self.generated_ids[-len(s):] == s for s in params.stop)
         if done:
             self.status = RequestStatus.FINISHED
+            self.num_pending_tokens = 0  # a token sampled after the end (async lookahead) is dropped
         else:
             self.status = RequestStatus.DECODING
+
+    def add_placeholder(self) -> None:
+        """A step that samples this sequence was launched; its token is known on the device only."""
+        self.num_pending_tokens += 1
+
+    def fill_placeholder(self, token_id: int, logprob: float | None = None,
+                         top: list[tuple[int, float]] | None = None) -> None:
+        """The oldest placeholder's real token arrived: append it as append_token does (stop rules included)."""
+        if not self.num_pending_tokens:
+            raise RuntimeError(f"request {self.request_id!r}: a sampled token arrived but none was pending")
+        self.num_pending_tokens -= 1
+        self.append_token(token_id, logprob, top)
 
     def add_prompt_logprobs(self, first: int, logprobs: list[float],
                             top: list[list[tuple[int, float]]] | None = None) -> None:
