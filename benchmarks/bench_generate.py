@@ -16,6 +16,7 @@ the bandwidth measured here by copying a 1 GiB tensor (bytes read + bytes writte
     python benchmarks/bench_generate.py                 # tiny Qwen3 shape (~10M parameters), batch 1 and 8
     python benchmarks/bench_generate.py --big           # also the Qwen3-0.6B shape in float32 (~2.4 GB)
     python benchmarks/bench_generate.py --compile --threads 1   # plus a compiled static-cache decode step
+    python benchmarks/bench_generate.py --floor --threads 1     # plus the eager floor (see EagerFloor)
     python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --big
 """
 
@@ -78,6 +79,59 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class EagerFloor:
+    """What eager PyTorch can do at best for one greedy sequence of a Qwen3 model: a decode step written as bare
+    tensor calls (q/k/v and gate/up weights concatenated, one rotary for q and k, no modules, no hooks, no checks,
+    a preallocated cache). It gives the same tokens as the model; its speed is the floor of every eager decode on
+    this machine, against which the eager goal can be judged."""
+
+    def __init__(self, model, max_length: int):
+        cfg = model.config
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                                attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
+                                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
+        self.embed, self.norm, self.head = model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight
+        self.inv_freq = model.model.rotary_emb.inv_freq
+        shape = (1, self.kv_heads, max_length, self.head_dim)
+        self.keys = [torch.zeros(shape) for _ in self.layers]
+        self.values = [torch.zeros(shape) for _ in self.layers]
+
+    @torch.inference_mode()
+    def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        F = torch.nn.functional
+        h, kv, d, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        x = self.embed[token].view(1, 1, self.hidden)
+        freqs = pos * self.inv_freq
+        cos, sin = torch.cat((freqs, freqs)).cos(), torch.cat((freqs, freqs)).sin()
+        for i, (ln1, ln2, qkv_w, qn, kn, o_w, gu_w, down_w) in enumerate(self.layers):
+            qkv = F.linear(F.rms_norm(x, (self.hidden,), ln1, eps), qkv_w).view(h + 2 * kv, d)
+            qk = torch.cat((F.rms_norm(qkv[:h], (d,), qn, eps), F.rms_norm(qkv[h:h + kv], (d,), kn, eps)))
+            qk = qk * cos + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), -1) * sin
+            self.keys[i][0, :, pos], self.values[i][0, :, pos] = qk[h:], qkv[h + kv:]
+            o = F.scaled_dot_product_attention(qk[:h].view(1, kv, h // kv, d), self.keys[i][:, :, :pos + 1],
+                                               self.values[i][:, :, :pos + 1])
+            x = x + F.linear(o.reshape(1, 1, h * d), o_w)
+            gu = F.linear(F.rms_norm(x, (self.hidden,), ln2, eps), gu_w)
+            x = x + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], down_w)
+        return F.linear(F.rms_norm(x, (self.hidden,), self.norm, eps), self.head).argmax(-1).view(())
+
+    def generate(self, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        tokens = prompt[0].tolist()
+        for pos in range(len(tokens) - 1):  # prefill, one token at a time (cancels out of the decode speed)
+            self.step(prompt[0, pos], pos)
+        token = prompt[0, -1]
+        for pos in range(len(tokens) - 1, len(tokens) - 1 + new_tokens):
+            token = self.step(token, pos)
+            tokens.append(int(token))
+        return torch.tensor([tokens])
+
+
 def run_case(generate, prompt, new_tokens: int, device: str) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -109,6 +163,10 @@ def bench_shape(name: str, shape: dict, args, batches: list[int]) -> None:
         variants["ours static+compiled"] = lambda p, n: ours.generate(
             p, max_new_tokens=n, eos_token_id=None, cache_implementation="static",
             compile_config=CompileConfig(mode=mode))
+    floor = None
+    if args.floor and args.device == "cpu" and hasattr(ours.model.layers[0].self_attn, "q_norm"):
+        floor = EagerFloor(ours, args.prompt_length + args.new_tokens)
+        variants["eager floor"] = lambda p, n: floor.generate(p, n) if p.shape[0] == 1 else None
     bound = None
     if args.big_bound:
         bandwidth = copy_bandwidth(args.device)
@@ -116,18 +174,22 @@ def bench_shape(name: str, shape: dict, args, batches: list[int]) -> None:
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> bound {bound:.2f} tokens/s per sequence at batch 1")
     for batch in batches:
         prompt = torch.randint(2, shape["vocab_size"], (batch, args.prompt_length), device=args.device)
-        for key, generate in variants.items():  # warm up (first calls allocate, import and compile)
+        if floor is not None and batch == 1:  # the floor is a fair bound only if it computes the same thing
+            same = ours.generate(prompt, max_new_tokens=8, eos_token_id=None)
+            assert torch.equal(floor.generate(prompt, 8), same), "the eager floor lost parity with the model"
+        cases = {k: g for k, g in variants.items() if k != "eager floor" or batch == 1}
+        for key, generate in cases.items():  # warm up (first calls allocate, import and compile)
             start = time.perf_counter()
             run_case(generate, prompt, args.new_tokens if "compiled" in key else 4, args.device)
             if "compiled" in key:
                 print(f"  {key}: first call (compiling) {time.perf_counter() - start:.1f} s")
-        times = {key: {1: [], args.new_tokens: []} for key in variants}
+        times = {key: {1: [], args.new_tokens: []} for key in cases}
         for _ in range(args.repeats):
-            for key, generate in variants.items():
+            for key, generate in cases.items():
                 for n in (1, args.new_tokens):
                     times[key][n].append(run_case(generate, prompt, n, args.device))
         speed = {}
-        for key in variants:
+        for key in cases:
             decode = min(times[key][args.new_tokens]) - min(times[key][1])
             speed[key] = batch * (args.new_tokens - 1) / decode
         base = speed["transformers"]
@@ -148,6 +210,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="add ours with a static cache and a torch.compile'd decode step (CPU: about a minute "
                              "to compile, reported separately)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add the eager floor at batch 1 (CPU): a bare-tensor decode step with the same tokens, "
+                             "the best any eager decode can do here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
