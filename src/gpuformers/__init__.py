@@ -34,6 +34,9 @@ _LAZY = {
     "kernelize": "gpuformers.kernels.mapping",
     "TrainingArguments": "gpuformers.training.arguments",
     "Trainer": "gpuformers.training.trainer",
+    "LoraConfig": "gpuformers.lora",
+    "get_peft_model": "gpuformers.lora",
+    "PeftModel": "gpuformers.lora",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
