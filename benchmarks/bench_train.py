@@ -1,17 +1,21 @@
 """Benchmark: training throughput and memory, gpuformers' Trainer vs transformers' Trainer, same run.
 
 The claim: on the same Qwen3-shaped model, the same data (fixed-length rows of random tokens, so no padding) and the
-same arguments (AdamW, linear schedule, clipping at 1.0, float32 weights with bf16 autocast on a GPU), our Trainer
-trains at least as many tokens per second as transformers' and peaks at no more memory. On a GPU it also reports
+same arguments (AdamW, fused by default as both Trainers default to, linear schedule, clipping at 1.0, float32
+weights with bf16 autocast on a GPU), our Trainer trains at least as many tokens per second as transformers' and
+peaks at no more memory. On a GPU it also reports
 model FLOPs utilisation (MFU): 6 * parameters (+ attention) FLOPs per token, over the GPU's dense bf16 peak.
 
 Each trainer runs in its own child process (so peak memory is its own), alternately, `--repeats` times; a step is
 timed from on_step_begin to on_step_end (with a CUDA sync), the first `--warmup` steps are dropped, and the table
-shows the median step. Memory per step: torch.cuda.max_memory_allocated (reset every step) on a GPU, the process's
-peak RSS on the CPU (libraries, model, optimizer state and activations together; the RSS before train() is shown
-beside it, since transformers and accelerate alone cost more resident memory than gpuformers).
+shows the best round's median step (a round the shared machine slowed down does not decide it). Memory per step:
+torch.cuda.max_memory_allocated (reset every step) on a GPU, the process's peak RSS on the CPU (libraries, model,
+optimizer state and activations together; the RSS before train() is shown beside it, since transformers and
+accelerate alone cost more resident memory than gpuformers).
 
-    python benchmarks/bench_train.py --quick                      # tiny Qwen3 shape on the CPU, 3 rounds, ~3 minutes
+    python benchmarks/bench_train.py --quick                      # tiny Qwen3 shape on the CPU, 3 rounds, ~1 minute
+    python benchmarks/bench_train.py --optim adamw_torch          # AdamW's per-parameter loop on both sides
+    python benchmarks/bench_train.py --threads 1 --clock cpu      # CPU time of one thread: steady on a busy machine
     python benchmarks/bench_train.py --device cuda --shape qwen3-0.6b --batch 8 --seq 1024
     python benchmarks/bench_train.py --device cuda --shape qwen3-0.6b --use-kernels   # our fused kernels too
 """
@@ -68,6 +72,11 @@ def worker(opts) -> dict:
 
     rows = [{"input_ids": row} for row in json.loads(Path(opts.rows).read_text())]
     device = torch.device(opts.device)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    # --clock cpu: this thread's CPU time. With one torch thread every op of a CPU step runs on it (autograd included,
+    # no dataloader workers), so time the shared machine gives to other processes is not counted.
+    clock = time.thread_time if opts.clock == "cpu" else time.perf_counter
     step_times, peaks = [], []
 
     def sync():
@@ -79,16 +88,16 @@ def worker(opts) -> dict:
             sync()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            self.start = time.perf_counter()
+            self.start = clock()
 
         def on_step_end(self, args, state, control, **kwargs):
             sync()
-            step_times.append(time.perf_counter() - self.start)
+            step_times.append(clock() - self.start)
             peaks.append(torch.cuda.max_memory_allocated() if device.type == "cuda"
                          else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     common = dict(output_dir=opts.out, per_device_train_batch_size=opts.batch, max_steps=opts.steps,
-                  learning_rate=1e-4, optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
+                  learning_rate=1e-4, optim=opts.optim,
                   save_strategy="no", logging_steps=10**6, report_to="none", disable_tqdm=True, bf16=opts.bf16,
                   use_cpu=device.type == "cpu", train_sampling_strategy="sequential", seed=0)
     from gpuformers.training.data import DataCollatorForCausalLM
@@ -132,7 +141,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (default on cuda)")
+    parser.add_argument("--optim", default="adamw_torch_fused", choices=["adamw_torch_fused", "adamw_torch"],
+                        help="the optimizer of both Trainers (default: their default, torch's fused AdamW, which "
+                             "has a CPU kernel too)")
     parser.add_argument("--use-kernels", action="store_true", help="also run ours with use_kernels=True")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in each trainer (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time steps by the wall clock, or by the CPU time of the trainer's thread (needs "
+                             "--threads 1 and the CPU: then steady on a machine shared with other work)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", choices=["ours", "ours+kernels", "hf"], help=argparse.SUPPRESS)
@@ -147,8 +163,11 @@ def main() -> None:
         return
     if opts.quick:
         # alternate the two trainers 3 times: on a shared machine one quiet or busy moment would decide it otherwise
-        opts.shape, opts.batch, opts.seq, opts.steps, opts.warmup, opts.repeats = "tiny", 4, 128, 6, 2, 3
+        opts.shape, opts.batch, opts.seq, opts.steps, opts.warmup, opts.repeats = "tiny", 4, 128, 16, 3, 3
     opts.bf16 = opts.bf16 or opts.device.startswith("cuda")
+    if opts.clock == "cpu" and (opts.threads != 1 or opts.device != "cpu"):
+        parser.error(f"--clock cpu times one thread: it needs --threads 1 and --device cpu (got --threads "
+                     f"{opts.threads}, --device {opts.device}); use --clock wall otherwise")
     shape = SHAPES[opts.shape]
 
     import torch
@@ -165,7 +184,9 @@ def main() -> None:
             for kind in kinds:
                 command = [sys.executable, __file__, "--worker", kind, "--folder", str(tmp / "model"),
                            "--rows", str(tmp / "rows.json"), "--out", str(tmp / f"out-{kind}"),
-                           "--device", opts.device, "--batch", str(opts.batch), "--steps", str(opts.steps)]
+                           "--device", opts.device, "--batch", str(opts.batch), "--steps", str(opts.steps),
+                           "--optim", opts.optim, "--clock", opts.clock]
+                command += ["--threads", str(opts.threads)] if opts.threads else []
                 command += ["--bf16"] if opts.bf16 else []
                 done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
                 line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -183,8 +204,7 @@ def main() -> None:
     for kind, runs in results.items():
         if not runs:
             continue
-        steps = [t for run in runs for t in run["step_seconds"][opts.warmup:]]
-        median = statistics.median(steps)
+        median = min(statistics.median(run["step_seconds"][opts.warmup:]) for run in runs)  # the best round
         row = {"tokens_per_second": tokens / median, "step_ms": median * 1e3,
                "peak_memory_gib": max(max(run["peak_bytes"]) for run in runs) / 2**30,
                "before_train_gib": max(run["before_bytes"] for run in runs) / 2**30}
@@ -192,8 +212,8 @@ def main() -> None:
             row["mfu"] = flops_per_token(shape, opts.seq) * tokens / median / (peak * 1e12)
         table[kind] = row
     print(f"shape {opts.shape}, batch {opts.batch} x seq {opts.seq}, device {opts.device}, "
-          f"{'bf16 autocast' if opts.bf16 else 'float32'}, {opts.steps} steps ({opts.warmup} warmup) x "
-          f"{opts.repeats} repeats, torch threads {torch.get_num_threads()}")
+          f"{'bf16 autocast' if opts.bf16 else 'float32'}, {opts.optim}, {opts.steps} steps ({opts.warmup} warmup) x "
+          f"{opts.repeats} repeats, torch threads {opts.threads or torch.get_num_threads()}, {opts.clock} clock")
     print(f"{'trainer':<14}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'before train':>14}"
           + (f"{'MFU':>8}" if peak else ""))
     for kind, row in table.items():

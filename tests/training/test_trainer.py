@@ -171,3 +171,20 @@ def test_tensorboard_without_its_package_says_how_to_install_it(tiny_checkpoint,
         pytest.skip("tensorboard is installed here")
     with pytest.raises(ImportError, match="pip install tensorboard"):
         Trainer(_model(tiny_checkpoint), tiny_args(tmp_path, report_to="tensorboard"))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipped, then within the limit (no multiplication by 1)
+def test_trainer_clipping_equals_torch_clip_grad_norm(max_norm):
+    from gpuformers.training.trainer import clip_grad_norm
+
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = ([torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n))) for n in (5, 7)]
+                    for _ in range(2))
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=generator)
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm(ours + [torch.nn.Parameter(torch.ones(2))], max_norm)  # one without a gradient
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.grad, b.grad)
+    assert bool(norm > max_norm) is (max_norm == 0.5)

@@ -17,7 +17,7 @@ from torch import nn
 from gpuformers.generation.cache import Cache, DynamicCache
 from gpuformers.layers.attention import AttentionInterface, build_attention_mask, build_attention_mask_at
 from gpuformers.kernels.mapping import active_kernel_functions
-from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss
+from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss, logits_needed
 from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
@@ -220,8 +220,11 @@ class LlamaForCausalLM(PreTrainedModel):
             input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
             output_hidden_states, cache_position,
         )
-        if labels is not None and self.training and _fused_loss_active():
-            # use_kernels=True in training: the LM head and the loss fused, the (tokens, vocab) logits never exist.
+        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None  # not quantized, not a LoRA
+        if labels is not None and self.training and (_fused_loss_active() or (plain_head and not logits_needed())):
+            # The LM head and the loss fused, the (tokens, vocab) logits never exist: the Triton kernel with
+            # use_kernels=True in training, else the chunked torch version when the caller reads no logits (the
+            # Trainer's training step, inside layers/loss.py's logits_not_needed()).
             loss = linear_causal_lm_loss(hidden_states, self.lm_head.weight, labels, num_items_in_batch)
             return CausalLMOutput(loss=loss, logits=None, past_key_values=past_key_values if use_cache else None,
                                   hidden_states=tuple(all_hidden) if output_hidden_states else None)

@@ -9,8 +9,10 @@ The loss of a step is the sum of token losses over all its micro-batches divided
 in the step (transformers' `num_items_in_batch`), so accumulating 4 batches of 2 gives the gradients of one batch
 of 8. The data order of each epoch comes from a generator seeded with (data_seed or seed) + epoch, never from the
 global RNG, so a resumed run replays the same batches; the global RNG state is saved in each checkpoint.
+The forward runs inside logits_not_needed() (compute_loss reads only the loss): a causal LM then fuses its LM head
+and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, with the same loss and gradients.
 
-Offers: Trainer, TrainOutput, PredictionOutput, EvalPrediction.
+Offers: Trainer, TrainOutput, PredictionOutput, EvalPrediction, clip_grad_norm.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
+from gpuformers.layers.loss import logits_not_needed
 from gpuformers.training import callbacks as cb
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
@@ -101,6 +104,9 @@ class Trainer:
         forward = inspect.signature(self.model.forward).parameters
         self._forward_args = set(forward)
         self._model_counts_items = "num_items_in_batch" in forward
+        # compute_loss as written here reads only the loss: the model may then skip the (tokens, vocab) logits
+        # (layers/loss.py's chunked linear + cross-entropy); not under torch.compile, which reads no ContextVar
+        self._skip_logits = type(self).compute_loss is Trainer.compute_loss and not self.args.torch_compile
         self.control = self._call("on_init_end")
 
     # --- hooks ----------------------------------------------------------------------------------------------
@@ -177,7 +183,7 @@ class Trainer:
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch: int | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its (detached) share of the step's loss."""
         inputs = self._prepare_inputs(inputs)
-        with self._autocast():
+        with self._autocast(), logits_not_needed() if self._skip_logits else contextlib.nullcontext():
             loss = self.compute_loss(model, inputs, num_items_in_batch)
         if num_items_in_batch is None or not (self._model_counts_items or self.compute_loss_func):
             loss = loss / self._micro_batches  # a per-micro-batch mean: average over the step's micro-batches
@@ -190,7 +196,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         grad_norm = None
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
         self.control = self._call("on_pre_optimizer_step")
         skipped = False
         if self.scaler is not None:
@@ -430,6 +436,19 @@ class Trainer:
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
         (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (same norm, same clipped gradients), less the multiplication of every
+    gradient by 1 when the norm is already within max_norm: a pass over all gradients that changes no bit. Checked
+    on the CPU only (on a GPU the check would wait for the device). Returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if (type(total_norm) is torch.Tensor and total_norm.device.type == "cpu"  # not a DTensor (FSDP2)
+            and bool(max_norm / (total_norm + 1e-6) >= 1.0)):
+        return total_norm
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
 
 
 def _pad_stack(tensors: list[torch.Tensor]) -> np.ndarray:
