@@ -235,6 +235,29 @@ def test_trainer_trains_and_saves_the_adapter(checkpoint, tmp_path):
     torch.testing.assert_close(_logits(loaded, ids, mask), _logits(model.eval(), ids, mask), atol=ATOL, rtol=0)
 
 
+def test_trainer_resumes_a_lora_run(checkpoint, tmp_path):
+    """A LoRA checkpoint holds the adapter only: resuming from it continues exactly (same adapter at the end)."""
+    from gpuformers import Trainer
+    from tests.training.distributed_worker import StopAt
+    from tests.training.helpers import make_rows, tiny_args
+
+    def run(output_dir, resume=None, stop_at=None):
+        torch.manual_seed(0)
+        model = get_peft_model(_load(checkpoint[0]), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        args = tiny_args(output_dir, max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=2)
+        trainer = Trainer(model=model, args=args, train_dataset=make_rows(12),
+                          callbacks=[StopAt(stop_at)] if stop_at else None)
+        trainer.train(resume_from_checkpoint=resume)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "split", stop_at=3)
+    resumed = run(tmp_path / "split", resume=str(tmp_path / "split" / "checkpoint-3"))
+    assert straight.keys() == resumed.keys()
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(r=0), ValueError, ["r=0", "positive integer"]),
     (dict(bias="all"), NotImplementedError, ["bias='all'", 'bias="none"']),

@@ -54,7 +54,7 @@ def test_auto_precision_follows_the_gpu_capability(monkeypatch, capability, expe
     ({"lr_scheduler_type": "polynomial"}, ValueError, "is not one of: linear, cosine"),
     ({"optim": "lion"}, ValueError, 'optim "lion" is not one of'),
     ({"save_strategy": "sometimes"}, ValueError, 'save_strategy "sometimes" is not one of: no, steps, epoch'),
-    ({"fsdp": "full_shard"}, NotImplementedError, "FSDP2 training is not implemented"),
+    ({"fsdp": "shard_grad_op offload"}, NotImplementedError, r"fsdp options \['shard_grad_op', 'offload'\]"),
     ({"per_device_train_batch_size": 0}, ValueError, "per_device_train_batch_size 0 must be"),
 ])
 def test_bad_arguments_are_refused_with_the_value_and_the_fix(kwargs, error, match):
@@ -62,10 +62,13 @@ def test_bad_arguments_are_refused_with_the_value_and_the_fix(kwargs, error, mat
         TrainingArguments(**kwargs)
 
 
-def test_torchrun_world_size_is_refused_for_now(monkeypatch):
+def test_torchrun_environment_picks_the_strategy(monkeypatch):
+    assert TrainingArguments().distributed_strategy is None
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(NotImplementedError, match="WORLD_SIZE=2: distributed training"):
-        TrainingArguments()
+    monkeypatch.setenv("RANK", "1")
+    args = TrainingArguments(fsdp="full_shard auto_wrap")
+    assert (args.distributed_strategy, args.world_size, args.process_index) == ("fsdp", 2, 1)
+    assert TrainingArguments().distributed_strategy == "ddp"
 
 
 def test_warmup_ratio_and_steps():

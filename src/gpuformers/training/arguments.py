@@ -132,11 +132,12 @@ class TrainingArguments:
         if self.deepspeed:
             raise NotImplementedError("deepspeed is not supported by gpuformers' Trainer; use a single GPU for now")
         if self.fsdp:
-            raise NotImplementedError(f"fsdp={self.fsdp!r}: FSDP2 training is not implemented yet in gpuformers' "
-                                      "Trainer (planned in gpuformers.distributed); train on one device for now")
-        if self.world_size > 1:
-            raise NotImplementedError(f"WORLD_SIZE={self.world_size}: distributed training (DDP / FSDP2 / TP under "
-                                      "torchrun) is not implemented yet in gpuformers' Trainer; run one process")
+            options = (["full_shard"] if self.fsdp is True else
+                       self.fsdp.split() if isinstance(self.fsdp, str) else list(self.fsdp))
+            unsupported = [o for o in options if o not in ("full_shard", "auto_wrap")]
+            if unsupported:
+                raise NotImplementedError(f"fsdp options {unsupported} are not implemented in gpuformers' Trainer: it "
+                                          "shards fully with FSDP2, one decoder layer at a time; use fsdp='full_shard'")
         self._check_precision()
 
     # --- where and how precisely to train -------------------------------------------------------------------
@@ -163,6 +164,13 @@ class TrainingArguments:
     @property
     def process_index(self) -> int:
         return int(os.environ.get("RANK", 0))
+
+    @property
+    def distributed_strategy(self) -> str | None:
+        """"fsdp" (with fsdp=...) or "ddp" when torchrun started several processes; None for one process."""
+        if self.world_size <= 1:
+            return None
+        return "fsdp" if self.fsdp else "ddp"
 
     @property
     def local_rank(self) -> int:

@@ -96,8 +96,10 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model, state, args=None, optimizer=None,
-                             scheduler=None, scaler=None, save_only_model: bool = False) -> Path:
-    """Write checkpoint-`step` atomically (see the module docstring) and return its path."""
+                             scheduler=None, scaler=None, save_only_model: bool = False,
+                             model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None) -> Path:
+    """Write checkpoint-`step` atomically (see the module docstring) and return its path. The state dicts, when
+    given, replace the model's and the optimizer's own (the gathered states of a model sharded by FSDP2)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(f"{_TMP_PREFIX}*"):  # left by a save that crashed
@@ -105,10 +107,14 @@ def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model,
     final = output_dir / f"{CHECKPOINT_PREFIX}-{step}"
     tmp = output_dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
     tmp.mkdir()
-    model.save_pretrained(tmp)
+    if model_state_dict is None:
+        model.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=model_state_dict)
     if not save_only_model:
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+            state_dict = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
+            torch.save(state_dict, tmp / OPTIMIZER_NAME)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_NAME)
         if scaler is not None:
@@ -176,6 +182,11 @@ def load_model_weights_in_place(model, folder: Path) -> None:
         state.update(load_file(path))
     if not state:
         raise FileNotFoundError(f"{folder} holds no *.safetensors model weights")
+    if hasattr(model, "peft_config"):  # a LoRA model's checkpoint holds its adapter weights only
+        from gpuformers.lora import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state)
+        return
     result = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "tied_weights", {}) or {})
     missing = [k for k in result.missing_keys if k not in tied]
@@ -192,7 +203,8 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
     if not (folder / STATE_NAME).is_file():
         raise FileNotFoundError(f"{folder} is not a complete training checkpoint (no {STATE_NAME}); pass a "
                                 f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
-    load_model_weights_in_place(model, folder)
+    if model is not None:
+        load_model_weights_in_place(model, folder)
     if optimizer is not None and (folder / OPTIMIZER_NAME).is_file():
         optimizer.load_state_dict(_load(folder / OPTIMIZER_NAME))
     if scheduler is not None and (folder / SCHEDULER_NAME).is_file():
@@ -200,4 +212,6 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
     if scaler is not None and (folder / SCALER_NAME).is_file():
         scaler.load_state_dict(_load(folder / SCALER_NAME))
     rng = _load(folder / RNG_NAME) if (folder / RNG_NAME).is_file() else None
-    return {"state_path": folder / STATE_NAME, "rng": rng}
+    optimizer_path = folder / OPTIMIZER_NAME
+    return {"state_path": folder / STATE_NAME, "rng": rng,
+            "optimizer_state": (lambda: _load(optimizer_path)) if optimizer_path.is_file() else None}

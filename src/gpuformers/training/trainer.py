@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from gpuformers.layers.loss import logits_not_needed
+from gpuformers import distributed
 from gpuformers.training import callbacks as cb
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
@@ -79,6 +80,7 @@ class Trainer:
             model = model_init()
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed)
+        distributed.init_distributed(self.args.device)  # under torchrun: join the process group (else a no-op)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
@@ -93,6 +95,7 @@ class Trainer:
         self.data_collator = data_collator or DataCollatorForCausalLM(processing_class)
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        self.model_wrapped = None  # the model made data-parallel (DDP / FSDP2) by the first train()
         self.scaler = None
         self._micro_batches = 1  # micro-batches in the current optimizer step
         self.state, self.control = cb.TrainerState(), cb.TrainerControl()
@@ -100,6 +103,8 @@ class Trainer:
                           else cb.ProgressCallback()]
         if "tensorboard" in self.args.report_to:
             defaults.append(cb.TensorBoardCallback())
+        if not distributed.is_main_process():  # one process prints and writes the logs
+            defaults = []
         self.callback_handler = cb.CallbackHandler(defaults + list(callbacks or []), self.model, processing_class)
         forward = inspect.signature(self.model.forward).parameters
         self._forward_args = set(forward)
@@ -122,8 +127,11 @@ class Trainer:
 
     # --- data -----------------------------------------------------------------------------------------------
 
-    def _batches(self, dataset, batch_size: int, epoch: int, shuffle: bool) -> list[list[int]]:
-        """Index lists of one epoch: a permutation seeded by (data_seed or seed) + epoch, cut into batches."""
+    def _batches(self, dataset, batch_size: int, epoch: int, shuffle: bool, shard: bool = False) -> list[list[int]]:
+        """Index lists of one epoch: a permutation seeded by (data_seed or seed) + epoch, cut into batches. With
+        `shard` under torchrun, this process's rows only: every world_size-th row of the permutation (padded by
+        wrapping around so that all processes get as many), so the processes' batches of step k together are the
+        rows one process would take with batches world_size times larger."""
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise TypeError(f"the dataset ({type(dataset).__name__}) must have a length and indexing (a list of "
                             "rows or a datasets.Dataset); iterable datasets are not supported yet")
@@ -133,6 +141,10 @@ class Trainer:
             order = torch.randperm(n, generator=generator).tolist()
         else:
             order = list(range(n))
+        world = self.args.world_size
+        if shard and world > 1:
+            order = (order + order[:(-len(order)) % world])[self.args.process_index::world]
+            n = len(order)
         batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
         if batches and self.args.dataloader_drop_last and len(batches[-1]) < batch_size:
             batches.pop()
@@ -187,7 +199,12 @@ class Trainer:
             loss = self.compute_loss(model, inputs, num_items_in_batch)
         if num_items_in_batch is None or not (self._model_counts_items or self.compute_loss_func):
             loss = loss / self._micro_batches  # a per-micro-batch mean: average over the step's micro-batches
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        backward = loss
+        if self.args.world_size > 1 and num_items_in_batch is not None and (self._model_counts_items
+                                                                               or self.compute_loss_func):
+            # The loss is already over the whole step's tokens (all processes): undo DDP's / FSDP2's average.
+            backward = loss * self.args.world_size
+        (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         return loss.detach()
 
     def _optimizer_step(self) -> torch.Tensor | None:
@@ -197,6 +214,8 @@ class Trainer:
         grad_norm = None
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             grad_norm = clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
         self.control = self._call("on_pre_optimizer_step")
         skipped = False
         if self.scaler is not None:
@@ -217,14 +236,18 @@ class Trainer:
         self._micro_batches = len(micro)
         self.control._new_step()
         self.control = self._call("on_step_begin")
-        # target tokens of the whole step (labels are still on the CPU: no device sync)
+        # target tokens and input tokens of the whole step (labels are still on the CPU: no device sync)
         items = sum(self._count_targets(b) for b in micro)
+        tokens = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None else b["input_ids"].numel()
+                     for b in micro)
+        if self.args.world_size > 1:  # ... over every process's share of the step
+            items, tokens = (int(v) for v in distributed.all_reduce_sum([items, tokens], self.args.device).tolist())
         num_items = max(1, items) if self._model_counts_items or self.compute_loss_func else None
-        loss, tokens = 0.0, 0
+        loss = 0.0
         for i, batch in enumerate(micro):
-            loss = loss + self.training_step(model, batch, num_items)
-            mask = batch.get("attention_mask")
-            tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            # DDP / FSDP2 exchange gradients in the last micro-batch's backward only
+            with distributed.gradient_sync(getattr(model, "_orig_mod", model), enabled=i == len(micro) - 1):
+                loss = loss + self.training_step(model, batch, num_items)
             if i < len(micro) - 1:
                 self.control = self._call("on_substep_end")
         learning_rate = self.lr_scheduler.get_last_lr()[0]
@@ -248,42 +271,54 @@ class Trainer:
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs train_dataset")
         accum = args.gradient_accumulation_steps
-        batches_per_epoch = len(self._batches(self.train_dataset, args.train_batch_size, 0, False))
+        batches_per_epoch = len(self._batches(self.train_dataset, args.train_batch_size, 0, False, shard=True))
         if batches_per_epoch == 0:
             raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
                              f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
         updates_per_epoch = math.ceil(batches_per_epoch / accum)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
         num_epochs = math.ceil(max_steps / updates_per_epoch)
-        self.create_optimizer_and_scheduler(max_steps)
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
+        fsdp = args.distributed_strategy == "fsdp"
+        if self.model_wrapped is None:
+            if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
+                ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
+            strategy = args.distributed_strategy
+            self.model_wrapped = distributed.wrap_model(self.model, strategy, args.device) if strategy else self.model
+        self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(args.device.type)
 
         self.state = cb.TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
                                      train_batch_size=args.train_batch_size, logging_steps=args.logging_steps,
-                                     eval_steps=args.eval_steps, save_steps=args.save_steps)
+                                     eval_steps=args.eval_steps, save_steps=args.save_steps,
+                                     is_local_process_zero=args.local_rank <= 0,
+                                     is_world_process_zero=distributed.is_main_process())
         rng = None
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
         if resume_from_checkpoint:
-            loaded = ckpt.load_training_state(resume_from_checkpoint, model=self.model, optimizer=self.optimizer,
+            loaded = ckpt.load_training_state(resume_from_checkpoint, model=None if fsdp else self.model,
+                                              optimizer=None if fsdp else self.optimizer,
                                               scheduler=self.lr_scheduler, scaler=self.scaler)
+            if fsdp and loaded["optimizer_state"] is not None:  # every process reads the whole state, keeps its shard
+                distributed.load_full_optimizer_state_dict(self.model, self.optimizer, loaded["optimizer_state"]())
             saved = cb.TrainerState.load_from_json(loaded["state_path"])
             self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
             self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
             rng = loaded["rng"]
         start_epoch, start_update = divmod(self.state.global_step, updates_per_epoch)
 
-        model = torch.compile(self.model, mode=args.torch_compile_mode) if args.torch_compile else self.model
+        model = self.model_wrapped
+        model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
         self.model.train()
         self.control = self._call("on_train_begin")
         since_log = {"loss": 0.0, "steps": 0}
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
         for epoch in range(start_epoch, num_epochs):
             batches = self._batches(self.train_dataset, args.train_batch_size, epoch,
-                                    args.train_sampling_strategy == "random")
+                                    args.train_sampling_strategy == "random", shard=True)
             skip = start_update if epoch == start_epoch and not args.ignore_data_skip else 0
             loader = self._loader(self.train_dataset, batches[skip * accum:])
             self.callback_handler.train_dataloader = loader
@@ -321,7 +356,7 @@ class Trainer:
                 break
 
         runtime = time.perf_counter() - start_time
-        metrics = {"train_runtime": round(runtime, 4), "train_loss": float(total_loss) / max(1, total_steps),
+        metrics = {"train_runtime": round(runtime, 4), "train_loss": self._global_loss(total_loss) / max(1, total_steps),
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
         self.control = self._call("on_train_end")
@@ -343,7 +378,7 @@ class Trainer:
             self.control.should_evaluate |= args.eval_strategy == "steps" and every(args.eval_steps)
             self.control.should_save |= args.save_strategy == "steps" and every(args.save_steps)
         if self.control.should_log and since_log["steps"]:
-            logs = {"loss": float(since_log["loss"]) / since_log["steps"], "learning_rate": learning_rate}
+            logs = {"loss": self._global_loss(since_log["loss"]) / since_log["steps"], "learning_rate": learning_rate}
             if grad_norm is not None:
                 logs["grad_norm"] = float(grad_norm)
             since_log["loss"], since_log["steps"] = 0.0, 0
@@ -355,15 +390,32 @@ class Trainer:
             self._save_checkpoint()
         self.control.should_log = self.control.should_evaluate = self.control.should_save = False
 
+    def _global_loss(self, value) -> float:
+        """A loss summed over this process's micro-batches -> the same over all processes (each holds its tokens'
+        share of the step's loss; without token counting each holds a mean, so the processes are averaged)."""
+        if self.args.world_size <= 1:
+            return float(value)
+        total = float(distributed.all_reduce_sum(value, self.args.device))
+        return total if (self._model_counts_items or self.compute_loss_func) else total / self.args.world_size
+
     def _save_checkpoint(self) -> Path:
         args = self.args
-        path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
-                                             state=self.state, args=args, optimizer=self.optimizer,
-                                             scheduler=self.lr_scheduler, scaler=self.scaler,
-                                             save_only_model=args.save_only_model)
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(path)
-        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=path)
+        fsdp = args.distributed_strategy == "fsdp"
+        # Under FSDP2 the whole states are gathered (every process takes part); process 0 alone writes.
+        model_state = distributed.full_model_state_dict(self.model) if fsdp else None
+        optimizer_state = (distributed.full_optimizer_state_dict(self.model, self.optimizer)
+                           if fsdp and not args.save_only_model else None)
+        path = Path(args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
+        if distributed.is_main_process():
+            path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
+                                                 state=self.state, args=args, optimizer=self.optimizer,
+                                                 scheduler=self.lr_scheduler, scaler=self.scaler,
+                                                 save_only_model=args.save_only_model, model_state_dict=model_state,
+                                                 optimizer_state_dict=optimizer_state)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(path)
+            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=path)
+        distributed.barrier()  # no process goes on (or resumes) before the checkpoint is complete
         self.control = self._call("on_save")
         return path
 
@@ -432,10 +484,17 @@ class Trainer:
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
         output_dir = Path(output_dir or self.args.output_dir)
-        self.model.save_pretrained(output_dir)
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(output_dir)
-        (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
+        fsdp = self.args.distributed_strategy == "fsdp"
+        state = distributed.full_model_state_dict(self.model) if fsdp else None  # a collective: every process
+        if distributed.is_main_process():
+            if state is None:
+                self.model.save_pretrained(output_dir)
+            else:
+                self.model.save_pretrained(output_dir, state_dict=state)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)
+            (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
+        distributed.barrier()
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""One process of a data-parallel training run, for tests/training/test_distributed_trainer.py:
+`torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR ddp|fsdp [--max-steps N]
+[--stop-at N] [--resume]`. Each process trains on its share of every batch (1 row x 2 accumulated micro-batches: with 2
+processes, global batches of 4); process 0 writes the logged losses and gradient norms to OUTPUT_DIR/losses.json and the final
+weights to OUTPUT_DIR/final."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from gpuformers import AutoModelForCausalLM
+from gpuformers.training import Trainer, TrainerCallback
+from tests.training.helpers import make_rows, tiny_args
+
+ROWS = dict(count=24, seed=3)
+DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
+                        save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
+                        max_grad_norm=1.0)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("output_dir")
+    parser.add_argument("strategy", choices=["ddp", "fsdp"])
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-at", type=int, help="end training after this step (its checkpoint is written)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False)
+    extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {}
+    trainer = Trainer(model, tiny_args(args.output_dir, **DISTRIBUTED_ARGS, **extra, max_steps=args.max_steps,
+                                       use_cpu=True),
+                      train_dataset=make_rows(**ROWS), callbacks=[StopAt(args.stop_at)] if args.stop_at else None)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    trainer.save_model(Path(args.output_dir) / "final")
+    if trainer.args.process_index == 0:
+        losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
+        (Path(args.output_dir) / "losses.json").write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    main()

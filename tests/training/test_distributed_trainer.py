@@ -1,0 +1,73 @@
+"""The Trainer under torchrun on the CPU (gloo, 2 processes): DDP and FSDP2 train exactly like one process on the
+same global batches (logged losses and final weights), and a distributed run resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuformers import AutoModelForCausalLM
+from gpuformers.training import Trainer
+from tests.training.distributed_worker import DISTRIBUTED_ARGS, ROWS
+from tests.training.helpers import make_rows, tiny_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(*args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "tests.training.distributed_worker", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder, progress=False).state_dict()
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_checkpoint, tmp_path_factory):
+    """The reference: one process, batches of 4 (what 2 processes x 1 row x 2 micro-batches add up to)."""
+    out = tmp_path_factory.mktemp("single")
+    torch.manual_seed(0)
+    values = {**DISTRIBUTED_ARGS, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+              "max_steps": 6, "save_strategy": "no"}
+    trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False), tiny_args(out, **values),
+                      train_dataset=make_rows(**ROWS))
+    trainer.train()
+    losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
+    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process, tmp_path):
+    torchrun(str(tiny_checkpoint), str(tmp_path), strategy)
+    losses = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
+    expected_losses, expected_weights = single_process
+    assert sorted(losses) == sorted(expected_losses) == list(range(1, 7))
+    for step, (loss, grad_norm) in losses.items():
+        # the loss and the gradient norm of the global batch (Adam alone would hide a gradient scaled by a constant)
+        assert loss == pytest.approx(expected_losses[step][0], rel=1e-5)
+        assert grad_norm == pytest.approx(expected_losses[step][1], rel=1e-5)
+    got = weights(tmp_path / "final")
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)
+    # checkpoints are written once (by process 0), complete and loadable
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_fsdp_run_resumes_from_its_checkpoint(tiny_checkpoint, single_process, tmp_path):
+    torchrun(str(tiny_checkpoint), str(tmp_path), "fsdp", "--stop-at", "3")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    torchrun(str(tiny_checkpoint), str(tmp_path), "fsdp", "--resume")
+    got = weights(tmp_path / "final")
+    for name, value in single_process[1].items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)
