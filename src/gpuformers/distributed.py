@@ -81,8 +81,9 @@ def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device) -> t
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    names = set(getattr(model, "no_split_modules", ()) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    from gpuformers.models.modeling import decoder_layers
+
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"fsdp: {type(model).__name__} names no decoder layer class (no_split_modules) to shard "
                          "one by one; use ddp for this model")

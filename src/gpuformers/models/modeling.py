@@ -35,6 +35,13 @@ def skip_init():
             setattr(nn.init, name, fn)
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the modules whose class the model names in `no_split_modules` (the unit that
+    device_map keeps whole, FSDP2 shards one at a time and gradient checkpointing recomputes)."""
+    names = set(getattr(model, "no_split_modules", ()) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
     config_class = ModelConfig
     no_split_modules: tuple[str, ...] = ()

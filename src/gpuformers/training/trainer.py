@@ -525,8 +525,9 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         return
     import torch.utils.checkpoint
 
-    names = set(getattr(model, "no_split_modules", ()) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    from gpuformers.models.modeling import decoder_layers
+
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} names no decoder layer class "
                          "(no_split_modules); turn gradient_checkpointing off for this model")
