@@ -7,12 +7,13 @@
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 #
 # Steps, in order, with their time boxes (seconds):
-#   tests     pytest -m gpu                                        (200)  pytest_gpu.txt + .xml
-#   kernels   benchmarks/bench_kernels.py --quick                  (100)  bench_kernels.txt + .json
+#   tests     pytest -m gpu tests/kernels, then the other gpu tests (120 + 100)  pytest_gpu_kernels.txt,
+#             pytest_gpu_rest.txt + .xml each (two runs, so that a time-out loses only one half)
+#   kernels   benchmarks/bench_kernels.py --quick                  (90)   bench_kernels.txt + .json
 #   generate  benchmarks/bench_generate.py on cuda, bf16, --big    (80)   bench_generate.txt
 #   engine    benchmarks/bench_offline.py --gpu (fewer requests)   (130)  bench_offline.txt + .json
 #             (ours with and without CUDA graphs and async batching, and transformers' generate_batch)
-#   load      benchmarks/bench_load.py --device cuda --repeats 1   (60)   bench_load.txt
+#   load      benchmarks/bench_load.py --device cuda --repeats 1   (50)   bench_load.txt
 # env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
 # Exit status: 0 when every step passed, else the first failing step's status.
 set -uo pipefail
@@ -59,15 +60,18 @@ run_step() {  # name, seconds, output file, command...
 
 for step in "${steps[@]}"; do
     case "${step}" in
-        tests) run_step tests 200 pytest_gpu.txt \
-            python -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml="${OUT}/pytest_gpu.xml" ;;
-        kernels) run_step kernels 100 bench_kernels.txt \
+        tests)
+            run_step tests-kernels 120 pytest_gpu_kernels.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+                --junitxml="${OUT}/pytest_gpu_kernels.xml" tests/kernels
+            run_step tests-rest 100 pytest_gpu_rest.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+                --junitxml="${OUT}/pytest_gpu_rest.xml" --ignore=tests/kernels tests ;;
+        kernels) run_step kernels 90 bench_kernels.txt \
             python benchmarks/bench_kernels.py --quick --out "${OUT}/bench_kernels.json" ;;
         generate) run_step generate 80 bench_generate.txt \
             python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
         engine) run_step engine 130 bench_offline.txt \
             python benchmarks/bench_offline.py --gpu --num-requests 128 --json "${OUT}/bench_offline.json" ;;
-        load) run_step load 60 bench_load.txt python benchmarks/bench_load.py --device cuda --repeats 1 ;;
+        load) run_step load 50 bench_load.txt python benchmarks/bench_load.py --device cuda --repeats 1 ;;
         *) echo "unknown step ${step}; steps: tests kernels generate engine load" >&2; exit 2 ;;
     esac
 done
