@@ -205,6 +205,19 @@ def test_sequences_get_consecutive_blocks_to_grow_into():
     assert_all_free(scheduler.block_manager)
 
 
+def test_placement_off_takes_the_oldest_freed_blocks():
+    """Without contiguous placement (the GPU), blocks come oldest-freed first: cached prefixes are kept longest."""
+    manager = BlockManager(8, 4, allow_block_sharing=False, place_contiguously=False)
+    first, second = seq("a", range(8)), seq("b", range(8))
+    manager.allocate(first, 8)
+    manager.allocate(second, 8)
+    assert first.block_table == [0, 1] and second.block_table == [2, 3]
+    manager.free_sequence(first)  # freed tail first: 1, then 0
+    third = seq("c", range(24), max_new_tokens=1)
+    manager.allocate(third, 24)
+    assert third.block_table == [4, 5, 6, 7, 1, 0]
+
+
 def test_full_cache_still_allocates_scattered_blocks():
     """Contiguity is a preference: with no free run left, any free block is used."""
     manager = BlockManager(8, 4, allow_block_sharing=False)

@@ -10,8 +10,9 @@ keys and values. A new request whose prompt starts with the same blocks takes th
 of computing them. A freed block keeps its hash until the free list hands it out again, so a finished or preempted
 request's prefix stays reusable for as long as memory allows (freed blocks are reused oldest first).
 
-Contiguity: attention reads a sequence's keys fastest when its blocks are consecutive in the cache (on the CPU the
-paged backend then attends a view of the cache instead of gathering a copy, see paged_attention.py). So a new
+Contiguity (`place_contiguously`, on for the CPU): attention reads a sequence's keys fastest when its blocks are
+consecutive in the cache (on the CPU the paged backend then attends a view of the cache instead of gathering a copy,
+see paged_attention.py). So a new
 sequence is placed next-fit at the start of a free run long enough for its whole life (prompt + max_new_tokens),
 and the rest of that run is left for it to grow into: it is not taken from the free count (a soft reservation:
 later placements start after it, but when memory runs short any free block is used, and a sequence whose blocks
@@ -45,7 +46,8 @@ def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, allow_block_sharing: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, allow_block_sharing: bool = True,
+                 place_contiguously: bool = True):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         if block_size < 1 or block_size & (block_size - 1):
@@ -59,7 +61,11 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hits = 0  # blocks taken from the prefix cache instead of computed
         self.prefix_queries = 0  # full prompt blocks looked up
-        self._cursor = 0  # next-fit placement of new sequences starts searching here
+        # Next-fit placement of new sequences (see the module docstring) starts searching at the cursor. Off, blocks
+        # come from the free list only, oldest freed first, which keeps cached prefixes longest (the GPU's choice:
+        # its attention kernel reads blocks in place wherever they are).
+        self.place_contiguously = place_contiguously
+        self._cursor = 0
 
     # --- facts --------------------------------------------------------------------------------------------------
 
@@ -144,13 +150,13 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self.free):
             raise RuntimeError(f"allocate: {needed} blocks needed, {len(self.free)} free (check can_allocate first)")
-        if needed and not seq.block_table:
+        if needed and not seq.block_table and self.place_contiguously:
             start = self._free_run(needed, max(needed, self.blocks_for(seq.max_tokens)))
             if start is not None:
                 seq.block_table.extend(self._take_free_block(b) for b in range(start, start + needed))
                 return
         for _ in range(needed):
-            after = seq.block_table[-1] + 1 if seq.block_table else None
+            after = seq.block_table[-1] + 1 if seq.block_table and self.place_contiguously else None
             seq.block_table.append(self._take_free_block(after if after in self.free else None))
 
     def _free_run(self, needed: int, wanted: int) -> int | None:

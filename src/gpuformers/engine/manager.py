@@ -159,7 +159,9 @@ class ContinuousBatchingManager:
             base_name = model.attn_implementation if model.attn_implementation in ("sdpa", "eager") else "sdpa"
             model.set_attn_implementation(f"paged|{base_name}")
         cfg = self.config
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing)
+        # Consecutive blocks matter on the CPU only (its attention then reads a view of the cache).
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing,
+                                          place_contiguously=model.device.type != "cuda")
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
         self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
