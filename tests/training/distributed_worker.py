@@ -17,9 +17,10 @@ from gpuformers.training import Trainer, TrainerCallback
 from tests.training.helpers import make_rows, tiny_args
 
 ROWS = dict(count=24, seed=3)
+EVAL_ROWS = dict(count=6, seed=9)
 DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
                         save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
-                        max_grad_norm=1.0)
+                        max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
 
 
 class StopAt(TrainerCallback):
@@ -45,11 +46,12 @@ def main() -> None:
     extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {}
     trainer = Trainer(model, tiny_args(args.output_dir, **DISTRIBUTED_ARGS, **extra, max_steps=args.max_steps,
                                        use_cpu=True),
-                      train_dataset=make_rows(**ROWS), callbacks=[StopAt(args.stop_at)] if args.stop_at else None)
+                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), callbacks=[StopAt(args.stop_at)] if args.stop_at else None)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(Path(args.output_dir) / "final")
     if trainer.args.process_index == 0:
         losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
+        losses.update({f"eval{e['step']}": e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e})
         (Path(args.output_dir) / "losses.json").write_text(json.dumps(losses))
 
 

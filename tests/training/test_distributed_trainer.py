@@ -14,7 +14,7 @@ import torch
 
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer
-from tests.training.distributed_worker import DISTRIBUTED_ARGS, ROWS
+from tests.training.distributed_worker import DISTRIBUTED_ARGS, EVAL_ROWS, ROWS
 from tests.training.helpers import make_rows, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,18 +40,24 @@ def single_process(tiny_checkpoint, tmp_path_factory):
     values = {**DISTRIBUTED_ARGS, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
               "max_steps": 6, "save_strategy": "no"}
     trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False), tiny_args(out, **values),
-                      train_dataset=make_rows(**ROWS))
+                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS))
     trainer.train()
     losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
+    losses.update({f"eval{e['step']}": e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e})
     return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process, tmp_path):
     torchrun(str(tiny_checkpoint), str(tmp_path), strategy)
-    losses = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
+    logged = json.loads((tmp_path / "losses.json").read_text())
     expected_losses, expected_weights = single_process
-    assert sorted(losses) == sorted(expected_losses) == list(range(1, 7))
+    evals = {k: v for k, v in logged.items() if k.startswith("eval")}
+    assert sorted(evals) == ["eval3", "eval6"]  # evaluation mid-run, every process on the whole eval set
+    for key, value in evals.items():
+        assert value == pytest.approx(expected_losses[key], rel=1e-5)
+    losses = {int(k): v for k, v in logged.items() if not k.startswith("eval")}
+    assert sorted(losses) == list(range(1, 7))
     for step, (loss, grad_norm) in losses.items():
         # the loss and the gradient norm of the global batch (Adam alone would hide a gradient scaled by a constant)
         assert loss == pytest.approx(expected_losses[step][0], rel=1e-5)
