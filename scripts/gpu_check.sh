@@ -3,8 +3,10 @@
 # written under $OUT. Run from the repository root of a checkout where torch, triton, transformers, peft and
 # safetensors are already installed; it never installs anything and needs no network.
 #
-#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (fits in ~9.5 minutes)
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~12 minutes)
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
+# A device call lasts at most 10 minutes: run it as two calls, `tests kernels generate` (<= 6.5 min) and
+# `engine load serving` (<= 5 min).
 #
 # Steps, in order, with their time boxes (seconds):
 #   tests     pytest -m gpu tests/kernels, then the other gpu tests (120 + 100)  pytest_gpu_kernels.txt,
@@ -14,6 +16,7 @@
 #   engine    benchmarks/bench_offline.py --gpu (fewer requests)   (130)  bench_offline.txt + .json
 #             (ours with and without CUDA graphs and async batching, and transformers' generate_batch)
 #   load      benchmarks/bench_load.py --device cuda --repeats 1   (50)   bench_load.txt
+#   serving   benchmarks/bench_serving.py --gpu, 64 then 256 clients (60 + 80)  bench_serving_64.txt, _256.txt
 # env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
 # Exit status: 0 when every step passed, else the first failing step's status.
 set -uo pipefail
@@ -27,7 +30,7 @@ unset TRITON_INTERPRET  # real kernels on the GPU, never the interpreter
 export PYTHONDONTWRITEBYTECODE=1 TQDM_DISABLE=1
 
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load)
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load serving)
 
 {
     date -u
@@ -72,7 +75,11 @@ for step in "${steps[@]}"; do
         engine) run_step engine 130 bench_offline.txt \
             python benchmarks/bench_offline.py --gpu --num-requests 128 --json "${OUT}/bench_offline.json" ;;
         load) run_step load 50 bench_load.txt python benchmarks/bench_load.py --device cuda --repeats 1 ;;
-        *) echo "unknown step ${step}; steps: tests kernels generate engine load" >&2; exit 2 ;;
+        serving)
+            run_step serving-64 60 bench_serving_64.txt python benchmarks/bench_serving.py --gpu --clients 64 --rounds 2
+            run_step serving-256 80 bench_serving_256.txt \
+                python benchmarks/bench_serving.py --gpu --clients 256 --rounds 2 ;;
+        *) echo "unknown step ${step}; steps: tests kernels generate engine load serving" >&2; exit 2 ;;
     esac
 done
 
