@@ -1,0 +1,35 @@
+"""LoRA adapters in the PEFT format (config.py, layers.py, peft_model.py): the `peft` library's names, config file and weight keys, without peft.
+
+Each target nn.Linear is wrapped in a LoraLinear that adds a low-rank update to its output:
+
+    x ──> base_layer (frozen W, b) ───────────────────────────────────────> + ──> y
+    └──> lora_dropout ──> lora_A (r, in) ──> lora_B (out, r) ──> * scaling ─┘
+
+    scaling = lora_alpha / r        (lora_alpha / sqrt(r) with use_rslora)
+
+The wrapper nests like peft's: PeftModel.base_model is a LoraModel, LoraModel.model is the user's model. So a
+LoRA parameter's name is `base_model.model.<module>.lora_A.weight`, which is the key peft writes to
+adapter_model.safetensors (peft drops its adapter name, "default", from the saved key; we have one adapter and
+never put it in). An adapter saved here loads in peft and the other way round; adapter_config.json carries the
+fields peft reads. PeftModel passes forward, generate and any attribute it lacks to the model, so generate(),
+generate_batch() and the Trainer take it as they take the model.
+
+Not here yet (each raises NotImplementedError naming it): quantized base layers (QLoRA), bias other than "none",
+modules_to_save, DoRA, several adapters on one model, rank/alpha patterns and the other peft extras.
+
+Offers: LoraConfig, LoraLinear, LoraModel, PeftModel (alias PeftModelForCausalLM), get_peft_model,
+get_peft_model_state_dict, set_peft_model_state_dict.
+"""
+
+from gpuformers.lora.config import LoraConfig
+from gpuformers.lora.layers import LoraLinear, LoraModel
+from gpuformers.lora.peft_model import (
+    PeftModel,
+    PeftModelForCausalLM,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+
+__all__ = ["LoraConfig", "LoraLinear", "LoraModel", "PeftModel", "PeftModelForCausalLM", "get_peft_model",
+           "get_peft_model_state_dict", "set_peft_model_state_dict"]

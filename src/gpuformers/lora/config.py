@@ -1,0 +1,140 @@
+"""LoraConfig: the settings of a LoRA adapter, read and written as peft's adapter_config.json.
+
+Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what peft wrote with safe_serialization=False
+ALL_LINEAR = "all-linear"
+_LORA_PARTS = (".lora_A.", ".lora_B.")
+
+# peft's default targets when target_modules is None, for the model types gpuformers runs.
+_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3")}
+
+# Fields of peft's adapter_config.json that we write with peft's defaults and read back: any other value asks
+# for a feature we do not have, and loading such an adapter would silently give other outputs.
+_UNSUPPORTED_DEFAULTS = {
+    "alpha_pattern": {},
+    "rank_pattern": {},
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "exclude_modules": None,
+    "lora_bias": False,
+    "layer_replication": None,
+    "loftq_config": {},
+    "megatron_config": None,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+}
+# Fields peft writes that change nothing in the forward.
+_IGNORED_FIELDS = {"peft_version", "auto_mapping", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+
+
+@dataclass
+class LoraConfig:
+    """peft's LoraConfig for what gpuformers supports; the defaults are peft's."""
+
+    r: int = 8
+    lora_alpha: float = 8
+    target_modules: list[str] | str | None = None
+    lora_dropout: float = 0.0
+    bias: str = "none"
+    task_type: str | None = None
+    modules_to_save: list[str] | None = None
+    use_rslora: bool = False
+    init_lora_weights: bool | str = True
+    fan_in_fan_out: bool = False
+    use_dora: bool = False
+    inference_mode: bool = False
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    peft_type: str = "LORA"
+
+    def __post_init__(self):
+        self.task_type = getattr(self.task_type, "value", self.task_type)  # peft.TaskType is a str enum
+        self.peft_type = getattr(self.peft_type, "value", self.peft_type)
+        if self.peft_type != "LORA":
+            raise NotImplementedError(f"peft_type {self.peft_type!r} is not supported: gpuformers has LoRA only")
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"r={self.r!r}: the LoRA rank must be a positive integer, e.g. LoraConfig(r=8)")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)):
+            raise ValueError(f"lora_alpha={self.lora_alpha!r} must be a number, e.g. lora_alpha=16 (2 * r)")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r} must be a probability in [0, 1), e.g. 0.05")
+        if self.bias != "none":
+            if self.bias in ("all", "lora_only"):
+                raise NotImplementedError(f'bias={self.bias!r} is not supported yet (no biases are trained with '
+                                          f'LoRA in gpuformers); use bias="none"')
+            raise ValueError(f'bias={self.bias!r} is not one of peft\'s "none", "all", "lora_only"; use "none"')
+        if self.task_type not in (None, "CAUSAL_LM"):
+            raise NotImplementedError(f"task_type={self.task_type!r} is not supported: gpuformers has causal "
+                                      f"language models only; use task_type=\"CAUSAL_LM\" (or None)")
+        if self.modules_to_save:
+            raise NotImplementedError(f"modules_to_save={self.modules_to_save!r} is not supported yet: train "
+                                      f"those modules fully without LoRA, or leave modules_to_save=None")
+        if self.init_lora_weights not in (True, False, "gaussian"):
+            raise NotImplementedError(f"init_lora_weights={self.init_lora_weights!r} is not supported; use True "
+                                      f"(peft's default), False or \"gaussian\"")
+        if self.fan_in_fan_out:
+            raise NotImplementedError("fan_in_fan_out=True (GPT-2 style Conv1D weights) is not supported: "
+                                      "gpuformers' layers are nn.Linear; use fan_in_fan_out=False")
+        if self.use_dora:
+            raise NotImplementedError("use_dora=True (DoRA) is not supported yet; use plain LoRA (use_dora=False)")
+        targets = self.target_modules
+        if isinstance(targets, (set, frozenset, tuple)):
+            targets = sorted(targets)  # peft stores a set; a sorted list writes the same file every time
+            self.target_modules = targets
+        if isinstance(targets, list):
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"target_modules={targets!r} must name at least one layer, e.g. "
+                                 f"[\"q_proj\", \"v_proj\"] or \"all-linear\"")
+        elif targets is not None and not isinstance(targets, str):
+            raise ValueError(f"target_modules={targets!r} must be a list of layer names (e.g. [\"q_proj\", "
+                             f"\"v_proj\"]), a regular expression, or \"all-linear\"")
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    # --- adapter_config.json ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**_UNSUPPORTED_DEFAULTS, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoraConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key in known or key in _IGNORED_FIELDS:
+                continue
+            if key in _UNSUPPORTED_DEFAULTS and value == _UNSUPPORTED_DEFAULTS[key]:
+                continue
+            if key not in _UNSUPPORTED_DEFAULTS and value in (None, False, {}, []):
+                continue  # a peft field we do not know, left at an "off" value
+            raise NotImplementedError(f"the adapter config sets {key}={value!r}, which gpuformers' LoRA does not "
+                                      f"support yet; use an adapter trained without it")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "LoraConfig":
+        path = Path(folder) / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}: pass the folder save_pretrained() wrote")
+        return cls.from_dict(json.loads(path.read_text()))
+

@@ -1,0 +1,205 @@
+"""The LoRA layer (a frozen nn.Linear plus a low-rank update) and LoraModel, which puts it in place of a model's
+target layers.
+
+Offers: LoraLinear, LoraModel.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from gpuformers.lora.config import ALL_LINEAR, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
+
+class LoraLinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update: y = base_layer(x) + B(A(dropout(x))) * scaling."""
+
+    def __init__(self, base_layer: nn.Linear, config: LoraConfig, autocast_adapter_dtype: bool = True):
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
+        weight = base_layer.weight
+        # Like peft's autocast_adapter_dtype: half-precision bases get float32 adapters (stable AdamW updates).
+        dtype = weight.dtype
+        if autocast_adapter_dtype and dtype in (torch.float16, torch.bfloat16):
+            dtype = torch.float32
+        self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(self.in_features, config.r, bias=False, device=weight.device, dtype=dtype)
+        self.lora_B = nn.Linear(config.r, self.out_features, bias=False, device=weight.device, dtype=dtype)
+        self.merged = False
+        self.disabled = False
+        self.reset_lora_parameters(config.init_lora_weights)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, init_lora_weights: bool | str) -> None:
+        """True: A as nn.Linear's default (kaiming uniform, a=sqrt(5)), B zeros, so the model starts unchanged.
+        "gaussian": A normal with std 1/r, B zeros. False: both random (for tests; the model changes)."""
+        if init_lora_weights is False:
+            nn.init.kaiming_uniform_(self.lora_B.weight, a=math.sqrt(5))
+        else:
+            nn.init.zeros_(self.lora_B.weight)
+        if init_lora_weights == "gaussian":
+            nn.init.normal_(self.lora_A.weight, std=1 / self.r)
+        else:
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+
+    # The base layer's parameters read through the wrapper, as code written for nn.Linear expects.
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        if self.merged or self.disabled:
+            return result
+        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        # Added in the adapter's precision (float32 over a bf16 base) and rounded once, as peft does.
+        return (result + update * self.scaling).to(result.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling (out, in), in the base weight's dtype: what merging adds to the base weight."""
+        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+        return delta.to(self.base_layer.weight.dtype)
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False) -> None:
+        if self.merged:
+            return
+        delta = self.delta_weight()
+        if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
+            raise ValueError("merging this LoRA adapter gives NaN or inf weights; the adapter is broken (check its "
+                             "training), so it was not merged")
+        self.base_layer.weight.add_(delta)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            self.base_layer.weight.sub_(self.delta_weight())
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, lora_alpha={self.lora_alpha}, scaling={self.scaling:g}"
+
+
+class LoraModel(nn.Module):
+    """peft's tuner layer: holds the user's model as `.model` and swaps its target layers for LoraLinear."""
+
+    def __init__(self, model: nn.Module, config: LoraConfig, adapter_name: str = "default",
+                 autocast_adapter_dtype: bool = True, strict: bool = True):
+        super().__init__()
+        if any(isinstance(m, LoraLinear) for m in model.modules()):
+            raise ValueError("this model already has LoRA layers; call merge_and_unload() or unload() on its "
+                             "PeftModel first, or pass the model without adapters")
+        self.model = model
+        self.peft_config = {adapter_name: config}
+        self.active_adapter = adapter_name
+        _check_placement(model)
+        names = _find_targets(model, config, strict)
+        for name in names:  # every target checked before the first is replaced: an error leaves the model as it was
+            module = model.get_submodule(name)
+            if type(module) is not nn.Linear:
+                raise NotImplementedError(
+                    f"LoRA on {name} ({type(module).__name__}) is not supported: gpuformers wraps plain "
+                    f"torch.nn.Linear layers only (quantized layers, i.e. QLoRA, are not available yet); "
+                    f"choose target_modules among the model's nn.Linear layers")
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            layer = LoraLinear(model.get_submodule(name), config, autocast_adapter_dtype)
+            setattr(model.get_submodule(parent_name), child, layer)
+        # Only the adapters train (bias="none"); a frozen base stays bit-identical through training.
+        for param_name, param in model.named_parameters():
+            param.requires_grad_(not config.inference_mode and any(p in f".{param_name}" for p in _LORA_PARTS))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":  # not set yet: __init__ is still running, or the object is being unpickled
+                raise
+            return getattr(self.model, name)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def lora_layers(self) -> list[tuple[str, LoraLinear]]:
+        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoraLinear)]
+
+    def _restore(self, merge: bool, safe_merge: bool = False) -> nn.Module:
+        if merge:
+            shared = _shared_parameter_ids(self.model)
+            for name, layer in self.lora_layers():
+                if id(layer.base_layer.weight) in shared:
+                    raise ValueError(f"{name}.weight is tied to another weight (tie_word_embeddings), so merging "
+                                     f"its LoRA would change both; untie the weights first, or call unload() "
+                                     f"and keep the adapter separate")
+        for name, layer in self.lora_layers():
+            if merge:
+                layer.merge(safe_merge)
+            parent_name, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name), child, layer.base_layer)
+        return self.model
+
+
+def _check_placement(model: nn.Module) -> None:
+    # device_map's hooks stream an offloaded layer's weights in for its forward, and only the weights they saw at
+    # dispatch: adapters added afterwards would stay behind on the CPU (or the meta device, for "disk").
+    places = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
+    if "disk" in places or ("cpu" in places and len(places) > 1):
+        raise NotImplementedError(f"LoRA on a model with offloaded layers (device_map places some on "
+                                  f"{', '.join(sorted(places & {'cpu', 'disk'}))}) is not supported yet; load the "
+                                  f"model on GPUs only, or on the CPU only")
+
+
+def _shared_parameter_ids(model: nn.Module) -> set[int]:
+    seen, shared = set(), set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (shared if id(param) in seen else seen).add(id(param))
+    return shared
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if head is not None else getattr(model, "lm_head", None)
+
+
+def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[str]:
+    """The names of the modules `config.target_modules` selects, with peft's matching rules: a list entry
+    matches a module whose name is the entry or ends with "." + entry; a string is a regular expression that
+    must match the whole name; "all-linear" is every nn.Linear but the LM head (and is replaced in the config by
+    the names it found, as peft does, so the saved config names the layers)."""
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    linear_suffixes = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, nn.Linear)})
+    targets = config.target_modules
+    if targets is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in _DEFAULT_TARGETS:
+            raise ValueError(f"target_modules=None and peft has no default targets for model_type {model_type!r}; "
+                             f"pass target_modules, some of: {', '.join(linear_suffixes)} (or \"all-linear\")")
+        targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        head = _output_head(model)
+        names = [n for n, m in modules if isinstance(m, nn.Linear) and m is not head]
+        config.target_modules = sorted(names)
+        return names
+    if isinstance(targets, str):
+        names = [n for n, _ in modules if re.fullmatch(targets, n)]
+        unmatched = [] if names else [targets]
+    else:
+        names = [n for n, _ in modules if any(n == t or n.endswith("." + t) for t in targets)]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n, _ in modules)]
+    if (strict and unmatched) or not names:
+        raise ValueError(f"target_modules entry {', '.join(map(repr, unmatched))} matches no layer of "
+                         f"{type(model).__name__}; its linear layers are named {', '.join(linear_suffixes)} "
+                         f"(pass some of those, or \"all-linear\")")
+    return names
+

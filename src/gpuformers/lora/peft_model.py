@@ -1,0 +1,230 @@
+"""PeftModel: a model with its LoRA adapter, as peft's: calls and attributes pass through to the model; saving,
+loading, merging and unloading the adapter.
+
+Offers: PeftModel (alias PeftModelForCausalLM), get_peft_model, get_peft_model_state_dict,
+set_peft_model_state_dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, _LORA_PARTS, LoraConfig
+from gpuformers.lora.layers import LoraModel
+
+class PeftModel(nn.Module):
+    """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
+
+    Calls, generate() and attributes it does not have itself go to the wrapped model (get_base_model())."""
+
+    def __init__(self, model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",
+                 autocast_adapter_dtype: bool = True, _strict: bool = True):
+        super().__init__()
+        if isinstance(model, PeftModel):
+            raise ValueError("the model is already a PeftModel; call merge_and_unload() or unload() first, or "
+                             "pass the plain model")
+        if not isinstance(peft_config, LoraConfig):
+            if not callable(getattr(peft_config, "to_dict", None)):
+                raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a gpuformers LoraConfig")
+            peft_config = LoraConfig.from_dict(peft_config.to_dict())  # peft's own LoraConfig, ported as is
+        config = dataclasses.replace(peft_config)  # "all-linear" is expanded in the copy, not the caller's
+        if config.base_model_name_or_path is None:
+            name = getattr(model, "name_or_path", None)
+            config.base_model_name_or_path = str(name) if name else None
+        self.base_model = LoraModel(model, config, adapter_name, autocast_adapter_dtype, strict=_strict)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model, name)
+
+    @property
+    def peft_config(self) -> dict[str, LoraConfig]:
+        return self.base_model.peft_config
+
+    @property
+    def active_adapter(self) -> str:
+        return self.base_model.active_adapter
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model.model
+
+    @property
+    def forward(self) -> "_CallModel":
+        """Calls the wrapped model (its hooks included) and shows its signature: code that reads the arguments
+        a model accepts from `inspect.signature(model.forward)` (the Trainer's column filter) sees the model's."""
+        return _CallModel(self.get_base_model())
+
+    def generate(self, *args, **kwargs):
+        return self.get_base_model().generate(*args, **kwargs)
+
+    # --- counting --------------------------------------------------------------------------------------------
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameter counts, each shared (tied) tensor counted once, as peft counts them."""
+        trainable = total = 0
+        for _, param in self.named_parameters():
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+        return trainable, total
+
+    def print_trainable_parameters(self) -> None:
+        trainable, total = self.get_nb_trainable_parameters()
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+              f"trainable%: {100 * trainable / total:.4f}")
+
+    # --- adapters on and off ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        """Inside the block the model runs without its adapters (the base model's outputs)."""
+        layers = [layer for _, layer in self.base_model.lora_layers()]
+        previous = [layer.disabled for layer in layers]
+        for layer in layers:
+            layer.disabled = True
+        try:
+            yield
+        finally:
+            for layer, was in zip(layers, previous):
+                layer.disabled = was
+
+    def merge_adapter(self) -> None:
+        for _, layer in self.base_model.lora_layers():
+            layer.merge()
+
+    def unmerge_adapter(self) -> None:
+        for _, layer in self.base_model.lora_layers():
+            layer.unmerge()
+
+    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
+                         adapter_names: list[str] | None = None) -> nn.Module:
+        """Add each B @ A * scaling to its base weight and return the plain model (LoRA layers gone)."""
+        _check_adapter_names(self, adapter_names)
+        return self.base_model._restore(merge=True, safe_merge=safe_merge)
+
+    def unload(self) -> nn.Module:
+        """Remove the LoRA layers without merging them and return the plain model, as it was before."""
+        return self.base_model._restore(merge=False)
+
+    # --- files -----------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, safe_serialization: bool = True,
+                        selected_adapters: list[str] | None = None, state_dict: dict | None = None,
+                        is_main_process: bool = True, **kwargs) -> None:
+        """Write adapter_config.json and adapter_model.safetensors, in peft's layout. `state_dict` replaces the
+        model's own (e.g. gathered from FSDP2 shards; its LoRA entries are saved); only the main process writes."""
+        from gpuformers.loading.safetensors import write_file
+
+        if not safe_serialization:
+            raise NotImplementedError("safe_serialization=False (adapter_model.bin) is not supported; adapters "
+                                      "are saved as safetensors")
+        _check_adapter_names(self, selected_adapters)
+        if kwargs:
+            raise NotImplementedError(f"save_pretrained options not supported: {', '.join(sorted(kwargs))}")
+        if not is_main_process:
+            return
+        path = Path(save_directory)
+        if self.active_adapter != "default":  # peft's layout: a named adapter goes in a folder of its name
+            path = path / self.active_adapter
+        path.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.replace(self.peft_config[self.active_adapter], inference_mode=True)
+        config.save_pretrained(path)
+        state = get_peft_model_state_dict(self, state_dict)
+        state = {k: v.detach() for k, v in state.items()}
+        write_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, adapter_name: str = "default",
+                        is_trainable: bool = False, config: LoraConfig | None = None,
+                        autocast_adapter_dtype: bool = True, **kwargs) -> "PeftModel":
+        """Load an adapter folder (written by us or by peft, or a Hub id) onto `model`."""
+        from gpuformers.hub import HubKwargs, resolve_model_dir
+
+        hub = HubKwargs.pop_from(kwargs)
+        if kwargs:
+            raise NotImplementedError(f"from_pretrained options not supported: {', '.join(sorted(kwargs))}")
+        folder = resolve_model_dir(model_id, [CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME], hub)
+        config = dataclasses.replace(config or LoraConfig.from_pretrained(folder), inference_mode=not is_trainable)
+        peft_model = cls(model, config, adapter_name, autocast_adapter_dtype, _strict=False)
+        try:
+            set_peft_model_state_dict(peft_model, _read_adapter_weights(folder))
+        except Exception:
+            peft_model.unload()  # the caller's model back without LoRA layers
+            raise
+        if not is_trainable:
+            peft_model.eval()  # dropout off, as peft does
+        return peft_model
+
+
+PeftModelForCausalLM = PeftModel
+
+
+class _CallModel:
+    """`model(...)` with the signature of `model.forward`, computed only when someone asks for it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.model.forward)
+
+
+def _check_adapter_names(model: PeftModel, names: list[str] | None) -> None:
+    if names is not None and list(names) != [model.active_adapter]:
+        raise NotImplementedError(f"adapters {names!r}: gpuformers holds one adapter per model "
+                                  f"({model.active_adapter!r}); several adapters are not supported yet")
+
+
+def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",
+                   autocast_adapter_dtype: bool = True) -> PeftModel:
+    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B train."""
+    return PeftModel(model, peft_config, adapter_name, autocast_adapter_dtype)
+
+
+def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the keys peft saves: base_model.model.<module>.lora_A.weight, ...
+    (taken from `state_dict` when given, a state dict of the whole PeftModel)."""
+    state = model.state_dict() if state_dict is None else state_dict
+    return {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
+
+
+def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy adapter tensors (peft's saved keys) into the model's LoRA layers; every key must match exactly."""
+    own = get_peft_model_state_dict(model)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"the adapter weights do not match this model's LoRA layers: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); load the "
+                         f"adapter onto the base model it was trained on")
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if tensor.shape != own[key].shape:
+                raise ValueError(f"adapter weight {key} has shape {tuple(tensor.shape)}, the model's LoRA layer "
+                                 f"{tuple(own[key].shape)}; load the adapter onto the base model it was trained on")
+            own[key].copy_(tensor)
+
+
+def _read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from gpuformers.loading.safetensors import SafetensorsFile
+
+    if (folder / WEIGHTS_NAME).is_file():
+        with SafetensorsFile(folder / WEIGHTS_NAME) as f:
+            return {name: f.read(name) for name in f.keys()}
+    if (folder / LEGACY_WEIGHTS_NAME).is_file():
+        return torch.load(folder / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} in {folder}: pass the folder an adapter was saved to")
