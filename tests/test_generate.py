@@ -390,3 +390,34 @@ def test_cuda_graph_decode_matches_eager(models):
         model.to("cpu")
         if hasattr(model, "_compiled_decode"):
             del model._compiled_decode
+
+
+def test_dynamic_cache_writes_in_place_and_equals_concatenation():
+    """Each step writes its tokens into a buffer with room (no copy of the whole cache per step) and attention sees
+    exactly the concatenation of every step's keys and values, across growths, crops and beam reorders."""
+    torch.manual_seed(0)
+    steps = [torch.randn(2, 2, n, 8) for n in (5, 1, 1, 300, 1, 1)]
+    cache = DynamicCache()
+    buffers = []
+    for step in steps:
+        keys, values = cache.update(0, step, -step)
+        buffers.append(cache._keys[0].data_ptr())
+    expected = torch.cat(steps, dim=2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert cache.get_seq_length() == 309 and cache.key_cache[0].shape == (2, 2, 309, 8)
+    assert buffers[1] == buffers[2] and buffers[4] == buffers[5]  # one-token steps after a growth: no new buffer
+    cache.crop(6)
+    keys, _ = cache.update(0, steps[1], steps[1])
+    assert torch.equal(keys, torch.cat([expected[:, :, :6], steps[1]], dim=2))
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.key_cache[0], torch.cat([expected[:, :, :6], steps[1]], dim=2)[[1, 0]])
+
+
+def test_dynamic_cache_under_autograd_keeps_gradients():
+    first, second = torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 2, 1, 4, requires_grad=True)
+    cache = DynamicCache()
+    early, _ = cache.update(0, first, first)
+    late, _ = cache.update(0, second, second)
+    (early.sum() + late.pow(2).sum()).backward()  # an in-place write would have broken the first step's graph
+    torch.testing.assert_close(first.grad, 1 + 2 * first.detach())
+    torch.testing.assert_close(second.grad, 2 * second.detach())

@@ -5,7 +5,7 @@ things: `get_seq_length()` (tokens already stored: the next token's cache positi
 (the key length attention will see after this step, to size the mask) and `update(layer_idx, k, v)`
 (store this step's keys and values, return everything attention should see).
 
-Offers: Cache (the interface), DynamicCache (grows by concatenation), StaticCache (preallocated, written in place,
+Offers: Cache (the interface), DynamicCache (grows as needed, written in place), StaticCache (preallocated, written in place,
 fixed shapes for CUDA graphs).
 """
 
@@ -34,41 +34,76 @@ class Cache:
 
 
 class DynamicCache(Cache):
-    """Grows by concatenating each step's keys and values; the default for `generate` and `use_cache=True`."""
+    """The default for `generate` and `use_cache=True`: per layer, keys and values in a buffer that grows by half
+    again (in steps of 256 tokens) when full. Each step writes its tokens in place and attention reads a view of the
+    first `length` tokens, so a step costs its own tokens, where growing by concatenation copies the whole cache every
+    step (quadratic in the generated length). Under autograd (a cache whose keys need gradients) it concatenates,
+    since writing in place would change tensors an earlier step saved for its backward."""
+
+    _GROW_TOKENS = 256
 
     def __init__(self):
-        self.key_cache: list[torch.Tensor] = []
-        self.value_cache: list[torch.Tensor] = []
+        self._keys: list[torch.Tensor] = []  # (batch, kv_heads, capacity, head_dim)
+        self._values: list[torch.Tensor] = []
+        self._lengths: list[int] = []
+
+    @property
+    def key_cache(self) -> list[torch.Tensor]:
+        """Per layer, the stored keys (batch, kv_heads, tokens, head_dim): views of the buffers."""
+        return [k[:, :, :n] for k, n in zip(self._keys, self._lengths)]
+
+    @property
+    def value_cache(self) -> list[torch.Tensor]:
+        return [v[:, :, :n] for v, n in zip(self._values, self._lengths)]
 
     def __len__(self) -> int:
-        return len(self.key_cache)
+        return len(self._keys)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if layer_idx >= len(self.key_cache):
+        if layer_idx >= len(self._keys):
             return 0
-        return self.key_cache[layer_idx].shape[2]
+        return self._lengths[layer_idx]
 
     def update(self, layer_idx, key, value, cache_position=None):
         # cache_position is implied: new tokens always follow the stored ones.
-        if layer_idx == len(self.key_cache):
-            self.key_cache.append(key)
-            self.value_cache.append(value)
+        new = key.shape[2]
+        if layer_idx == len(self._keys):
+            self._keys.append(key)
+            self._values.append(value)
+            self._lengths.append(new)
+            return key, value
+        length = self._lengths[layer_idx]
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if torch.is_grad_enabled() and (key.requires_grad or keys.requires_grad):
+            keys = torch.cat([keys[:, :, :length], key], dim=2)
+            values = torch.cat([values[:, :, :length], value], dim=2)
         else:
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key], dim=2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value], dim=2)
-        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+            if length + new > keys.shape[2]:  # full: move to a buffer half as large again
+                step = self._GROW_TOKENS
+                capacity = -(-max(length + new, length * 3 // 2) // step) * step
+                keys, values = self._grow(keys, length, capacity), self._grow(values, length, capacity)
+            keys[:, :, length:length + new] = key
+            values[:, :, length:length + new] = value
+        self._keys[layer_idx], self._values[layer_idx] = keys, values
+        self._lengths[layer_idx] = length + new
+        return keys[:, :, :length + new], values[:, :, :length + new]
+
+    @staticmethod
+    def _grow(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+        batch, heads, _, head_dim = buffer.shape
+        grown = buffer.new_empty(batch, heads, capacity, head_dim)
+        grown[:, :, :length] = buffer[:, :, :length]
+        return grown
 
     def reorder_cache(self, beam_idx):
-        for i in range(len(self.key_cache)):
-            device = self.key_cache[i].device
-            self.key_cache[i] = self.key_cache[i].index_select(0, beam_idx.to(device))
-            self.value_cache[i] = self.value_cache[i].index_select(0, beam_idx.to(device))
+        for i in range(len(self._keys)):
+            device = self._keys[i].device
+            self._keys[i] = self._keys[i].index_select(0, beam_idx.to(device))
+            self._values[i] = self._values[i].index_select(0, beam_idx.to(device))
 
     def crop(self, max_length: int) -> None:
         """Keep only the first max_length tokens (used to roll back speculative or rejected tokens)."""
-        for i in range(len(self.key_cache)):
-            self.key_cache[i] = self.key_cache[i][:, :, :max_length]
-            self.value_cache[i] = self.value_cache[i][:, :, :max_length]
+        self._lengths = [min(n, max_length) for n in self._lengths]
 
     def to_legacy_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         return tuple(zip(self.key_cache, self.value_cache))
