@@ -22,7 +22,7 @@ too). The one host wait left in `launch` is a step that records prompt logprobs 
 
     launch N ──> launch N+1 (inputs: N's tokens, on the device) ──> collect N ──> launch N+2 ──> collect N+1 ...
 
-Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, sample_tokens, sample_on_device, PROMPT_LOGITS_ROWS.
+Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, sample_on_device, PROMPT_LOGITS_ROWS.
 """
 
 from __future__ import annotations
@@ -129,9 +129,7 @@ class ModelRunner:
             block_size=bs,
             key_caches=self.key_caches,
             value_caches=self.value_caches,
-            # The host copy of the block tables the CPU attention path reads: given, so that reading it back from
-            # the device (a sync that would wait for the step in flight) is never needed.
-            memo={"host_tables": tables},
+            block_tables_list=tables,
         )
         return as_tensor(tokens)[None], as_tensor(positions)[None], context, sample_rows
 
@@ -221,7 +219,7 @@ class ModelRunner:
         k = seq.params.prompt_logprobs
         for offset in range(0, len(rows), PROMPT_LOGITS_ROWS):
             piece = rows[offset:offset + PROMPT_LOGITS_ROWS]
-            # (piece, vocab) in float32, as sample_tokens computes the logprobs of generated tokens
+            # (piece, vocab) in float32, as sample_on_device computes the logprobs of generated tokens
             log_probs = torch.log_softmax(self.lm_head(hidden[piece.start:piece.stop]).float(), -1)
             targets = seq.prompt_ids[first + offset:first + offset + len(piece)]
             chosen = log_probs.gather(1, torch.tensor(targets, device=log_probs.device)[:, None])[:, 0]
@@ -291,10 +289,3 @@ def _to_host_samples(sequences: list[Sequence], want_logprobs: list[int], host: 
                     top[i] = list(zip(ids[row][:wanted], values[row][:wanted]))
     return [(token, logprobs.get(i)) if i not in top else (token, logprobs.get(i), top[i])
             for i, token in enumerate(host[0].tolist())]
-
-
-def sample_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> list[tuple]:
-    """logits (len(sequences), vocab) -> per sequence (token, logprob if it asked for logprobs), plus, for a
-    sequence that asked for top_logprobs=k, the k most likely (token, logprob) pairs of the same distribution."""
-    _, want_logprobs, on_device = sample_on_device(logits, sequences)
-    return _to_host_samples(sequences, want_logprobs, [t.cpu() for t in on_device])

@@ -49,6 +49,9 @@ class PagedContext:
     key_caches: list[torch.Tensor]  # per layer (num_blocks * block_size, kv_heads, head_dim)
     value_caches: list[torch.Tensor]
     max_decode_context: int | None = None  # keys gathered for the decodes; fixed when a CUDA graph replays
+    # The same as block_tables, on the host, for the CPU path. The model runner gives it, so the tables are never
+    # read back from the device (a sync that would wait for a step in flight); absent, they are, once per step.
+    block_tables_list: list[list[int]] | None = None
     # Slots and masks are the same in every layer: built by the first layer of the step, reused by the others.
     memo: dict = field(default_factory=dict)
 
@@ -150,10 +153,9 @@ def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
 def _contiguous_slots(ctx: PagedContext, i: int, ctx_len: int) -> slice | None:
     """slice(first, first + ctx_len) when sequence i's first ctx_len slots are consecutive in the cache, else None.
     The block manager places sequences so that this is the common case."""
-    tables = ctx.memo.get("host_tables")
-    if tables is None:
-        tables = ctx.memo["host_tables"] = ctx.block_tables.tolist()  # one copy per step, shared by all layers
-    blocks = tables[i][:-(-ctx_len // ctx.block_size)]
+    if ctx.block_tables_list is None:
+        ctx.block_tables_list = ctx.block_tables.tolist()  # once per step, shared by all layers
+    blocks = ctx.block_tables_list[i][:-(-ctx_len // ctx.block_size)]
     first = blocks[0]
     if blocks != list(range(first, first + len(blocks))):
         return None
