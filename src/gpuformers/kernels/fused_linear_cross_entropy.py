@@ -26,8 +26,7 @@ import triton.language as tl
 
 from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, next_power_of_2
-
-IGNORE_INDEX = -100
+from gpuformers.layers.loss import IGNORE_INDEX, shift_labels
 
 
 @triton.jit
@@ -121,11 +120,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 
 def causal_lm_loss_triton(logits, labels, num_items_in_batch=None, ignore_index: int = IGNORE_INDEX):
     """Drop-in for layers/loss.py causal_lm_loss: logits (batch, seq, vocab), labels (batch, seq) -> scalar."""
-    labels = labels.to(logits.device)
-    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    targets = shift_labels(labels.to(logits.device), ignore_index).reshape(-1)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    return cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index,
-                         num_items_in_batch)
+    return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index, num_items_in_batch)
 
 
 def fused_forward(hidden, weight, labels, scale, ignore_index: int, chunk_size: int, grad_hidden: bool,
@@ -213,8 +210,7 @@ def linear_causal_lm_loss_triton(hidden_states, weight, labels, num_items_in_bat
                                  ignore_index: int = IGNORE_INDEX):
     """layers/loss.py's linear_causal_lm_loss fused: hidden_states (batch, seq, hidden), labels (batch, seq),
     shifted by one as transformers does, then fused_linear_cross_entropy over the flattened tokens."""
-    labels = labels.to(hidden_states.device)
-    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shifted = shift_labels(labels.to(hidden_states.device), ignore_index)
     return fused_linear_cross_entropy(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
                                       shifted.reshape(-1), ignore_index, num_items_in_batch)
 

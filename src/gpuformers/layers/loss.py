@@ -20,7 +20,7 @@ is summed over the chunks (float32 rounding differs). The model uses it in train
 will not be read (`logits_not_needed()`, which the Trainer's training step sets), or with use_kernels=True (the
 Triton kernel).
 
-Offers: causal_lm_loss, linear_causal_lm_loss, logits_not_needed, logits_needed, IGNORE_INDEX.
+Offers: causal_lm_loss, linear_causal_lm_loss, shift_labels, logits_not_needed, logits_needed, IGNORE_INDEX.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def logits_needed() -> bool:
     return not _LOGITS_NOT_NEEDED.get()
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """labels (batch, seq) -> the target of each position (batch, seq): position t is scored against labels[t+1],
+    the last position against nothing (ignore_index)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
 @use_kernel_function("ForCausalLMLoss")  # use_kernels=True may route this to kernels/fused_linear_cross_entropy.py
 def causal_lm_loss(
     logits: torch.Tensor,
@@ -66,12 +72,9 @@ def causal_lm_loss(
     """logits (batch, seq, vocab), labels (batch, seq) -> scalar loss."""
     logits = logits.float()
     labels = labels.to(logits.device)
-    # (batch, seq): append one ignored label, then drop the first, so position t is scored against labels[t+1].
-    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    targets = shift_labels(labels, ignore_index).reshape(-1)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = F.cross_entropy(
-        logits.view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=ignore_index, reduction=reduction
-    )
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets, ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -96,7 +99,7 @@ def linear_causal_lm_loss(
             or not (hidden_states.dtype.is_floating_point and weight.dim() == 2)):
         return causal_lm_loss(F.linear(hidden_states, weight), labels, num_items_in_batch, ignore_index)
     labels = labels.to(hidden_states.device)
-    targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)  # (tokens,): position t -> label t+1
+    targets = shift_labels(labels, ignore_index).reshape(-1)  # (tokens,)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (tokens, hidden)
     if num_items_in_batch is None:  # a mean over the targets (0/0 = nan when there are none, as cross_entropy)
         divisor = (targets != ignore_index).sum()

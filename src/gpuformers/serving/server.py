@@ -473,6 +473,10 @@ class _Job:
                 top_dicts.append(alternatives)
         return {"tokens": strings, "token_logprobs": values, "top_logprobs": top_dicts, "text_offset": offsets}
 
+    def _echo_text(self) -> str:
+        """The prompt as echo returns it: as the client sent it, or decoded when it sent token ids."""
+        return self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
+
     def _echoed_logprobs(self, completion: dict) -> dict:
         """The prompt's logprobs object (scored by choice 0's engine request) followed by the completion's."""
         first = self.choices[0]
@@ -496,9 +500,7 @@ class _Job:
                 choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                                 "logprobs": self._logprobs(choice), "finish_reason": choice.finish_reason})
             else:
-                prefix = ""
-                if self.parsed.echo:
-                    prefix = self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
+                prefix = self._echo_text() if self.parsed.echo else ""
                 logprobs = self._logprobs(choice, offset=len(prefix))
                 if self.parsed.echo and logprobs is not None:
                     logprobs = self._echoed_logprobs(logprobs)
@@ -531,7 +533,7 @@ class _Job:
                 for index in range(self.parsed.n):
                     yield self._chunk(index, None, None, role=True)
             elif self.parsed.echo:  # the prompt is each choice's first text chunk
-                prompt = self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
+                prompt = self._echo_text()
                 for index in range(self.parsed.n):
                     yield self._chunk(index, prompt, None)
             while not all(c.finished for c in self.choices):
