@@ -14,7 +14,8 @@ rename is atomic, so a crash at any moment leaves either no checkpoint-N or a co
 torch.load(weights_only=True) only, so a checkpoint cannot run code.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
-rotate_checkpoints, load_model_weights_in_place, capture_rng_state, restore_rng_state, CHECKPOINT_PREFIX.
+rotate_checkpoints, load_model_weights_in_place, load_optimizer_state, capture_rng_state, restore_rng_state,
+CHECKPOINT_PREFIX.
 """
 
 from __future__ import annotations
@@ -205,13 +206,17 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
                                 f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
     if model is not None:
         load_model_weights_in_place(model, folder)
-    if optimizer is not None and (folder / OPTIMIZER_NAME).is_file():
-        optimizer.load_state_dict(_load(folder / OPTIMIZER_NAME))
+    if optimizer is not None and (state := load_optimizer_state(folder)) is not None:
+        optimizer.load_state_dict(state)
     if scheduler is not None and (folder / SCHEDULER_NAME).is_file():
         scheduler.load_state_dict(_load(folder / SCHEDULER_NAME))
     if scaler is not None and (folder / SCALER_NAME).is_file():
         scaler.load_state_dict(_load(folder / SCALER_NAME))
     rng = _load(folder / RNG_NAME) if (folder / RNG_NAME).is_file() else None
-    optimizer_path = folder / OPTIMIZER_NAME
-    return {"state_path": folder / STATE_NAME, "rng": rng,
-            "optimizer_state": (lambda: _load(optimizer_path)) if optimizer_path.is_file() else None}
+    return {"state_path": folder / STATE_NAME, "rng": rng}
+
+
+def load_optimizer_state(checkpoint: str | os.PathLike) -> dict | None:
+    """The optimizer state a checkpoint holds (None when it was saved without one, save_only_model)."""
+    path = Path(checkpoint) / OPTIMIZER_NAME
+    return _load(path) if path.is_file() else None

@@ -302,8 +302,9 @@ class Trainer:
             loaded = ckpt.load_training_state(resume_from_checkpoint, model=None if fsdp else self.model,
                                               optimizer=None if fsdp else self.optimizer,
                                               scheduler=self.lr_scheduler, scaler=self.scaler)
-            if fsdp and loaded["optimizer_state"] is not None:  # every process reads the whole state, keeps its shard
-                distributed.load_full_optimizer_state_dict(self.model, self.optimizer, loaded["optimizer_state"]())
+            if fsdp and (state := ckpt.load_optimizer_state(resume_from_checkpoint)) is not None:
+                # every process reads the whole state and keeps its shard
+                distributed.load_full_optimizer_state_dict(self.model, self.optimizer, state)
             saved = cb.TrainerState.load_from_json(loaded["state_path"])
             self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
             self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
