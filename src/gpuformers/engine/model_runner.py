@@ -34,6 +34,7 @@ import torch
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.scheduler import ScheduledBatch
 from gpuformers.engine.sequence import Sequence
+from gpuformers.generation.generate import greedy_tokens
 
 # Prompt logits are computed this many rows at a time: (rows, vocab) in float32 is ~150 MB for a 150k vocabulary.
 PROMPT_LOGITS_ROWS = 256
@@ -250,7 +251,7 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[t
     (tokens (len(sequences),) int64, the rows that asked for logprobs, [tokens, and for those rows: logprobs
     (rows,), and with top_logprobs the k most likely logprobs (rows, k) and token ids (rows, k)])."""
     logits = logits.float()
-    tokens = logits.argmax(-1)  # greedy rows: one call for all of them
+    tokens = greedy_tokens(logits)  # greedy rows: one call for all of them
     scores = logits
     sampled = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
     if sampled:
