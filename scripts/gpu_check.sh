@@ -3,10 +3,10 @@
 # written under $OUT. Run from the repository root of a checkout where torch, triton, transformers, peft and
 # safetensors are already installed; it never installs anything and needs no network.
 #
-#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~12 minutes)
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~13 minutes)
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 # A device call lasts at most 10 minutes: run it as two calls, `tests kernels generate` (<= 6.5 min) and
-# `engine load serving` (<= 5 min).
+# `engine load serving quant` (<= 6 min).
 #
 # Steps, in order, with their time boxes (seconds):
 #   tests     pytest -m gpu tests/kernels, then the other gpu tests (120 + 100)  pytest_gpu_kernels.txt,
@@ -17,6 +17,8 @@
 #             (ours with and without CUDA graphs and async batching, and transformers' generate_batch)
 #   load      benchmarks/bench_load.py --device cuda --repeats 1   (50)   bench_load.txt
 #   serving   benchmarks/bench_serving.py --gpu, 64 then 256 clients (60 + 80)  bench_serving_64.txt, _256.txt
+#   quant     benchmarks/bench_quant.py on cuda, bf16, --big       (60)   bench_quant.txt
+#             (bitsandbytes rows only where the package is installed)
 # env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
 # Exit status: 0 when every step passed, else the first failing step's status.
 set -uo pipefail
@@ -30,7 +32,7 @@ unset TRITON_INTERPRET  # real kernels on the GPU, never the interpreter
 export PYTHONDONTWRITEBYTECODE=1 TQDM_DISABLE=1
 
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load serving)
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load serving quant)
 
 {
     date -u
@@ -79,7 +81,9 @@ for step in "${steps[@]}"; do
             run_step serving-64 60 bench_serving_64.txt python benchmarks/bench_serving.py --gpu --clients 64 --rounds 2
             run_step serving-256 80 bench_serving_256.txt \
                 python benchmarks/bench_serving.py --gpu --clients 256 --rounds 2 ;;
-        *) echo "unknown step ${step}; steps: tests kernels generate engine load serving" >&2; exit 2 ;;
+        quant) run_step quant 60 bench_quant.txt \
+            python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
+        *) echo "unknown step ${step}; steps: tests kernels generate engine load serving quant" >&2; exit 2 ;;
     esac
 done
 

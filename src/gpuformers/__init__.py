@@ -37,6 +37,8 @@ _LAZY = {
     "LoraConfig": "gpuformers.lora",
     "get_peft_model": "gpuformers.lora",
     "PeftModel": "gpuformers.lora",
+    "BitsAndBytesConfig": "gpuformers.quantization.config",
+    "WeightOnlyConfig": "gpuformers.quantization.config",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -9,7 +9,8 @@ package, so a fresh machine with no network can answer a question:
 
 --model takes a Hub id, a checkpoint folder or a .gguf file. Replies stream as they are generated.
 
-Offers: add_generate_arguments, run_generate, add_chat_arguments, run_chat, load_model_and_tokenizer.
+Offers: add_generate_arguments, run_generate, add_chat_arguments, run_chat, load_model_and_tokenizer,
+add_quantization_argument, quantization_config_for.
 """
 
 from __future__ import annotations
@@ -25,12 +26,39 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hub id, checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    add_quantization_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 decodes greedily (the default); above 0 samples at that temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="a system message to put before the conversation")
+
+
+QUANTIZATION_CHOICES = ("bnb-4bit", "bnb-8bit", "int8", "int4")
+
+
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                        help="quantize the linear layers while loading: bnb-4bit (NF4) / bnb-8bit (bitsandbytes), "
+                             "int8 / int4 (weight-only; int4 in groups of 128 columns, or 64 / 32 where 128 does not fit); default: none")
+
+
+def quantization_config_for(choice: str | None, dtype: str, device: str):
+    """A --quantization choice -> the config from_pretrained takes (None for none)."""
+    if choice is None:
+        return None
+    from gpuformers.quantization.config import BitsAndBytesConfig, WeightOnlyConfig
+
+    if choice == "int8":
+        return WeightOnlyConfig(bits=8)
+    if choice == "int4":
+        return WeightOnlyConfig(bits=4)
+    if choice == "bnb-8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    # NF4 computing in the model's dtype (bfloat16 on a GPU when --dtype is auto), not bitsandbytes' float32 default
+    compute = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +75,8 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="Bearer token for --url (default: $OPENAI_API_KEY)")
 
 
-def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str | None = None):
+def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str | None = None,
+                             quantization: str | None = None):
     import torch
 
     from gpuformers.models.auto import AutoModelForCausalLM, AutoTokenizer
@@ -63,7 +92,11 @@ def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str
         folder, kwargs = path.parent, {"gguf_file": path.name}
     else:
         folder, kwargs = model, {}
+    config = quantization_config_for(quantization, dtype, device)
+    if config is not None:
+        kwargs["quantization_config"] = config
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, **kwargs)
+    kwargs.pop("quantization_config", None)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     return lm, tokenizer
 
@@ -101,7 +134,7 @@ def run_generate(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
     if args.raw or not tokenizer.chat_template:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
@@ -121,7 +154,7 @@ def run_chat(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
     if not tokenizer.chat_template:
         print("this model's tokenizer has no chat template; use `gpuformers generate --raw` instead", file=sys.stderr)
         return 2

@@ -24,7 +24,6 @@ from gpuformers.models.registry import model_class_for
 logger = logging.getLogger(__name__)
 
 _NOT_YET = {
-    "quantization_config": "quantization_config (bitsandbytes / weight-only quantization)",
     "tp_plan": "tp_plan (tensor parallelism)",
     "tp_size": "tp_size (tensor parallelism)",
 }
@@ -139,6 +138,7 @@ def load_pretrained(
     kernel_config=None,
     max_memory: dict | None = None,
     offload_folder: str | os.PathLike | None = None,
+    quantization_config=None,
     **kwargs,
 ):
     from gpuformers.device import parse_dtype, resolve_dtype
@@ -163,6 +163,8 @@ def load_pretrained(
                                       'pass one device, e.g. device_map="cuda"')
         model = _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
                            progress)
+        if quantization_config is not None:  # GGUF weights are dequantized on load: quantize them after
+            model.quantization_config = _quantize(model, model.config, quantization_config, model.dtype, loaded=True)
         return _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
 
     folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
@@ -178,6 +180,7 @@ def load_pretrained(
 
     with torch.device("meta"), skip_init():
         model = cls(config)
+    quantization = _quantize(model, config, quantization_config, dtype)
     plan = offload = None
     if not isinstance(device, torch.device):  # several devices: plan, load each tensor where planned, then hook
         from gpuformers.loading.device_map import dispatch_model, main_device, prepare_device_map
@@ -188,12 +191,33 @@ def load_pretrained(
     info = load_weights(model, files, dtype=dtype, device=plan or device, offload=offload, tied=model.tied_weights,
                         progress=progress)
     model = _finish(model, device, attn_implementation, str(name_or_path))
+    model.quantization_config = quantization
     if plan is not None:
         dispatch_model(model, plan, offload)
         model.hf_device_map = plan
     model.generation_config = _generation_config(folder / "generation_config.json", config)
     _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
     return (model, info) if output_loading_info else model
+
+
+def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded: bool = False):
+    """Swap the model's linear layers for quantized ones before loading, when asked by the caller or by the
+    checkpoint's config.json (a pre-quantized checkpoint, whose settings then win, as in transformers)."""
+    from gpuformers.quantization.config import quantization_config_from, quantize_linear_layers
+
+    stored = config.extra.get("quantization_config")
+    if stored is not None:
+        if requested is not None:
+            logger.warning("the checkpoint is already quantized (config.json has a quantization_config): its "
+                           "settings are used and the quantization_config passed to from_pretrained is ignored")
+        requested = stored
+    if requested is None:
+        return None
+    quantization = quantization_config_from(requested)
+    swapped = quantize_linear_layers(model, quantization, dtype, loaded=loaded)
+    logger.info("quantizing %d linear layers with %s", len(swapped), quantization.quant_method)
+    config.extra["quantization_config"] = quantization.to_dict()  # save_pretrained writes it back
+    return quantization
 
 
 def _pick_class(model_class, config: ModelConfig):

@@ -52,6 +52,11 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
         self.attn_implementation = "sdpa"
         self.generation_config = None
         self.name_or_path = ""
+        self.quantization_config = None  # a BitsAndBytesConfig / WeightOnlyConfig when loaded quantized
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantization_config is not None
 
     # --- loading and saving ---------------------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send and /v1/models lists (default: MODEL as given)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    from gpuformers.generation.cli import add_quantization_argument
+
+    add_quantization_argument(parser)
     parser.add_argument("--attn-implementation", default=None, choices=("sdpa", "eager"),
                         help="attention kernel under the paged cache (default: sdpa)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -59,7 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from gpuformers.generation.cli import load_model_and_tokenizer
     from gpuformers.serving.server import run_server
 
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
     config = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,

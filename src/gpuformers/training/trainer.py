@@ -87,6 +87,10 @@ class Trainer:
         if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
             raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                       "model on one device for now: load it with device_map=None or one device")
+        if getattr(model, "is_quantized", False):
+            raise NotImplementedError("training a quantized model is not supported: its linear layers cannot be "
+                                      "trained, and LoRA adapters on quantized layers (QLoRA) are not available "
+                                      "yet; train the model loaded without quantization_config")
         self.model = model.to(self.args.device)
         if self.args.gradient_checkpointing:
             _enable_gradient_checkpointing(self.model)
