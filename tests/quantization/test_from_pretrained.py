@@ -176,7 +176,7 @@ def test_trainer_refuses_a_quantized_model(checkpoint):
 
     folder, _ = checkpoint
     model = _load(folder, quantization_config=WeightOnlyConfig(bits=8))
-    with pytest.raises(NotImplementedError, match="training a quantized model"):
+    with pytest.raises(ValueError, match="attach LoRA adapters"):
         Trainer(model=model, args=TrainingArguments(output_dir="unused"))
 
 

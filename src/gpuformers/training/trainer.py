@@ -87,10 +87,10 @@ class Trainer:
         if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
             raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                       "model on one device for now: load it with device_map=None or one device")
-        if getattr(model, "is_quantized", False):
-            raise NotImplementedError("training a quantized model is not supported: its linear layers cannot be "
-                                      "trained, and LoRA adapters on quantized layers (QLoRA) are not available "
-                                      "yet; train the model loaded without quantization_config")
+        if getattr(model, "is_quantized", False) and not _has_lora(model):
+            raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
+                             "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
+                             "without quantization_config")
         self.model = model.to(self.args.device)
         if self.args.gradient_checkpointing:
             _enable_gradient_checkpointing(self.model)
@@ -542,3 +542,9 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         forward = layer.forward
         layer.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
         layer._checkpointed = True
+
+
+def _has_lora(model) -> bool:
+    from gpuformers.lora.layers import LoraLinear
+
+    return any(isinstance(m, LoraLinear) for m in model.modules())
