@@ -17,10 +17,18 @@ from gpuformers.training import Trainer, TrainerCallback
 from tests.training.helpers import make_rows, tiny_args
 
 ROWS = dict(count=24, seed=3)
-EVAL_ROWS = dict(count=6, seed=9)
+EVAL_ROWS = dict(count=7, seed=9)  # odd: one process gets a padding row, which must not count
 DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
                         save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
-                        max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
+                        max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+
+
+class CountEvalBatches(TrainerCallback):
+    def __init__(self):
+        self.count = 0
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.count += 1
 
 
 class StopAt(TrainerCallback):
@@ -44,11 +52,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False)
     extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {}
+    eval_batches = CountEvalBatches()
     trainer = Trainer(model, tiny_args(args.output_dir, **DISTRIBUTED_ARGS, **extra, max_steps=args.max_steps,
                                        use_cpu=True),
-                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), callbacks=[StopAt(args.stop_at)] if args.stop_at else None)
+                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS),
+                      callbacks=[eval_batches] + ([StopAt(args.stop_at)] if args.stop_at else []))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(Path(args.output_dir) / "final")
+    (Path(args.output_dir) / f"eval_batches_{trainer.args.process_index}.json").write_text(str(eval_batches.count))
     if trainer.args.process_index == 0:
         losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
         losses.update({f"eval{e['step']}": e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e})

@@ -53,9 +53,11 @@ def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process,
     logged = json.loads((tmp_path / "losses.json").read_text())
     expected_losses, expected_weights = single_process
     evals = {k: v for k, v in logged.items() if k.startswith("eval")}
-    assert sorted(evals) == ["eval3", "eval6"]  # evaluation mid-run, every process on the whole eval set
+    assert sorted(evals) == ["eval3", "eval6"]  # evaluation mid-run: the loss of the whole eval set ...
     for key, value in evals.items():
         assert value == pytest.approx(expected_losses[key], rel=1e-5)
+    # ... with each process scoring half of it: 7 rows -> 4 per process (one padding row), batches of 2, twice
+    assert [int((tmp_path / f"eval_batches_{rank}.json").read_text()) for rank in (0, 1)] == [4, 4]
     losses = {int(k): v for k, v in logged.items() if not k.startswith("eval")}
     assert sorted(losses) == list(range(1, 7))
     for step, (loss, grad_norm) in losses.items():

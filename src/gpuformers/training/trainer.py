@@ -437,8 +437,14 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         loss_sum, count, logits, labels = 0.0, 0, [], []
-        loader = self._loader(dataset, self._batches(dataset, self.args.eval_batch_size, 0, shuffle=False))
-        for batch in loader:
+        # Under torchrun each process scores its share of the rows and the sums are added up; logits (for
+        # compute_metrics and predict) are not gathered yet, so then every process runs the whole set.
+        split = self.args.world_size > 1 and not keep_logits
+        batches, padding = self._eval_batches(dataset, split)
+        for index, batch in enumerate(self._loader(dataset, batches)):
+            if index in padding:  # rows repeated only to give every process as many batches: no targets
+                batch["labels"] = batch["labels"].clone()
+                batch["labels"][padding[index]] = IGNORE_INDEX
             targets = self._count_targets(batch)
             inputs = self._prepare_inputs(batch)
             with self._autocast():
@@ -453,7 +459,27 @@ class Trainer:
                 labels.append(batch.get("labels"))
             self.control = self._call("on_prediction_step")
         self.model.train(was_training)
+        if split:
+            loss_sum = float(distributed.all_reduce_sum(loss_sum, self.args.device))
+            count = int(distributed.all_reduce_sum(count, self.args.device))
         return (loss_sum / count if count else float("nan")), logits, labels
+
+    def _eval_batches(self, dataset, split: bool) -> tuple[list[list[int]], dict[int, list[int]]]:
+        """Evaluation batches of this process, in order, and {batch index: rows that are padding}. Split, process
+        r takes rows r, r + world, ...; the row count is rounded up to a multiple of the world size by repeating
+        the first rows, so that every process runs as many forwards (FSDP gathers weights in each)."""
+        if not split:
+            return self._batches(dataset, self.args.eval_batch_size, 0, shuffle=False), {}
+        n, world, size = len(dataset), self.args.world_size, self.args.eval_batch_size
+        positions = list(range(self.args.process_index, n + (-n) % world, world))
+        batches, padding = [], {}
+        for start in range(0, len(positions), size):
+            chunk = positions[start:start + size]
+            batches.append([p % n for p in chunk])
+            pads = [i for i, p in enumerate(chunk) if p >= n]
+            if pads:
+                padding[len(batches) - 1] = pads
+        return batches, padding
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
