@@ -34,6 +34,15 @@ def test_generate_answers_on_the_default_model():
 
 
 @pytest.mark.slow
+def test_generate_with_int4_weights_still_answers():
+    # SmolLM2's hidden size 576 takes int4 groups of 64 (128 does not divide it)
+    _default_model_or_skip()
+    out = _run(["generate", "What is the capital of France?", "--max-new-tokens", "12", "--quantization", "int4"])
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+@pytest.mark.slow
 def test_chat_keeps_history_and_clears_it():
     path = _default_model_or_skip()
     script = "What is the capital of France?\n/clear\n/exit\n"
