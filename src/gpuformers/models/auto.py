@@ -23,10 +23,6 @@ from gpuformers.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
 
-_NOT_YET = {
-    "tp_plan": "tp_plan (tensor parallelism)",
-    "tp_size": "tp_size (tensor parallelism)",
-}
 _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
@@ -139,14 +135,12 @@ def load_pretrained(
     max_memory: dict | None = None,
     offload_folder: str | os.PathLike | None = None,
     quantization_config=None,
+    tp_plan=None,
+    tp_size: int | None = None,
     **kwargs,
 ):
     from gpuformers.device import parse_dtype, resolve_dtype
 
-    for name, feature in _NOT_YET.items():
-        value = kwargs.pop(name, None)
-        if value not in (None, False):
-            raise NotImplementedError(f"{feature} is not implemented yet in gpuformers")
     if kwargs:
         raise TypeError(f"from_pretrained() got unexpected arguments: {', '.join(sorted(kwargs))}")
     if trust_remote_code:
@@ -154,6 +148,8 @@ def load_pretrained(
     if torch_dtype is not None:  # the old name
         dtype = torch_dtype
     dtype = parse_dtype(dtype)
+    if tp_plan is not None or tp_size is not None:
+        device_map = _tensor_parallel_device(tp_plan, device_map, gguf_file)
     device = _resolve_device_map(device_map)
     hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
@@ -196,8 +192,31 @@ def load_pretrained(
         dispatch_model(model, plan, offload)
         model.hf_device_map = plan
     model.generation_config = _generation_config(folder / "generation_config.json", config)
+    if tp_plan is not None:
+        from gpuformers.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_plan, tp_size)
     _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
     return (model, info) if output_loading_info else model
+
+
+def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
+    """The device a tensor-parallel process loads on (its own GPU, else the CPU), with the process group joined."""
+    from gpuformers import distributed
+
+    if tp_plan is None:
+        raise ValueError('tp_size is only used with tp_plan; pass tp_plan="auto" too')
+    if device_map is not None:
+        raise ValueError("tp_plan and device_map cannot be combined: with tp_plan each process loads on its own "
+                         "device (cuda:LOCAL_RANK, or the CPU); drop device_map")
+    if gguf_file is not None:
+        raise NotImplementedError("tp_plan with a GGUF file is not supported; load a safetensors checkpoint")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        device = torch.device("cpu")
+    distributed.init_distributed(device)
+    return device
 
 
 def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded: bool = False):

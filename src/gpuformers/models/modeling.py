@@ -73,6 +73,9 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
         generation_config.json in the format transformers reads. `state_dict` replaces the model's own (e.g. the
         gathered weights of a model sharded by FSDP2)."""
         from gpuformers.loading.save import save_checkpoint
+        from gpuformers.tensor_parallel import refuse
+
+        refuse(self, "save_pretrained")
 
         generation = self.generation_config.to_dict() if self.generation_config is not None else None
         save_checkpoint(

@@ -87,6 +87,9 @@ class Trainer:
         if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
             raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                       "model on one device for now: load it with device_map=None or one device")
+        from gpuformers.tensor_parallel import refuse
+
+        refuse(model, "training")
         if getattr(model, "is_quantized", False) and not _has_lora(model):
             raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
                              "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "

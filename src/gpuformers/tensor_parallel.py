@@ -1,0 +1,113 @@
+"""Tensor parallelism for inference under torchrun: each process holds a slice of every decoder layer's weights.
+
+    torchrun --nproc_per_node=2 script.py      with   from_pretrained(model_id, tp_plan="auto")
+
+The llama family's plan (the one transformers writes for these models), over one mesh of all the processes:
+
+    q_proj, k_proj, v_proj, gate_proj, up_proj    "colwise": output features split, each process computes its
+                                                  own attention heads and its own part of the MLP's hidden layer
+    o_proj, down_proj                             "rowwise": input features split, partial outputs summed (one
+                                                  all-reduce per attention and one per MLP)
+    embeddings, norms, lm_head                    whole in every process (every process gets the full logits)
+
+The decoder code does not change: a layer's heads are read from the width of its local q/k/v output, so each
+process attends over num_attention_heads / tp_size heads and num_key_value_heads / tp_size key-value heads, and its
+KV cache holds only those. Every process runs the same generate() on the same input and gets the same tokens.
+
+What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
+parallel inside data parallel), training a tensor-parallel model, the continuous batching engine on one, saving one,
+and quantized or LoRA layers in one. Each process first loads the whole checkpoint, then keeps its slice.
+
+Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+TP_STYLES = ("colwise", "rowwise")
+LLAMA_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    return getattr(model, "tp_size", 1) > 1
+
+
+def check_tp_size(config, tp_size: int) -> None:
+    """Heads and the MLP's hidden width must split evenly over tp_size processes."""
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size}
+    uneven = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
+    if uneven:
+        raise ValueError(f"tensor parallelism over {tp_size} processes needs {', '.join(uneven)} to be divisible by "
+                         f"{tp_size}; run with a number of processes that divides them")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None = None):
+    """Split `model`'s decoder layers over the processes (see the module doc); returns the device mesh.
+
+    tp_plan: "auto" (the llama family's plan above) or a dict module-name pattern (fnmatch, "*" for a layer index)
+    -> "colwise" | "rowwise". Needs the process group (torchrun; distributed.init_distributed)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tensor parallelism needs several processes: start the script with torchrun "
+                           "(torchrun --nproc_per_node=N script.py)")
+    world = dist.get_world_size()
+    tp_size = world if tp_size is None else tp_size
+    if tp_size != world:
+        raise NotImplementedError(f"tp_size={tp_size} with {world} processes (tensor parallel inside data parallel) "
+                                  f"is not supported yet: use tp_size={world}, one slice per process")
+    plan = _resolve_plan(model, tp_plan)
+    check_tp_size(model.config, tp_size)
+    for name in plan:
+        layer = model.get_submodule(name)
+        if type(layer) is not nn.Linear:
+            raise NotImplementedError(f"tensor parallelism over {name} ({type(layer).__name__}) is not supported: "
+                                      "only plain nn.Linear layers are split (no quantized or LoRA layers yet)")
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (tp_size,))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+    model.tp_size, model.tp_plan, model.device_mesh = tp_size, plan, mesh
+    return mesh
+
+
+def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
+    """The plan as {module name: style}, every pattern matched by at least one nn module."""
+    if tp_plan == "auto":
+        tp_plan = LLAMA_TP_PLAN
+    if not isinstance(tp_plan, dict):
+        raise ValueError(f'tp_plan={tp_plan!r}: pass "auto" or a dict of module-name patterns -> "colwise" / '
+                         f'"rowwise"')
+    names = [name for name, _ in model.named_modules()]
+    plan = {}
+    for pattern, style in tp_plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {TP_STYLES}")
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
+                             f"(module names look like model.layers.0.self_attn.q_proj)")
+        plan.update(dict.fromkeys(matched, style))
+    return plan
+
+
+def refuse(model: nn.Module, feature: str) -> None:
+    """NotImplementedError naming `feature` for a tensor-parallel model."""
+    if is_tensor_parallel(model):
+        raise NotImplementedError(f"{feature} on a tensor-parallel model (tp_plan) is not supported yet; load the "
+                                  "model without tp_plan for it")
+

@@ -1,0 +1,81 @@
+"""Tensor parallelism (tp_plan="auto") under torchrun on the CPU (gloo, 2 processes): the same logits and greedy
+tokens as the model loaded whole, each process holding half of every split layer; and the errors a user can meet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuformers.tensor_parallel import _resolve_plan, apply_tensor_parallel, check_tp_size
+from tests.fixtures.checkpoints import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])  # qwen2: q/k/v biases, split with their layers
+def test_two_processes_match_the_whole_model(model_type, tmp_path):
+    config = make_checkpoint(tmp_path / "ckpt", model_type).config
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "tests.tp_worker", str(tmp_path / "ckpt"), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
+    assert result["tokens_equal"] and result["batch_tokens_equal"]
+    # half of each split dimension per process: 2 of the 4 query heads, 1 of the 2 kv heads, 48 of 96 MLP units
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv, mlp = 2 * head_dim, 1 * head_dim, config.intermediate_size // 2
+    assert result["local_shapes"] == {"q_proj": [q, hidden], "k_proj": [kv, hidden], "o_proj": [hidden, q],
+                                      "gate_proj": [mlp, hidden], "down_proj": [hidden, mlp]}
+    assert len(result["refused"]) == 2
+    assert "continuous batching engine" in result["refused"][0] and "save_pretrained" in result["refused"][1]
+
+
+def test_heads_must_split_evenly():
+    from gpuformers.models.config import ModelConfig
+
+    config = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 128,
+                                    "num_hidden_layers": 1})
+    check_tp_size(config, 2)
+    with pytest.raises(ValueError, match="num_attention_heads=4, num_key_value_heads=2 to be divisible by 3"):
+        check_tp_size(config, 3)
+
+
+def test_plan_errors_name_the_pattern(tmp_path):
+    from gpuformers import AutoModelForCausalLM
+
+    make_checkpoint(tmp_path, "llama")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, progress=False)
+    assert _resolve_plan(model, "auto")["model.layers.1.mlp.down_proj"] == "rowwise"
+    with pytest.raises(ValueError, match="'diagonal' is not one of"):
+        _resolve_plan(model, {"model.layers.*.mlp.up_proj": "diagonal"})
+    with pytest.raises(ValueError, match="matches no module"):
+        _resolve_plan(model, {"model.layers.*.attn.qkv": "colwise"})
+    with pytest.raises(ValueError, match='pass "auto" or a dict'):
+        _resolve_plan(model, "sequence")
+    with pytest.raises(RuntimeError, match="start the script with torchrun"):
+        apply_tensor_parallel(model)  # one process, no group
+
+
+def test_from_pretrained_arguments_are_checked(tmp_path, monkeypatch):
+    from gpuformers import AutoModelForCausalLM
+
+    make_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match="tp_size is only used with tp_plan"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, tp_size=2, progress=False)
+    with pytest.raises(ValueError, match="tp_plan and device_map cannot be combined"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, tp_plan="auto", device_map="cpu", progress=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, tp_plan="auto", dtype=torch.float32, progress=False)
