@@ -37,6 +37,7 @@ _LAZY = {
     "LoraConfig": "gpuformers.lora",
     "get_peft_model": "gpuformers.lora",
     "PeftModel": "gpuformers.lora",
+    "prepare_model_for_kbit_training": "gpuformers.lora",
     "BitsAndBytesConfig": "gpuformers.quantization.config",
     "WeightOnlyConfig": "gpuformers.quantization.config",
 }

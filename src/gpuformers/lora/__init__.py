@@ -1,6 +1,7 @@
 """LoRA adapters in the PEFT format (config.py, layers.py, peft_model.py): the `peft` library's names, config file and weight keys, without peft.
 
-Each target nn.Linear is wrapped in a LoraLinear that adds a low-rank update to its output:
+Each target linear layer (an nn.Linear, or for QLoRA a quantized one: bitsandbytes 4-bit / 8-bit,
+WeightOnlyLinear) is wrapped in a LoraLinear that adds a low-rank update to its output:
 
     x ──> base_layer (frozen W, b) ───────────────────────────────────────> + ──> y
     └──> lora_dropout ──> lora_A (r, in) ──> lora_B (out, r) ──> * scaling ─┘
@@ -12,13 +13,14 @@ LoRA parameter's name is `base_model.model.<module>.lora_A.weight`, which is the
 adapter_model.safetensors (peft drops its adapter name, "default", from the saved key; we have one adapter and
 never put it in). An adapter saved here loads in peft and the other way round; adapter_config.json carries the
 fields peft reads. PeftModel passes forward, generate and any attribute it lacks to the model, so generate(),
-generate_batch() and the Trainer take it as they take the model.
+generate_batch() and the Trainer take it as they take the model. prepare_model_for_kbit_training readies a
+quantized model for QLoRA as peft's does; adapters trained over quantized layers are the same files.
 
-Not here yet (each raises NotImplementedError naming it): quantized base layers (QLoRA), bias other than "none",
-modules_to_save, DoRA, several adapters on one model, rank/alpha patterns and the other peft extras.
+Not here yet (each raises NotImplementedError naming it): bias other than "none", modules_to_save, DoRA, several
+adapters on one model, rank/alpha patterns and the other peft extras.
 
 Offers: LoraConfig, LoraLinear, LoraModel, PeftModel (alias PeftModelForCausalLM), get_peft_model,
-get_peft_model_state_dict, set_peft_model_state_dict.
+get_peft_model_state_dict, set_peft_model_state_dict, prepare_model_for_kbit_training.
 """
 
 from gpuformers.lora.config import LoraConfig
@@ -28,8 +30,9 @@ from gpuformers.lora.peft_model import (
     PeftModelForCausalLM,
     get_peft_model,
     get_peft_model_state_dict,
+    prepare_model_for_kbit_training,
     set_peft_model_state_dict,
 )
 
 __all__ = ["LoraConfig", "LoraLinear", "LoraModel", "PeftModel", "PeftModelForCausalLM", "get_peft_model",
-           "get_peft_model_state_dict", "set_peft_model_state_dict"]
+           "get_peft_model_state_dict", "prepare_model_for_kbit_training", "set_peft_model_state_dict"]

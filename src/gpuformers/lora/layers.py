@@ -1,35 +1,79 @@
-"""The LoRA layer (a frozen nn.Linear plus a low-rank update) and LoraModel, which puts it in place of a model's
+"""The LoRA layer (a frozen linear layer plus a low-rank update) and LoraModel, which puts it in place of a model's
 target layers.
 
-Offers: LoraLinear, LoraModel.
+The frozen layer is an nn.Linear or, for QLoRA, a quantized linear layer (bitsandbytes 4-bit / 8-bit,
+WeightOnlyLinear). Over a quantized layer the LoRA layer does what peft's bitsandbytes LoRA layers do:
+
+    adapters' dtype   the 4-bit layer's compute dtype, a WeightOnlyLinear's compute dtype, torch's default dtype
+                      over an int8 bitsandbytes weight; float32 instead of float16 / bfloat16 (autocast_adapter_dtype)
+    forward           base_layer(x) + (B(A(dropout(x in the adapters' dtype))) * scaling in the output's dtype)
+    merge / unmerge   dequantize, add (subtract) B @ A * scaling, quantize again: lossy, as peft's
+
+Offers: LoraLinear, LoraModel, quantized_linear_types.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sys
 
 import torch
 from torch import nn
 
 from gpuformers.lora.config import ALL_LINEAR, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
 
-class LoraLinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update: y = base_layer(x) + B(A(dropout(x))) * scaling."""
 
-    def __init__(self, base_layer: nn.Linear, config: LoraConfig, autocast_adapter_dtype: bool = True):
+def quantized_linear_types() -> tuple[type, ...]:
+    """The quantized linear layers LoRA wraps besides nn.Linear: WeightOnlyLinear, and gpuformers' bitsandbytes
+    layers when bitsandbytes is imported (a model that holds them has imported it; asking costs no import)."""
+    from gpuformers.quantization.weight_only import WeightOnlyLinear
+
+    if "bitsandbytes" not in sys.modules:
+        return (WeightOnlyLinear,)
+    from gpuformers.quantization import bnb
+
+    return WeightOnlyLinear, bnb.BnbLinear4bit, bnb.BnbLinear8bitLt
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A layer "all-linear" selects: an nn.Linear (bitsandbytes' layers are subclasses) or a WeightOnlyLinear."""
+    from gpuformers.quantization.weight_only import WeightOnlyLinear
+
+    return isinstance(module, (nn.Linear, WeightOnlyLinear))
+
+
+def _adapter_dtype_and_device(base_layer: nn.Module, autocast_adapter_dtype: bool) -> tuple[torch.dtype, torch.device]:
+    """peft's choice (tuners_utils._move_adapter_to_device_of_base_layer, then cast_adapter_dtype): the compute
+    dtype of a 4-bit layer, else the weight's dtype when it is a float (nn.Linear), else torch's default dtype (an
+    int8 bitsandbytes weight); a WeightOnlyLinear counts as a Linear of its compute dtype. float16 / bfloat16 then
+    become float32 with autocast_adapter_dtype (stable AdamW updates). The device is the stored weight's."""
+    weight = getattr(base_layer, "weight", None)
+    if weight is None:  # WeightOnlyLinear: int qweight, compute dtype in .dtype
+        weight, dtype = base_layer.qweight, base_layer.dtype
+    elif getattr(base_layer, "compute_dtype", None) is not None:
+        dtype = base_layer.compute_dtype
+    else:
+        dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
+    if autocast_adapter_dtype and dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    return dtype, weight.device
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear layer (nn.Linear or a quantized one) plus a trainable low-rank update:
+    y = base_layer(x) + B(A(dropout(x))) * scaling."""
+
+    def __init__(self, base_layer: nn.Module, config: LoraConfig, autocast_adapter_dtype: bool = True):
         super().__init__()
         self.base_layer = base_layer
+        self.quantized = type(base_layer) is not nn.Linear
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
-        weight = base_layer.weight
-        # Like peft's autocast_adapter_dtype: half-precision bases get float32 adapters (stable AdamW updates).
-        dtype = weight.dtype
-        if autocast_adapter_dtype and dtype in (torch.float16, torch.bfloat16):
-            dtype = torch.float32
+        dtype, device = _adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
         self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
-        self.lora_A = nn.Linear(self.in_features, config.r, bias=False, device=weight.device, dtype=dtype)
-        self.lora_B = nn.Linear(config.r, self.out_features, bias=False, device=weight.device, dtype=dtype)
+        self.lora_A = nn.Linear(self.in_features, config.r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(config.r, self.out_features, bias=False, device=device, dtype=dtype)
         self.merged = False
         self.disabled = False
         self.reset_lora_parameters(config.init_lora_weights)
@@ -60,34 +104,61 @@ class LoraLinear(nn.Module):
         result = self.base_layer(x)
         if self.merged or self.disabled:
             return result
-        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
-        # Added in the adapter's precision (float32 over a bf16 base) and rounded once, as peft does.
-        return (result + update * self.scaling).to(result.dtype)
+        if not self.quantized:
+            update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+            # Added in the adapter's precision (float32 over a bf16 base) and rounded once, as peft does.
+            return (result + update * self.scaling).to(result.dtype)
+        # peft's bitsandbytes layers: under autocast the adapters run as autocast says; otherwise in their own
+        # dtype, and the update is rounded to the output's dtype before the sum.
+        if torch.is_autocast_enabled():
+            return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))) * self.scaling
+        return result + update.to(result.dtype)
 
     def delta_weight(self) -> torch.Tensor:
-        """B @ A * scaling (out, in), in the base weight's dtype: what merging adds to the base weight."""
+        """B @ A * scaling (out, in): what merging adds to the base weight; in the base weight's dtype for an
+        nn.Linear, in float32 for a quantized layer (added to the dequantized weight before quantizing again)."""
         delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-        return delta.to(self.base_layer.weight.dtype)
+        return delta if self.quantized else delta.to(self.base_layer.weight.dtype)
 
     @torch.no_grad()
     def merge(self, safe_merge: bool = False) -> None:
         if self.merged:
             return
         delta = self.delta_weight()
-        if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
-            raise ValueError("merging this LoRA adapter gives NaN or inf weights; the adapter is broken (check its "
-                             "training), so it was not merged")
-        self.base_layer.weight.add_(delta)
+        if self.quantized:
+            self._requantize(delta, safe_merge)
+        else:
+            if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
+                raise _broken_adapter()
+            self.base_layer.weight.add_(delta)
         self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        if self.merged:
+        if not self.merged:
+            return
+        if self.quantized:
+            self._requantize(-self.delta_weight())
+        else:
             self.base_layer.weight.sub_(self.delta_weight())
-            self.merged = False
+        self.merged = False
+
+    def _requantize(self, delta: torch.Tensor, safe_merge: bool = False) -> None:
+        """peft's merge into a quantized layer: dequantize, add `delta`, quantize the sum again with the layer's
+        own settings (its load_from_checkpoint, as the loader quantizes). Each pass rounds again: lossy."""
+        weight = self.base_layer.dequantize().to(delta.dtype) + delta  # (out, in)
+        if safe_merge and not torch.isfinite(weight).all():
+            raise _broken_adapter()
+        self.base_layer.load_from_checkpoint("weight", weight)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, lora_alpha={self.lora_alpha}, scaling={self.scaling:g}"
+
+
+def _broken_adapter() -> ValueError:
+    return ValueError("merging this LoRA adapter gives NaN or inf weights; the adapter is broken (check its "
+                      "training), so it was not merged")
 
 
 class LoraModel(nn.Module):
@@ -104,13 +175,15 @@ class LoraModel(nn.Module):
         self.active_adapter = adapter_name
         _check_placement(model)
         names = _find_targets(model, config, strict)
+        supported = (nn.Linear, *quantized_linear_types())
         for name in names:  # every target checked before the first is replaced: an error leaves the model as it was
             module = model.get_submodule(name)
-            if type(module) is not nn.Linear:
+            if type(module) not in supported:
                 raise NotImplementedError(
-                    f"LoRA on {name} ({type(module).__name__}) is not supported: gpuformers wraps plain "
-                    f"torch.nn.Linear layers only (quantized layers, i.e. QLoRA, are not available yet); "
-                    f"choose target_modules among the model's nn.Linear layers")
+                    f"LoRA on {name} ({type(module).__name__}) is not supported: gpuformers wraps torch.nn.Linear "
+                    f"and, for QLoRA, its own quantized linear layers (bitsandbytes 4-bit / 8-bit as loaded with "
+                    f"quantization_config, WeightOnlyLinear) only; "
+                    f"choose target_modules among the model's linear layers")
         for name in names:
             parent_name, _, child = name.rpartition(".")
             layer = LoraLinear(model.get_submodule(name), config, autocast_adapter_dtype)
@@ -118,6 +191,7 @@ class LoraModel(nn.Module):
         # Only the adapters train (bias="none"); a frozen base stays bit-identical through training.
         for param_name, param in model.named_parameters():
             param.requires_grad_(not config.inference_mode and any(p in f".{param_name}" for p in _LORA_PARTS))
+        self._unpack_hooks = [] if config.inference_mode else _unpack_4bit_weights_for_backward(model)
 
     def __getattr__(self, name: str):
         try:
@@ -137,16 +211,43 @@ class LoraModel(nn.Module):
         if merge:
             shared = _shared_parameter_ids(self.model)
             for name, layer in self.lora_layers():
-                if id(layer.base_layer.weight) in shared:
+                if id(getattr(layer.base_layer, "weight", None)) in shared:
                     raise ValueError(f"{name}.weight is tied to another weight (tie_word_embeddings), so merging "
                                      f"its LoRA would change both; untie the weights first, or call unload() "
                                      f"and keep the adapter separate")
+        for hook in self._unpack_hooks:
+            hook.remove()
         for name, layer in self.lora_layers():
             if merge:
                 layer.merge(safe_merge)
             parent_name, _, child = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name), child, layer.base_layer)
         return self.model
+
+
+def _unpack_4bit_weights_for_backward(model: nn.Module) -> list:
+    """Make the model's 4-bit layers pass gradients to their inputs while adapters train; returns the hooks.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.48 to 0.50 at least) repacks a 4-bit weight for a faster kernel at an
+    eval-mode forward without grad, and keeps using that kernel, training forwards included. The kernel has no
+    backward: no gradient reaches the layer's input (adapters below it learn nothing, silently), and a layer with a
+    bias fails. The hook reads a repacked weight back to the portable layout (the layer's own state_dict, reloaded)
+    before a forward whose input needs a gradient; evaluation repacks it as before, so outputs stay bitsandbytes'."""
+    if "bitsandbytes" not in sys.modules:
+        return []
+    from gpuformers.quantization import bnb
+
+    return [m.register_forward_pre_hook(_unpack_if_grad_needed) for m in model.modules()
+            if isinstance(m, bnb.BnbLinear4bit)]
+
+
+def _unpack_if_grad_needed(module: nn.Module, args: tuple) -> None:
+    if not (torch.is_grad_enabled() and args[0].requires_grad):
+        return
+    if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+        for name, tensor in module.state_dict().items():
+            if name != "bias":  # left as it is (prepare_model_for_kbit_training may have upcast it)
+                module.load_from_checkpoint(name, tensor)
 
 
 def _check_placement(model: nn.Module) -> None:
@@ -176,9 +277,10 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
     """The names of the modules `config.target_modules` selects, with peft's matching rules: a list entry
     matches a module whose name is the entry or ends with "." + entry; a string is a regular expression that
     must match the whole name; "all-linear" is every nn.Linear but the LM head (and is replaced in the config by
-    the names it found, as peft does, so the saved config names the layers)."""
+    the names it found, as peft does, so the saved config names the layers). Quantized linear layers count as
+    linear."""
     modules = [(n, m) for n, m in model.named_modules() if n]
-    linear_suffixes = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, nn.Linear)})
+    linear_suffixes = sorted({n.rpartition(".")[2] for n, m in modules if _is_linear(m)})
     targets = config.target_modules
     if targets is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -188,7 +290,7 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
         targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         head = _output_head(model)
-        names = [n for n, m in modules if isinstance(m, nn.Linear) and m is not head]
+        names = [n for n, m in modules if _is_linear(m) and m is not head]
         config.target_modules = sorted(names)
         return names
     if isinstance(targets, str):

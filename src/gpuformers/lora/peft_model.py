@@ -1,23 +1,26 @@
 """PeftModel: a model with its LoRA adapter, as peft's: calls and attributes pass through to the model; saving,
-loading, merging and unloading the adapter.
+loading, merging and unloading the adapter; and prepare_model_for_kbit_training, peft's set-up of a quantized
+model for QLoRA.
 
 Offers: PeftModel (alias PeftModelForCausalLM), get_peft_model, get_peft_model_state_dict,
-set_peft_model_state_dict.
+set_peft_model_state_dict, prepare_model_for_kbit_training.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, _LORA_PARTS, LoraConfig
-from gpuformers.lora.layers import LoraModel
+from gpuformers.lora.layers import LoraModel, quantized_linear_types
 
 class PeftModel(nn.Module):
     """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
@@ -71,11 +74,15 @@ class PeftModel(nn.Module):
     # --- counting --------------------------------------------------------------------------------------------
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
-        """(trainable, all) parameter counts, each shared (tied) tensor counted once, as peft counts them."""
+        """(trainable, all) parameter counts, each shared (tied) tensor counted once, as peft counts them: a
+        bitsandbytes 4-bit weight counts its 4-bit values (two per byte of storage), not its bytes."""
         trainable = total = 0
         for _, param in self.named_parameters():
-            total += param.numel()
-            trainable += param.numel() if param.requires_grad else 0
+            count = param.numel()
+            if type(param).__name__ == "Params4bit":
+                count *= 2 * param.element_size()
+            total += count
+            trainable += count if param.requires_grad else 0
         return trainable, total
 
     def print_trainable_parameters(self) -> None:
@@ -228,3 +235,56 @@ def _read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / LEGACY_WEIGHTS_NAME).is_file():
         return torch.load(folder / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"no {WEIGHTS_NAME} in {folder}: pass the folder an adapter was saved to")
+
+
+def prepare_model_for_kbit_training(model: nn.Module, use_gradient_checkpointing: bool = True,
+                                    gradient_checkpointing_kwargs: dict | None = None) -> nn.Module:
+    """peft's preparation of a quantized model for LoRA training (QLoRA), step for step; call it before
+    get_peft_model. Returns the model.
+
+    1. Every parameter is frozen (get_peft_model then makes the adapters trainable).
+    2. Every float16 / bfloat16 parameter but the bitsandbytes 4-bit weights becomes float32 (embeddings, norms,
+       LM head, biases): the activations then flow in float32 between the quantized layers, which compute in
+       their compute dtype. A model with WeightOnlyLinear layers is left in its dtype, as peft leaves the models
+       of its other quantization methods (gptq, hqq, torchao, ...), whose layers compute in theirs.
+    3. On a quantized model, with use_gradient_checkpointing: each decoder layer is recomputed in the backward
+       (torch.utils.checkpoint with `gradient_checkpointing_kwargs`; use_reentrant defaults to False, as in
+       transformers and the Trainer), and, unless use_reentrant=False is given, the input embeddings' output
+       requires grad, which reentrant checkpointing needs to reach the adapters (peft's condition).
+    """
+    from gpuformers.models.modeling import decoder_layers
+    from gpuformers.quantization.weight_only import WeightOnlyLinear
+
+    kwargs = dict(gradient_checkpointing_kwargs or {})
+    layer_types = {type(m) for m in model.modules()}
+    quantized = getattr(model, "is_quantized", False) or any(t in layer_types for t in quantized_linear_types())
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if WeightOnlyLinear not in layer_types:
+        for param in model.parameters():
+            if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+                param.data = param.data.to(torch.float32)
+    if not (quantized and use_gradient_checkpointing):
+        return model
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"use_gradient_checkpointing=True but {type(model).__name__} names no decoder layer class "
+                         f"(no_split_modules); pass use_gradient_checkpointing=False for this model")
+    if kwargs.get("use_reentrant", True) and getattr(model, "_require_grads_hook", None) is None:
+        model._require_grads_hook = model.get_input_embeddings().register_forward_hook(_make_output_require_grad)
+    kwargs.setdefault("use_reentrant", False)
+    for layer in layers:
+        if getattr(layer, "_checkpointed", False):  # the Trainer's flag: it leaves these layers as they are
+            continue
+        layer.forward = functools.partial(_checkpointed_call, layer.forward, kwargs)
+        layer._checkpointed = True
+    return model
+
+
+def _make_output_require_grad(module: nn.Module, inputs, output: torch.Tensor) -> None:
+    output.requires_grad_(True)
+
+
+def _checkpointed_call(forward, checkpoint_kwargs: dict, *args, **kwargs):
+    # Keyword arguments go in through partial: reentrant checkpointing takes positional ones only.
+    return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
