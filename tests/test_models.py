@@ -279,9 +279,7 @@ def test_cuda_without_gpu_is_an_error(llama_dir):
         AutoModelForCausalLM.from_pretrained(llama_dir, device_map="cuda", progress=False)
 
 
-def test_unimplemented_options_say_so(llama_dir):
-    with pytest.raises(NotImplementedError, match="tp_plan"):
-        AutoModelForCausalLM.from_pretrained(llama_dir, tp_plan="auto", progress=False)
+def test_unknown_options_say_so(llama_dir):
     with pytest.raises(TypeError, match="unexpected arguments: frobnicate"):
         AutoModelForCausalLM.from_pretrained(llama_dir, frobnicate=True, progress=False)
 
