@@ -269,6 +269,27 @@ def test_cache_passed_in_continues_from_its_contents(models):
     assert torch.equal(got, ours.generate(ids, max_new_tokens=8, eos_token_id=None))
 
 
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "dynamic", "factor": 2.0}])
+def test_outputs_and_model_train_after_generate(rope_scaling):
+    # generate runs its loop in inference mode; nothing it returns or leaves on the model may be an inference
+    # tensor: the ids are edited in place and trained on, the model (dynamic rope: frequencies set during
+    # generate, past the trained length) trains afterwards, and a cache returned in a dict continues outside it.
+    _, ours = _pair("llama", rope_scaling=rope_scaling, max_position_embeddings=16)
+    ids, _ = _prompt(batch=1)
+    out = ours.generate(ids, max_new_tokens=12, eos_token_id=None)
+    assert not out.is_inference()
+    out[:, 0] = 1
+    ours.train()
+    loss = ours(out, labels=out).loss
+    loss.backward()
+    assert all(p.grad is not None for p in ours.parameters())
+    ours.zero_grad(set_to_none=True)
+    ours.eval()
+    result = ours.generate(ids, max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True)
+    with torch.no_grad():
+        ours(result.sequences[:, -1:], past_key_values=result.past_key_values, use_cache=True)
+
+
 def test_max_length_default_and_generation_config(models):
     from gpuformers.generation.config import GenerationConfig
 

@@ -141,6 +141,16 @@ def test_training_after_evaluation_gives_every_adapter_its_gradient(bnb, folder)
         torch.testing.assert_close(grad, want[name], atol=1e-3, rtol=5e-2)
 
 
+def test_train_on_what_generate_wrote(bnb, folder):
+    """The loop of RL fine-tuning: generate (in inference mode, repacking the 4-bit weights), then train the
+    adapters on the generated ids; every adapter gets a gradient."""
+    model = get_peft_model(_ours(folder), LoraConfig(**LORA))
+    out = model.generate(IDS, max_new_tokens=6, eos_token_id=None)
+    model.train()(input_ids=out, labels=out).loss.backward()
+    for name, grad in _lora_grads(model).items():
+        assert grad is not None and grad.abs().max() > 0, name
+
+
 def test_prepare_model_for_kbit_training_does_what_peft_does(bnb, folder):
     peft = pytest.importorskip("peft")
     hf = peft.prepare_model_for_kbit_training(_theirs(folder, dtype=torch.bfloat16,

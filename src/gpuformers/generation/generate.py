@@ -186,12 +186,20 @@ class GenerationMixin:
         criteria = build_stopping_criteria(config, prompt_length, tokenizer=tokenizer)
         criteria = StoppingCriteriaList([*criteria, *(stopping_criteria or [])])
 
-        cache = self._prepare_cache(cache, config, rows, max_length)
-        step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
-        forward = self._decode_forward(config, cache)
-        if beams > 1:
-            return beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
-        return self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
+        # When nothing the loop makes can leave this call but the token ids (no cache passed in, no dict of scores
+        # and cache returned), the loop runs in inference mode: no autograd bookkeeping on each of the ~700 ops of a
+        # step (8-13% faster decode at batch 1 on the CPU, tiny model). The ids are then cloned out of it, so that
+        # callers may still edit them in place or train on them, as after transformers' no_grad generate.
+        private = cache is None and not config.return_dict_in_generate
+        with torch.inference_mode(private):
+            cache = self._prepare_cache(cache, config, rows, max_length)
+            step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
+            forward = self._decode_forward(config, cache)
+            if beams > 1:
+                out = beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
+            else:
+                out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
+        return out.clone() if private else out
 
     # --- preparation ------------------------------------------------------------------------------------------
 
