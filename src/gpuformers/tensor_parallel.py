@@ -14,9 +14,13 @@ The decoder code does not change: a layer's heads are read from the width of its
 process attends over num_attention_heads / tp_size heads and num_key_value_heads / tp_size key-value heads, and its
 KV cache holds only those. Every process runs the same generate() on the same input and gets the same tokens.
 
+from_pretrained loads the checkpoint into CPU memory first and then moves each split weight to the process's GPU
+one at a time, keeping only its slice there: a GPU holds its share of the decoder plus the whole embeddings, norms
+and LM head, never the whole model (the CPU holds it for a moment).
+
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
 parallel inside data parallel), training a tensor-parallel model, the continuous batching engine on one, saving one,
-and quantized or LoRA layers in one. Each process first loads the whole checkpoint, then keeps its slice.
+and quantized or LoRA layers in one.
 
 Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 TP_STYLES = ("colwise", "rowwise")
@@ -53,11 +58,13 @@ def check_tp_size(config, tp_size: int) -> None:
                          f"{tp_size}; run with a number of processes that divides them")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None = None):
+def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None = None, device=None):
     """Split `model`'s decoder layers over the processes (see the module doc); returns the device mesh.
 
     tp_plan: "auto" (the llama family's plan above) or a dict module-name pattern (fnmatch, "*" for a layer index)
-    -> "colwise" | "rowwise". Needs the process group (torchrun; distributed.init_distributed)."""
+    -> "colwise" | "rowwise". device: where this process computes (default: where the model is). A model still on
+    the CPU moves there slice by slice: each split weight goes over whole, is cut, and only this process's slice
+    stays, so the device never holds the whole model. Needs the process group (torchrun)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -77,10 +84,11 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
         if type(layer) is not nn.Linear:
             raise NotImplementedError(f"tensor parallelism over {name} ({type(layer).__name__}) is not supported: "
                                       "only plain nn.Linear layers are split (no quantized or LoRA layers yet)")
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     mesh = init_device_mesh(device.type, (tp_size,))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
+    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})  # moves the slices
+    model.to(device)  # the rest, whole: embeddings, norms, lm_head, rotary buffers
     model.tp_size, model.tp_plan, model.device_mesh = tp_size, plan, mesh
     return mesh
 

@@ -148,8 +148,10 @@ def load_pretrained(
     if torch_dtype is not None:  # the old name
         dtype = torch_dtype
     dtype = parse_dtype(dtype)
+    tp_device = None
     if tp_plan is not None or tp_size is not None:
-        device_map = _tensor_parallel_device(tp_plan, device_map, gguf_file)
+        # Loaded on the CPU, then each process's slices go to its device (tensor_parallel.py)
+        tp_device, device_map = _tensor_parallel_device(tp_plan, device_map, gguf_file), "cpu"
     device = _resolve_device_map(device_map)
     hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
@@ -192,10 +194,11 @@ def load_pretrained(
         dispatch_model(model, plan, offload)
         model.hf_device_map = plan
     model.generation_config = _generation_config(folder / "generation_config.json", config)
-    if tp_plan is not None:
+    if tp_device is not None:
         from gpuformers.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, tp_plan, tp_size)
+        apply_tensor_parallel(model, tp_plan, tp_size, device=tp_device)
+        model.hf_device_map = {"": str(tp_device)}
     _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
     return (model, info) if output_loading_info else model
 
