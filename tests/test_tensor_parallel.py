@@ -18,17 +18,22 @@ from tests.fixtures.checkpoints import make_checkpoint
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _torchrun_worker(folder: Path, out: Path, processes: int, cuda: bool = False) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU even where a GPU is visible
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={processes}", "-m", "tests.tp_worker", str(folder), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])  # qwen2: q/k/v biases, split with their layers
 def test_two_processes_match_the_whole_model(model_type, tmp_path):
     config = make_checkpoint(tmp_path / "ckpt", model_type).config
-    out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "tests.tp_worker", str(tmp_path / "ckpt"), str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = _torchrun_worker(tmp_path / "ckpt", tmp_path / "result.json", processes=2)
     assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
     assert result["tokens_equal"] and result["batch_tokens_equal"]
     # half of each split dimension per process: 2 of the 4 query heads, 1 of the 2 kv heads, 48 of 96 MLP units
@@ -39,6 +44,26 @@ def test_two_processes_match_the_whole_model(model_type, tmp_path):
                                       "gate_proj": [mlp, hidden], "down_proj": [hidden, mlp]}
     assert len(result["refused"]) == 2
     assert "continuous batching engine" in result["refused"][0] and "save_pretrained" in result["refused"][1]
+
+
+@pytest.mark.distributed
+def test_one_process_under_torchrun_holds_the_whole_layers(tmp_path):
+    # torchrun --nproc_per_node=1, as when trying a script: a group of one, every "slice" whole
+    make_checkpoint(tmp_path / "ckpt", "llama")
+    result = _torchrun_worker(tmp_path / "ckpt", tmp_path / "result.json", processes=1)
+    assert result["world_size"] == 1 and result["logits_diff"] == 0.0 and result["tokens_equal"]
+    assert result["local_shapes"]["q_proj"] == [64, 64] and len(result["refused"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_path_loads_slices_onto_the_gpu(tmp_path):
+    """One process (the GPU machine has one GPU): NCCL, the mesh on CUDA, the model moved there from the CPU."""
+    make_checkpoint(tmp_path / "ckpt", "qwen3")
+    result = _torchrun_worker(tmp_path / "ckpt", tmp_path / "result.json", processes=1, cuda=True)
+    assert result["device"] == "cuda:0" and result["world_size"] == 1
+    assert result["logits_diff"] < 1e-3 * max(1.0, result["logits_scale"])  # cuBLAS vs the CPU, float32
+    assert result["tokens_equal"] and result["batch_tokens_equal"]
 
 
 def test_heads_must_split_evenly():

@@ -19,16 +19,18 @@ def main() -> None:
     mask = (batch != 0).long()
     whole = AutoModelForCausalLM.from_pretrained(folder, progress=False)
     model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", progress=False)
-    result = {}
+    dev = model.device  # cuda:LOCAL_RANK on a GPU machine; the whole model stays on the CPU
+    result = {"device": str(dev), "world_size": torch.distributed.get_world_size()}
     with torch.no_grad():
-        result["logits_diff"] = float((model(ids).logits - whole(ids).logits).abs().max())
+        result["logits_diff"] = float((model(ids.to(dev)).logits.cpu() - whole(ids).logits).abs().max())
         result["logits_scale"] = float(whole(ids).logits.abs().max())
     greedy = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
-    result["tokens_equal"] = torch.equal(model.generate(ids, **greedy), whole.generate(ids, **greedy))
-    result["batch_tokens_equal"] = torch.equal(model.generate(batch, attention_mask=mask, pad_token_id=0, **greedy),
-                                               whole.generate(batch, attention_mask=mask, pad_token_id=0, **greedy))
+    result["tokens_equal"] = torch.equal(model.generate(ids.to(dev), **greedy).cpu(), whole.generate(ids, **greedy))
+    result["batch_tokens_equal"] = torch.equal(
+        model.generate(batch.to(dev), attention_mask=mask.to(dev), pad_token_id=0, **greedy).cpu(),
+        whole.generate(batch, attention_mask=mask, pad_token_id=0, **greedy))
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    result["local_shapes"] = {name: list(layer.weight.to_local().shape) for name, layer in
+    result["local_shapes"] = {name: list(getattr(layer.weight, "_local_tensor", layer.weight).shape) for name, layer in
                               [("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("o_proj", attn.o_proj),
                                ("gate_proj", mlp.gate_proj), ("down_proj", mlp.down_proj)]}
     result["refused"] = []

@@ -49,9 +49,11 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def init_distributed(device: torch.device, timeout_s: float = 1800) -> bool:
-    """Join torchrun's process group (once); False when this is a single process."""
-    if world_size() <= 1:
+def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool = False) -> bool:
+    """Join torchrun's process group (once); False when this is a single process. `single`: join it even when
+    torchrun started one process (tensor parallelism over one process, as when trying a script with
+    --nproc_per_node=1)."""
+    if world_size() <= 1 and not (single and "RANK" in os.environ):
         return False
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed; run one process")

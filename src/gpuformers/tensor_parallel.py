@@ -45,7 +45,8 @@ LLAMA_TP_PLAN = {
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
-    return getattr(model, "tp_size", 1) > 1
+    """True once apply_tensor_parallel ran on the model (its split weights are DTensors, even over one process)."""
+    return getattr(model, "tp_plan", None) is not None
 
 
 def check_tp_size(config, tp_size: int) -> None:

@@ -218,7 +218,7 @@ def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     else:
         device = torch.device("cpu")
-    distributed.init_distributed(device)
+    distributed.init_distributed(device, single=True)
     return device
 
 
