@@ -189,7 +189,10 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     # gather of all real keys, then SDPA on slices 14-18 ms (the keys are out of cache when read); block-by-block
     # matmuls on the cache in place, no copy, 14 ms (two ops per block instead of two per sequence).
     batched = nd if _batch_decodes(query, ctx) else 0
-    if batched and base is sdpa_attention and _triton_decode_available(query):
+    if not batched and nd and base is sdpa_attention and sliding_window is None:
+        out[:nd] = _cpu_decodes(ctx, query, key, value, scaling)
+        batched = nd  # the loop below does the prefill chunks only
+    elif batched and base is sdpa_attention and _triton_decode_available(query):
         from gpuformers.engine.paged_attention_triton import paged_decode_attention
 
         # Keys read in place through the block tables: no gathered copy. (nd, heads, head_dim)
@@ -223,6 +226,33 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
             o, _ = base(module, query[:, :, start:end], k, v, mask, scaling=scaling)
             out[start:end] = o[0]
     return out.unsqueeze(0), None
+
+
+def _cpu_decodes(ctx: PagedContext, query, key, value, scaling: float) -> torch.Tensor:
+    """The CPU decode hot path: the step's decodes (the first num_decodes sequences, one query token each) with
+    torch's SDPA per sequence, over its keys read in place -> (num_decodes, heads, head_dim). Called once per layer,
+    so each sequence costs one SDPA call and two slicing views, its key slots found once per step."""
+    nd = ctx.num_decodes
+    heads, head_dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    slots = ctx.memo.get("cpu_decode_slots")
+    if slots is None:  # a slice (consecutive blocks: the common case) or the slot indices to gather
+        slots = ctx.memo["cpu_decode_slots"] = [
+            _contiguous_slots(ctx, i, ctx.context_lens_list[i])
+            or _gather_slots(ctx.block_tables[i:i + 1], ctx.context_lens_list[i], ctx.block_size)[0]
+            for i in range(nd)]
+    # Each decode's query heads folded onto its kv heads, as above: (nd, kv_heads, n_rep, head_dim). Inputs stay
+    # 4-D (batch 1): torch's CPU flash kernel takes only those (3-D ones fall back to a slower path).
+    q = query[0, :, :nd].transpose(0, 1).reshape(nd, kv_heads, heads // kv_heads, head_dim)
+    keys, values = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # (1, kv_heads, slots, head_dim) views
+    outs = []
+    for i, where in enumerate(slots):
+        if isinstance(where, slice):
+            k, v = keys[:, :, where], values[:, :, where]
+        else:
+            k, v = keys.index_select(2, where), values.index_select(2, where)
+        outs.append(F.scaled_dot_product_attention(q[i:i + 1], k, v, scale=scaling))  # every cached key is visible
+    return torch.cat(outs).view(nd, heads, head_dim)
 
 
 def paged_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
