@@ -19,7 +19,7 @@ ALL_LINEAR = "all-linear"
 _LORA_PARTS = (".lora_A.", ".lora_B.")
 
 # peft's default targets when target_modules is None, for the model types gpuformers runs.
-_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3")}
+_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")}
 
 # Fields of peft's adapter_config.json that we write with peft's defaults and read back: any other value asks
 # for a feature we do not have, and loading such an adapter would silently give other outputs.

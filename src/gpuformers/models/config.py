@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 # Keys each rope type needs in rope_parameters, besides rope_theta.
@@ -41,6 +41,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
               "max_window_layers": 28, "head_dim": 128},
+    # Qwen3-MoE: head_dim defaults to hidden_size / heads; the MoE fields live in `extra` (read by qwen3_moe.py).
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                  "router_aux_loss_coef": 0.001},
 }
 
 _DEFAULT_ARCHITECTURE = {
@@ -48,6 +53,7 @@ _DEFAULT_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -118,8 +124,8 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises q and k per head before rotary."""
-        return self.model_type == "qwen3"
+        """Qwen3 (and Qwen3-MoE) normalise q and k per head before rotary."""
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def qkv_bias(self) -> bool:
@@ -151,7 +157,7 @@ class ModelConfig:
     # --- normalisation --------------------------------------------------------------------------------------
 
     def _normalise_sliding_window(self):
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             # The window only applies when use_sliding_window is set, and then only from max_window_layers on.
             if not self.use_sliding_window:
                 self.sliding_window = None
@@ -221,6 +227,8 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if "num_local_experts" in data:  # transformers 5 writes Qwen3-MoE's num_experts under this name
+            data.setdefault("num_experts", data["num_local_experts"])
         for key, value in _FAMILY_DEFAULTS[model_type].items():
             data.setdefault(key, value)
         # Old spellings -> new.

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "gpuformers.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "gpuformers.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "gpuformers.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "gpuformers.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 _MODEL_TYPE = {
@@ -22,6 +23,7 @@ _MODEL_TYPE = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
