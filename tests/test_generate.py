@@ -288,6 +288,11 @@ def test_outputs_and_model_train_after_generate(rope_scaling):
     result = ours.generate(ids, max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True)
     with torch.no_grad():
         ours(result.sequences[:, -1:], past_key_values=result.past_key_values, use_cache=True)
+    # a caller working in inference mode keeps it: its own cache (inference tensors) is written in place
+    with torch.inference_mode():
+        cache = DynamicCache()
+        ours(ids[:, :4], past_key_values=cache, use_cache=True)
+        ours.generate(ids, max_new_tokens=4, eos_token_id=None, past_key_values=cache)
 
 
 def test_max_length_default_and_generation_config(models):

@@ -28,6 +28,7 @@ GenerateBeamDecoderOnlyOutput).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import warnings
@@ -191,7 +192,8 @@ class GenerationMixin:
         # step (8-13% faster decode at batch 1 on the CPU, tiny model). The ids are then cloned out of it, so that
         # callers may still edit them in place or train on them, as after transformers' no_grad generate.
         private = cache is None and not config.return_dict_in_generate
-        with torch.inference_mode(private):
+        # (not inference_mode(False) otherwise: that would switch off a caller's own inference mode)
+        with torch.inference_mode() if private else contextlib.nullcontext():
             cache = self._prepare_cache(cache, config, rows, max_length)
             step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
             forward = self._decode_forward(config, cache)
