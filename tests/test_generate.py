@@ -290,7 +290,7 @@ def test_outputs_and_model_train_after_generate(rope_scaling):
         ours(result.sequences[:, -1:], past_key_values=result.past_key_values, use_cache=True)
     # a caller working in inference mode keeps it: its own cache (inference tensors) is written in place
     with torch.inference_mode():
-        cache = DynamicCache()
+        cache = StaticCache(ours.config, max_cache_len=32, max_batch_size=1)  # preallocated: written in place
         ours(ids[:, :4], past_key_values=cache, use_cache=True)
         ours.generate(ids, max_new_tokens=4, eos_token_id=None, past_key_values=cache)
 
