@@ -19,10 +19,10 @@ one at a time, keeping only its slice there: a GPU holds its share of the decode
 and LM head, never the whole model (the CPU holds it for a moment).
 
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
-parallel inside data parallel), training a tensor-parallel model, the continuous batching engine on one, saving one,
-and quantized or LoRA layers in one.
+parallel inside data parallel), training a tensor-parallel model, the continuous batching engine on one, and
+quantized or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint.
 
-Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
+Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, full_state_dict, refuse.
 """
 
 from __future__ import annotations
@@ -112,6 +112,15 @@ def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
                              f"(module names look like model.layers.0.self_attn.q_proj)")
         plan.update(dict.fromkeys(matched, style))
     return plan
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The model's state dict with every split weight gathered whole, on the CPU (a collective: every process
+    calls it and gets the same dict)."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
 
 
 def refuse(model: nn.Module, feature: str) -> None:

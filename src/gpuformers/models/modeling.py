@@ -71,12 +71,15 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write config.json, safetensors weights (sharded with an index above max_shard_size) and
         generation_config.json in the format transformers reads. `state_dict` replaces the model's own (e.g. the
-        gathered weights of a model sharded by FSDP2)."""
+        gathered weights of a model sharded by FSDP2). A tensor-parallel model gathers its slices into whole
+        weights (every process must call this: a collective) and process 0 writes them."""
         from gpuformers.loading.save import save_checkpoint
-        from gpuformers.tensor_parallel import refuse
+        from gpuformers.tensor_parallel import full_state_dict, is_tensor_parallel
 
-        refuse(self, "save_pretrained")
-
+        if is_tensor_parallel(self) and state_dict is None:
+            state_dict = full_state_dict(self)
+            if torch.distributed.get_rank() != 0:
+                return
         generation = self.generation_config.to_dict() if self.generation_config is not None else None
         save_checkpoint(
             self if state_dict is None else state_dict,
