@@ -33,11 +33,18 @@ def main() -> None:
     result["local_shapes"] = {name: list(getattr(layer.weight, "_local_tensor", layer.weight).shape) for name, layer in
                               [("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("o_proj", attn.o_proj),
                                ("gate_proj", mlp.gate_proj), ("down_proj", mlp.down_proj)]}
-    result["refused"] = []
-    try:
-        model.generate_batch([[1, 2, 3]], max_new_tokens=2)
-    except NotImplementedError as error:
-        result["refused"].append(str(error))
+    # The engine: every process adds the same requests; each caches only its kv heads
+    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11], [3] * 20]
+    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
+                                   num_blocks=12)
+    expected = [whole.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
+                .tolist() for p in prompts]
+    result["engine_equal"] = [r.generated_tokens for r in outputs.values()] == expected
+    result["engine_kv_heads"] = model.init_continuous_batching(num_blocks=4).runner.key_caches[0].shape[1]
+    blocks = model.init_continuous_batching().config.num_blocks  # sized from free memory: agreed by all processes
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, blocks)
+    result["auto_blocks_agree"] = len(set(every)) == 1
     model.save_pretrained(out + ".model")  # every process gathers; process 0 writes
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:

@@ -19,8 +19,9 @@ one at a time, keeping only its slice there: a GPU holds its share of the decode
 and LM head, never the whole model (the CPU holds it for a moment).
 
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
-parallel inside data parallel), training a tensor-parallel model, the continuous batching engine on one, and
-quantized or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint.
+parallel inside data parallel), training a tensor-parallel model, serving one, CUDA graphs under it, and quantized
+or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint; the engine
+runs when every process makes the same calls (engine/manager.py agrees on the KV cache size).
 
 Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, full_state_dict, refuse.
 """

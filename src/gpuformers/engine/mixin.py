@@ -35,9 +35,6 @@ class ContinuousBatchingMixin:
         GenerationConfig fields (max_new_tokens=, do_sample=, temperature=, ...)."""
         from gpuformers.engine.manager import ContinuousBatchingConfig, ContinuousBatchingManager
         from gpuformers.generation.config import GenerationConfig
-        from gpuformers.tensor_parallel import refuse
-
-        refuse(self, "the continuous batching engine (generate_batch, init_continuous_batching, serve)")
 
         engine, generation = _split_kwargs(dict(kwargs))
         if continuous_batching_config is None:

@@ -65,10 +65,12 @@ def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers: K and V, block_size tokens, kv_heads x head_dim each."""
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one block takes over all layers: K and V, block_size tokens, kv_heads x head_dim each (this process's
+    share of the kv heads under tensor parallelism)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+    kv_heads = config.num_key_value_heads // tp_size
+    return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * element
 
 
 class ModelRunner:
@@ -82,7 +84,8 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that CUDA-graph padding rows write to.
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
-        shape = (slots, config.num_key_value_heads, config.head_dim)
+        # Under tensor parallelism each process caches only the kv heads of its slice (tensor_parallel.py).
+        shape = (slots, config.num_key_value_heads // getattr(model, "tp_size", 1), config.head_dim)
         # On a GPU, batched decode attention reads padding slots (masked, but 0 * NaN would still poison the sum), so
         # the cache starts zeroed. The CPU path only ever reads slots it wrote: leaving the memory untouched lets
         # the OS map pages as sequences first use them, instead of zeroing the whole cache (~1 s per 2 GB) at start.
