@@ -1,10 +1,13 @@
-"""The OpenAI request and error shapes: validation of /v1/completions and /v1/chat/completions bodies.
+"""The OpenAI request and error shapes: validation of /v1/completions, /v1/chat/completions and /v1/responses
+bodies.
 
 Validation is hand-written (not pydantic) so that every bad field gets a message naming the field, its value and
 what is allowed, as an OpenAI error object: {"error": {"message", "type", "param", "code"}}. A request that passes
-becomes a `CompletionRequest`; the server turns it into engine requests.
+becomes a `CompletionRequest`; the server turns it into engine requests. A Responses API request becomes a chat
+request (its `instructions` a first system message, its `input` the messages) that remembers the fields its
+Response object repeats.
 
-Offers: APIError, error_body, CompletionRequest, parse_completion, parse_chat.
+Offers: APIError, error_body, CompletionRequest, parse_completion, parse_chat, parse_response.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
+RESPONSE_ROLES = ("system", "user", "assistant", "developer")  # the Responses API's messages have no tool role
 
 
 class APIError(Exception):
@@ -44,10 +48,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 @dataclass
 class CompletionRequest:
-    """A validated request. Exactly one of `prompt_ids` (completions) and `messages` (chat) is set."""
+    """A validated request. Exactly one of `prompt_ids` (completions) and `messages` (chat, responses) is set."""
 
     model: str
     chat: bool
+    responses: bool = False  # a Responses API request (chat=True too): answered as a Response object
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None
     messages: list[dict] | None = None
@@ -64,6 +69,18 @@ class CompletionRequest:
     top_logprobs: int = 0
     echo: bool = False
     ignore_eos: bool = False
+    # The request fields a Response object repeats (instructions, max_output_tokens, metadata, ...); responses only
+    response_fields: dict = field(default_factory=dict)
+
+    @property
+    def prompt_field(self) -> str:
+        """The request field that holds the prompt, for error messages."""
+        return "input" if self.responses else "messages" if self.chat else "prompt"
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The request field that bounds the answer's length, for error messages."""
+        return "max_output_tokens" if self.responses else "max_tokens"
 
 
 # Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce).
@@ -126,10 +143,11 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
+def _model(body: Any, allowed: set[str], ignored: set[str]) -> str:
+    """The model name of a JSON object body whose fields are all `allowed` or `ignored`."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_type_name(body)}")
-    unknown = sorted(set(body) - allowed - _IGNORED)
+    unknown = sorted(set(body) - allowed - ignored)
     if unknown:
         raise APIError(400, f"unknown field(s): {', '.join(unknown)}; known: {', '.join(sorted(allowed))}",
                        unknown[0])
@@ -138,6 +156,11 @@ def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
         raise APIError(400, "model is required: give the name /v1/models lists", "model")
     if not isinstance(model, str) or not model:
         raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {model!r}", "model")
+    return model
+
+
+def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
+    model = _model(body, allowed, _IGNORED)
     max_tokens = _int(body, "max_tokens", 1)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", 1)
@@ -150,14 +173,38 @@ def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
         if not body.get("stream"):
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         include_usage = _bool(stream_options, "include_usage")
-    return CompletionRequest(
-        model=model, chat=chat, max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
-        top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
-        n=_int(body, "n", 1, MAX_N, 1), stop=_stop(body), seed=_int(body, "seed", default=None),
-        stream=_bool(body, "stream"), include_usage=include_usage, ignore_eos=_bool(body, "ignore_eos"),
-    )
+    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=_int(body, "n", 1, MAX_N, 1),
+                             stop=_stop(body), stream=_bool(body, "stream"), include_usage=include_usage,
+                             **_sampling(body))
+
+
+def _sampling(body: dict) -> dict:
+    """The sampling fields of every endpoint (top_k, seed and ignore_eos are extensions to OpenAI's)."""
+    return dict(temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
+                top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
+                top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
+                seed=_int(body, "seed", default=None), ignore_eos=_bool(body, "ignore_eos"))
+
+
+def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...]) -> dict:
+    """One {role, content} message as the chat template takes it: text parts joined, developer as system.
+    `where` names the message in errors (`messages[2]`)."""
+    if not isinstance(message, dict):
+        raise APIError(400, f"{where} must be an object, got {_type_name(message)}", where)
+    role = message.get("role")
+    if role not in roles:
+        raise APIError(400, f"{where}.role {role!r} is not one of: {', '.join(roles)}", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
+        if not all(isinstance(p, dict) and p.get("type") in part_types and isinstance(p.get("text"), str)
+                   for p in content):
+            kinds = " or ".join(f'{{"type": "{t}", "text": ...}}' for t in part_types)
+            raise APIError(400, f"{where}.content parts must all be {kinds}; this server takes text only",
+                           f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str) and not (content is None and role == "assistant"):
+        raise APIError(400, f"{where}.content must be a string, got {_type_name(content)}", f"{where}.content")
+    return {"role": "system" if role == "developer" else role, "content": content or ""}
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -195,36 +242,120 @@ def parse_chat(body: Any) -> CompletionRequest:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}"[:300],
                        "messages")
-    clean = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise APIError(400, f"messages[{i}] must be an object, got {_type_name(message)}", f"messages[{i}]")
-        role = message.get("role")
-        if role not in ROLES:
-            raise APIError(400, f"messages[{i}].role {role!r} is not one of: {', '.join(ROLES)}", f"messages[{i}].role")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": ...}}; "
-                                    "this server takes text only", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str) and not (content is None and role == "assistant"):
-            raise APIError(400, f"messages[{i}].content must be a string, got {_type_name(content)}",
-                           f"messages[{i}].content")
-        clean.append({"role": "system" if role == "developer" else role, "content": content or ""})
-    request.messages = clean
+    request.messages = [_message(m, f"messages[{i}]", ROLES, ("text",)) for i, m in enumerate(messages)]
     request.logprobs = _bool(body, "logprobs")
     request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     response_format = body.get("response_format")
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported: this server has no constrained "
-                                "decoding; use type \"text\" (or leave it out) and ask for JSON in the prompt",
-                           "response_format")
+        _text_only(response_format, "response_format", "response_format", "the prompt")
+    _no_tools(body)
+    return request
+
+
+def _text_only(spec, name: str, param: str, where: str) -> None:
+    """An output format (a {"type": ...} object or a bare type) must be plain text: no constrained decoding here."""
+    kind = spec.get("type") if isinstance(spec, dict) else spec
+    if kind != "text":
+        raise APIError(400, f"{name} {kind!r} is not supported: this server has no constrained decoding; use type "
+                            f"\"text\" (or leave it out) and ask for JSON in {where}", param)
+
+
+def _no_tools(body: dict) -> None:
     if body.get("tools"):
         raise APIError(400, "tools are not supported by this server yet; leave tools out", "tools")
+
+
+# The Responses API's fields (and the extensions the other endpoints take). Those that would change the answer in a
+# way this server cannot follow (tools, structured output, reasoning, server-side state) are refused by name in
+# parse_response; _RESPONSE_IGNORED do not change the tokens and are accepted and ignored.
+_RESPONSE_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k", "seed",
+                    "ignore_eos", "stream", "stream_options", "metadata", "parallel_tool_calls", "tool_choice", "tools",
+                    "text", "reasoning", "include", "top_logprobs", "previous_response_id", "conversation", "prompt",
+                    "background"}
+_RESPONSE_IGNORED = {"user", "store", "truncation", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                     "service_tier", "max_tool_calls"}
+# Fields that need state kept between requests, which this server does not keep: any value but null is refused.
+_STATEFUL = {
+    "previous_response_id": "this server keeps no state between requests (no stored responses); send the whole "
+                            "conversation in input",
+    "conversation": "this server keeps no conversations; send the whole conversation in input",
+    "prompt": "this server keeps no stored prompt templates; send the text in instructions and input",
+}
+
+
+def parse_response(body: Any) -> CompletionRequest:
+    """A validated /v1/responses request, as a chat request: `instructions` becomes a first system message, `input`
+    (a string, or a list of text messages) the rest. One output, text only."""
+    model = _model(body, _RESPONSE_FIELDS, _RESPONSE_IGNORED)
+    for name, why in _STATEFUL.items():
+        if body.get(name) is not None:
+            raise APIError(400, f"{name} is not supported: {why}", name)
+    if body.get("background"):
+        raise APIError(400, "background=true is not supported: this server keeps no responses to poll later; "
+                            "leave background out", "background")
+    _no_tools(body)
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice {tool_choice!r} needs tools, which this server does not support; leave "
+                            "tool_choice out", "tool_choice")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict) or set(text) - {"format"}:
+            raise APIError(400, f"text must be an object with only format, got {text!r}"[:300], "text")
+        _text_only(text.get("format") or {"type": "text"}, "text.format type", "text", "the input")
+    if body.get("reasoning"):
+        raise APIError(400, "reasoning is not supported: this server renders the model's chat template as it is "
+                            "(no reasoning effort or summaries); leave reasoning out", "reasoning")
+    if body.get("include"):
+        raise APIError(400, f"include {body['include']!r} is not supported: this server adds nothing to the output "
+                            "(no logprobs, no reasoning items); leave include out"[:400], "include")
+    if _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0):
+        raise APIError(400, "top_logprobs is not supported on /v1/responses yet; use /v1/chat/completions with "
+                            "logprobs=true and top_logprobs", "top_logprobs")
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None:  # include_obfuscation pads events against side channels: nothing to pad here
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_obfuscation"}:
+            raise APIError(400, f"stream_options must be an object with only include_obfuscation, got "
+                                f"{stream_options!r}"[:300], "stream_options")
+        if not stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and
+                                     all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise APIError(400, f"metadata must be an object of string values, got {metadata!r}"[:300], "metadata")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise APIError(400, f"instructions must be a string, got {_type_name(instructions)}", "instructions")
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += _input_messages(body.get("input"))
+    request = CompletionRequest(model=model, chat=True, responses=True, messages=messages, stream=stream,
+                                max_tokens=_int(body, "max_output_tokens", 1), **_sampling(body))
+    request.response_fields = {"instructions": instructions, "max_output_tokens": request.max_tokens,
+                               "metadata": metadata or {}, "tool_choice": tool_choice or "auto",
+                               "parallel_tool_calls": _bool(body, "parallel_tool_calls", True)}
     return request
+
+
+def _input_messages(value: Any) -> list[dict]:
+    """The Responses API's `input` as chat messages: a string is one user message; a list holds messages (items of
+    type "message", or without a type), their content a string or input_text / output_text parts."""
+    if value is None:
+        raise APIError(400, "input is required: a string, or a list of {role, content} messages", "input")
+    if isinstance(value, str):
+        if not value:
+            raise APIError(400, "input is empty; give at least one character", "input")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise APIError(400, f"input must be a non-empty string or a non-empty list of {{role, content}} messages, got "
+                            f"{value!r}"[:300], "input")
+    messages = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else "message"
+        if kind != "message":
+            raise APIError(400, f"input[{i}].type {kind!r} is not supported: this server takes text messages only "
+                                "(no tool calls or outputs, reasoning items or item references)", f"input[{i}].type")
+        messages.append(_message(item, f"input[{i}]", RESPONSE_ROLES, ("input_text", "output_text")))
+    return messages

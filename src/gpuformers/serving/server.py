@@ -1,5 +1,6 @@
-"""The FastAPI app of `gpuformers serve`: OpenAI's /v1/models, /v1/completions and /v1/chat/completions on the
-continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with uvicorn.
+"""The FastAPI app of `gpuformers serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions and
+/v1/responses on the continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with
+uvicorn.
 
 Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
 carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
@@ -7,6 +8,9 @@ incrementally; stop strings are matched on the text, and a matched or abandoned 
 which frees its KV blocks. A client that disconnects cancels its requests the same way.
 
     HTTP body -> protocol.parse_* -> token ids -> Engine.submit (n engine requests) -> ChoiceText -> JSON or SSE
+
+A Responses API request is a chat request with one choice; `_ResponseJob` answers it as a Response object, or as
+the Responses API's typed events (response.created ... response.output_text.delta ... response.completed).
 
 Offers: Engine, ChoiceText, build_app, run_server.
 """
@@ -29,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.serving.metrics import Metrics
-from gpuformers.serving.protocol import APIError, CompletionRequest, error_body, parse_chat, parse_completion
+from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
+                                         parse_response)
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +219,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def on_http_error(request: Request, error: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
         message = (f"no route {request.method} {request.url.path}; routes: GET /health, GET /metrics, "
-                   "GET /v1/models, POST /v1/completions, POST /v1/chat/completions")
+                   "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses")
         return JSONResponse(error_body(message if error.status_code in (404, 405) else str(error.detail), kind),
                             status_code=error.status_code)
 
@@ -275,6 +280,12 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         parsed = parse_chat(await read_json(request))
         return await serve(request, parsed, "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        check_auth(request)
+        parsed = parse_response(await read_json(request))
+        return await serve(request, parsed, "/v1/responses")
+
     def prompt_ids_of(parsed: CompletionRequest) -> list[int]:
         if parsed.chat:
             if not getattr(tokenizer, "chat_template", None):
@@ -282,7 +293,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
             try:
                 ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, return_dict=False)
             except Exception as error:  # the template's own checks (role order, ...) raise template errors
-                raise APIError(400, f"the chat template rejected these messages: {error}", "messages") from None
+                raise APIError(400, f"the chat template rejected these messages: {error}",
+                               parsed.prompt_field) from None
             return list(ids)
         if parsed.prompt_ids is not None:
             bad = [t for t in parsed.prompt_ids if not 0 <= t < state.vocab_size]
@@ -293,21 +305,22 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         return tokenizer.encode(parsed.prompt_text, add_special_tokens=True)
 
     def check_lengths(parsed: CompletionRequest, prompt_len: int) -> int:
+        prompt, limit = parsed.prompt_field, parsed.max_tokens_field
         if prompt_len == 0:
-            raise APIError(400, "the prompt has no tokens", "prompt")
+            raise APIError(400, f"the {prompt} has no tokens", prompt)
         max_tokens = parsed.max_tokens
-        if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
+        if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat, responses
             max_tokens = 16 if not parsed.chat else state.max_model_len - prompt_len
             max_tokens = max(1, min(max_tokens, state.max_model_len - prompt_len))
         if prompt_len + max_tokens > state.max_model_len:
             raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but the "
-                                f"request asks for {prompt_len + max_tokens}: {prompt_len} in the prompt + "
-                                f"{max_tokens} max_tokens; shorten the prompt or lower max_tokens",
-                           "max_tokens" if parsed.max_tokens is not None else "messages" if parsed.chat else "prompt",
+                                f"request asks for {prompt_len + max_tokens}: {prompt_len} in the {prompt} + "
+                                f"{max_tokens} {limit}; shorten the {prompt} or lower {limit}",
+                           limit if parsed.max_tokens is not None else prompt,
                            code="context_length_exceeded")
         if prompt_len + max_tokens - 1 > state.cache_tokens:
-            raise APIError(400, f"the request needs {prompt_len} prompt + {max_tokens} max_tokens tokens of KV cache "
-                                f"but the cache holds {state.cache_tokens}; lower max_tokens", "max_tokens",
+            raise APIError(400, f"the request needs {prompt_len} prompt + {max_tokens} {limit} tokens of KV cache "
+                                f"but the cache holds {state.cache_tokens}; lower {limit}", limit,
                            code="context_length_exceeded")
         return max_tokens
 
@@ -333,7 +346,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         state.engine.reserve(parsed.n)
-        job = _Job(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
+        job_class = _ResponseJob if parsed.responses else _Job
+        job = job_class(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
         try:
             job.start(sampling_of)
         except Exception:
@@ -488,12 +502,16 @@ class _Job:
         return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
 
     async def whole(self, request) -> dict:
+        """The whole answer once every choice finished ({} when the client left first)."""
         try:
             while not all(c.finished for c in self.choices):
                 await self._next(request)
         except ConnectionError:
             return {}
         self._check_error()
+        return self._body()
+
+    def _body(self) -> dict:
         choices = []
         for index, choice in enumerate(self.choices):
             if self.parsed.chat:
@@ -559,6 +577,90 @@ class _Job:
                         "usage": self._usage()}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
+        except ConnectionError:
+            return
+        finally:
+            self.close()
+
+
+class _ResponseJob(_Job):
+    """A Responses API request: its one choice answered as a Response object, whole or as typed events in OpenAI's
+    order, each with the next sequence_number (from 0):
+
+        response.created, response.in_progress                      the Response, no output yet
+        response.output_item.added, response.content_part.added    an empty assistant message and text part
+        response.output_text.delta ...                              the text, piece by piece
+        response.output_text.done, response.content_part.done, response.output_item.done
+        response.completed | response.incomplete | response.failed  the whole Response (incomplete: the answer
+                                                                    reached max_output_tokens)
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.id = "resp_" + uuid.uuid4().hex
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.sequence_number = 0
+
+    @property
+    def status(self) -> str:
+        choice = self.choices[0]
+        if choice.error is not None:
+            return "failed"
+        if not choice.finished:
+            return "in_progress"
+        return "incomplete" if choice.finish_reason == "length" else "completed"
+
+    def _usage(self) -> dict:
+        output_tokens = self.choices[0].num_tokens_kept()
+        return {"input_tokens": len(self.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(self.prompt_ids) + output_tokens}
+
+    def _part(self) -> dict:
+        return {"type": "output_text", "text": self.choices[0].text, "annotations": []}
+
+    def _message(self) -> dict:
+        """The output message: in progress and empty until the choice finished."""
+        done = self.status in ("completed", "incomplete")
+        return {"type": "message", "id": self.message_id, "status": self.status if done else "in_progress",
+                "role": "assistant", "content": [self._part()] if done else []}
+
+    def _body(self) -> dict:
+        """The Response object as it stands (output and usage once the choice finished)."""
+        status, choice = self.status, self.choices[0]
+        done = status in ("completed", "incomplete")
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": _now() if done else None,
+                "error": {"code": "server_error", "message": choice.error} if status == "failed" else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.state.model_name, "output": [self._message()] if done else [],
+                "temperature": self.parsed.temperature, "top_p": self.parsed.top_p, "tools": [],
+                "text": {"format": {"type": "text"}}, "truncation": "disabled", "previous_response_id": None,
+                "background": False, "usage": self._usage() if done else None, **self.parsed.response_fields}
+
+    def _event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, request) -> AsyncIterator[str]:
+        """The typed events of the class docstring. Cancelled (the client left) -> the engine request is too."""
+        choice = self.choices[0]
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        try:
+            yield self._event("response.created", response=self._body())
+            yield self._event("response.in_progress", response=self._body())
+            yield self._event("response.output_item.added", output_index=0, item=self._message())
+            yield self._event("response.content_part.added", part=self._part(), **where)
+            while not choice.finished:
+                _, text = await self._next(request)
+                if text:
+                    yield self._event("response.output_text.delta", delta=text, logprobs=[], **where)
+            if choice.error is None:
+                yield self._event("response.output_text.done", text=choice.text, logprobs=[], **where)
+                yield self._event("response.content_part.done", part=self._part(), **where)
+                yield self._event("response.output_item.done", output_index=0, item=self._message())
+            yield self._event(f"response.{self.status}", response=self._body())
         except ConnectionError:
             return
         finally:
