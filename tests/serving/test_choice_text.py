@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from gpuformers.engine.sequence import RequestStatus  # noqa: E402
-from gpuformers.serving.server import ChoiceText  # noqa: E402
+from gpuformers.serving.job import ChoiceText  # noqa: E402
 
 
 class TableTokenizer:

@@ -2,17 +2,10 @@
 /v1/responses on the continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with
 uvicorn.
 
-Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
-carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
-incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
-which frees its KV blocks. A client that disconnects cancels its requests the same way.
+    HTTP body -> protocol.parse_* -> token ids (chat template, length checks) -> job.Job (n engine requests)
+              -> JSON or SSE; a /v1/responses request -> responses.ResponseJob (one choice, typed events)
 
-    HTTP body -> protocol.parse_* -> token ids -> Engine.submit (n engine requests) -> ChoiceText -> JSON or SSE
-
-A Responses API request is a chat request with one choice; `_ResponseJob` answers it as a Response object, or as
-the Responses API's typed events (response.created ... response.output_text.delta ... response.completed).
-
-Offers: Engine, ChoiceText, build_app, run_server.
+Offers: build_app, run_server.
 """
 
 from __future__ import annotations
@@ -20,153 +13,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
-import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuformers.serving.detokenizer import IncrementalDetokenizer
+from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
                                          parse_response)
+from gpuformers.serving.responses import ResponseJob
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before parsing
-
-
-class Engine:
-    """The server's view of a ContinuousBatchingManager: submit one engine request, get its outputs in the event
-    loop, cancel it. Counts the requests in flight so that a full server answers 429 at once."""
-
-    def __init__(self, manager, max_pending: int):
-        self.manager = manager
-        self.max_pending = max_pending
-        self.in_flight = 0
-        self._lock = threading.Lock()
-
-    def reserve(self, count: int) -> None:
-        """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere)."""
-        with self._lock:
-            if self.in_flight + count > self.max_pending:
-                raise APIError(429, f"the server is full: {self.in_flight} requests in flight, at most "
-                                    f"{self.max_pending} (--max-pending); retry later", code="server_full")
-            self.in_flight += count
-
-    def release(self, count: int) -> None:
-        with self._lock:
-            self.in_flight -= count
-
-    def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue: asyncio.Queue,
-               loop: asyncio.AbstractEventLoop) -> str:
-        """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished."""
-        request_id = f"srv-{uuid.uuid4().hex}"
-        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True, **sampling)
-        thread = threading.Thread(target=self._pump, args=(request_id, tag, queue, loop), daemon=True,
-                                  name=f"pump-{request_id[-8:]}")
-        thread.start()
-        return request_id
-
-    def _pump(self, request_id: str, tag: Any, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            for output in self.manager.request_id_iter(request_id):
-                loop.call_soon_threadsafe(queue.put_nowait, (tag, output))
-        except RuntimeError:  # the event loop closed under us (server shutdown)
-            return
-
-    def cancel(self, request_id: str) -> None:
-        self.manager.cancel_request(request_id)
-
-
-class ChoiceText:
-    """One choice's text, decoded incrementally from its token ids, cut at the first stop string.
-
-    `update(output)` returns the new text that can be sent now. The IncrementalDetokenizer decodes only the new
-    tokens' tail and holds back an incomplete UTF-8 character; text that could still turn into a stop string (its
-    last len(longest stop) - 1 characters) is held back here. Stop strings are searched only where a new match can
-    be: the new text plus the len(stop) - 1 characters before it. So the work per token is bounded, whatever the
-    length of the answer."""
-
-    def __init__(self, tokenizer, stops: list[str], max_tokens: int, eos_ids: set[int]):
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.max_tokens = max_tokens
-        self.eos_ids = eos_ids
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
-        # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.prompt_logprobs: list[float | None] = []
-        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = []
-        self.text = ""
-        self.sent = 0  # characters of self.text already returned by update
-        self.finish_reason: str | None = None
-        self.cut_at_stop = False  # a stop string ended the text (finish_reason "stop" is also eos)
-        self._kept: int | None = None  # num_tokens_kept, once a stop string cut the text
-        self.error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def update(self, output) -> str:
-        from gpuformers.engine.sequence import RequestStatus
-
-        if self.finished:
-            return ""
-        self.token_ids = output.generated_tokens
-        self.logprobs, self.top_logprobs = output.logprobs, output.top_logprobs
-        self.prompt_logprobs = getattr(output, "prompt_logprobs", [])
-        self.prompt_top_logprobs = getattr(output, "prompt_top_logprobs", [])
-        done = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-        detokenizer = self.detokenizer
-        searched = len(detokenizer.text)  # text before this update: already searched for stop strings
-        for token_id in self.token_ids[len(detokenizer.token_ids):]:
-            detokenizer.add(token_id)
-        if done:
-            detokenizer.flush()
-        text = detokenizer.text
-        cuts = (text.find(s, max(0, searched - len(s) + 1)) for s in self.stops)
-        cut = min((i for i in cuts if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.finish_reason, self.cut_at_stop = text[:cut], "stop", True
-        elif output.status == RequestStatus.FAILED:
-            self.error = output.error or "the engine failed this request"
-        elif done:
-            last = self.token_ids[-1] if self.token_ids else None
-            self.finish_reason = "stop" if last in self.eos_ids else "length"
-        self.text = text
-        end = len(text) if self.finished else max(self.sent, len(text) - self.hold)
-        new, self.sent = text[self.sent:end], max(self.sent, end)
-        return new
-
-    def num_tokens_kept(self) -> int:
-        """Generated tokens that the returned text covers (all of them unless a stop string cut the text): the
-        fewest leading tokens whose decode starts with the text."""
-        if not self.cut_at_stop:
-            return len(self.token_ids)
-        if self._kept is None:
-            # The detokenizer's count is exact but for a token that starts a character the cut leaves out (the
-            # text took that token's bytes only once the character was whole): step back over such tokens, a few
-            # full decodes once per answer.
-            kept = self.detokenizer.num_tokens_for(len(self.text))
-            while kept > 0 and self.tokenizer.decode(self.token_ids[:kept - 1],
-                                                     skip_special_tokens=True).startswith(self.text):
-                kept -= 1
-            self._kept = kept
-        return self._kept
-
-
-def _now() -> int:
-    return int(time.time())
 
 
 class _State:
@@ -181,7 +44,7 @@ class _State:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.metrics = Metrics()
-        self.created = _now()
+        self.created = now()
         self.vocab_size = manager.model.config.vocab_size
         self.eos_ids = set(manager.generation_config.eos_token_ids or ())
         blocks = manager.block_manager
@@ -346,7 +209,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         state.engine.reserve(parsed.n)
-        job_class = _ResponseJob if parsed.responses else _Job
+        job_class = ResponseJob if parsed.responses else Job
         job = job_class(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
         try:
             job.start(sampling_of)
@@ -366,305 +229,6 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         return body
 
     return app
-
-
-class _Job:
-    """One HTTP request's n engine requests, their texts, and the response they make (whole or streamed)."""
-
-    def __init__(self, state: _State, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
-        self.state, self.parsed, self.prompt_ids = state, parsed, prompt_ids
-        self.max_tokens, self.loop = max_tokens, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request_ids: list[str] = []
-        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids) for _ in range(parsed.n)]
-        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = _now()
-        self.arrival = time.monotonic()
-        self.last_token_time: list[float | None] = [None] * parsed.n
-        self.last_check = time.monotonic()  # when the client was last seen connected
-        self.closed = False
-
-    def start(self, sampling_of) -> None:
-        for index in range(self.parsed.n):
-            sampling = sampling_of(self.parsed, index, self.max_tokens)
-            self.request_ids.append(self.state.engine.submit(self.prompt_ids, sampling, index, self.queue, self.loop))
-
-    def close(self) -> None:
-        """Cancel what is still running (a disconnect, a stop string, an error) and give the slots back."""
-        if self.closed:
-            return
-        self.closed = True
-        for request_id, choice in zip(self.request_ids, self.choices):
-            if not choice.finished or choice.cut_at_stop:
-                self.state.engine.cancel(request_id)  # a no-op for a request the engine already finished
-        self.state.engine.release(self.parsed.n)
-        generated = sum(c.num_tokens_kept() for c in self.choices)
-        self.state.metrics.count_tokens(0, generated)
-
-    async def _next(self, request) -> tuple[int, str]:
-        """The next (choice index, new text) from the engine; raises ConnectionError when the client left."""
-        while True:
-            # Ask whether the client is still there every half second, busy or not: a whole-answer request has no
-            # other way to learn that its client gave up (a streamed one is also cancelled by Starlette).
-            if time.monotonic() - self.last_check > 0.5:
-                self.last_check = time.monotonic()
-                if await request.is_disconnected():
-                    raise ConnectionError("client disconnected")
-            try:
-                index, output = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                continue
-            choice = self.choices[index]
-            before = len(choice.token_ids)
-            text = choice.update(output)
-            self._time_tokens(index, len(choice.token_ids) - before)
-            return index, text
-
-    def _time_tokens(self, index: int, new_tokens: int) -> None:
-        if new_tokens <= 0:
-            return
-        now = time.monotonic()
-        last = self.last_token_time[index]
-        if last is None:
-            self.state.metrics.observe_ttft(now - self.arrival)
-            new_tokens -= 1
-        else:
-            for _ in range(new_tokens):  # tokens that arrived together share the interval
-                self.state.metrics.observe_itl((now - last) / new_tokens)
-        self.last_token_time[index] = now
-
-    def _check_error(self) -> None:
-        for choice in self.choices:
-            if choice.error is not None:
-                raise APIError(500, f"generation failed: {choice.error}", type="server_error")
-
-    def _usage(self) -> dict:
-        completion = sum(c.num_tokens_kept() for c in self.choices)
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(self.prompt_ids) + completion}
-
-    def _logprobs(self, choice: ChoiceText, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
-        """The logprobs object of generated tokens [start, end) (end: all the answer covers); `offset` is the
-        text position of token `start` (completions' text_offset)."""
-        if not self.parsed.logprobs:
-            return None
-        tokenizer = self.state.tokenizer
-        end = choice.num_tokens_kept() if end is None else end
-        ids, values = choice.token_ids[start:end], choice.logprobs[start:end]
-        if self.parsed.chat:
-            strings = [tokenizer.decode([t]) for t in ids]
-            # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-            tops = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in choice.top_logprobs[start:end]]
-            tops += [[] for _ in range(len(strings) - len(tops))]
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                                 "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
-                                                  for ts, tl in top]}
-                                for s, lp, top in zip(strings, values, tops)]}
-        return self._completion_logprobs(ids, values, choice.top_logprobs[start:end], offset)
-
-    def _completion_logprobs(self, ids: list[int], values: list[float | None],
-                             tops: list[list[tuple[int, float]] | None], offset: int) -> dict:
-        """Completions' logprobs object: tokens, token_logprobs, top_logprobs (a dict per token of up to
-        logprobs + 1 entries: the most likely tokens and, as OpenAI does, always the chosen one; None for a
-        token without logprobs, the first of an echoed prompt) and text_offset (from `offset`)."""
-        tokenizer = self.state.tokenizer
-        strings = [tokenizer.decode([t]) for t in ids]
-        offsets, position = [], offset
-        for s in strings:
-            offsets.append(position)
-            position += len(s)
-        top_dicts = None
-        if self.parsed.top_logprobs:
-            top_dicts = []
-            for string, value, top in zip(strings, values, tops + [[]] * (len(strings) - len(tops))):
-                if value is None:
-                    top_dicts.append(None)
-                    continue
-                alternatives: dict[str, float] = {}
-                for token_id, logprob in top:  # best first: a later token with the same text keeps the first
-                    alternatives.setdefault(tokenizer.decode([token_id]), logprob)
-                alternatives.setdefault(string, value)
-                top_dicts.append(alternatives)
-        return {"tokens": strings, "token_logprobs": values, "top_logprobs": top_dicts, "text_offset": offsets}
-
-    def _echo_text(self) -> str:
-        """The prompt as echo returns it: as the client sent it, or decoded when it sent token ids."""
-        return self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
-
-    def _echoed_logprobs(self, completion: dict) -> dict:
-        """The prompt's logprobs object (scored by choice 0's engine request) followed by the completion's."""
-        first = self.choices[0]
-        prompt = self._completion_logprobs(self.prompt_ids, list(first.prompt_logprobs),
-                                           list(first.prompt_top_logprobs), 0)
-        if len(prompt["token_logprobs"]) != len(self.prompt_ids):
-            raise APIError(500, f"the engine returned {len(prompt['token_logprobs'])} prompt logprobs for "
-                                f"{len(self.prompt_ids)} prompt tokens", type="server_error")
-        return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
-
-    async def whole(self, request) -> dict:
-        """The whole answer once every choice finished ({} when the client left first)."""
-        try:
-            while not all(c.finished for c in self.choices):
-                await self._next(request)
-        except ConnectionError:
-            return {}
-        self._check_error()
-        return self._body()
-
-    def _body(self) -> dict:
-        choices = []
-        for index, choice in enumerate(self.choices):
-            if self.parsed.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                                "logprobs": self._logprobs(choice), "finish_reason": choice.finish_reason})
-            else:
-                prefix = self._echo_text() if self.parsed.echo else ""
-                logprobs = self._logprobs(choice, offset=len(prefix))
-                if self.parsed.echo and logprobs is not None:
-                    logprobs = self._echoed_logprobs(logprobs)
-                choices.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
-                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
-
-    def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None) -> str:
-        if self.parsed.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-            kind = "text_completion"
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
-                "choices": [choice]}
-        if self.parsed.include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    async def sse(self, request) -> AsyncIterator[str]:
-        """Server-sent events: a role chunk per choice (chat), text deltas, a finish chunk per choice, the usage
-        chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are too."""
-        reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
-        try:
-            if self.parsed.chat:
-                for index in range(self.parsed.n):
-                    yield self._chunk(index, None, None, role=True)
-            elif self.parsed.echo:  # the prompt is each choice's first text chunk
-                prompt = self._echo_text()
-                for index in range(self.parsed.n):
-                    yield self._chunk(index, prompt, None)
-            while not all(c.finished for c in self.choices):
-                index, text = await self._next(request)
-                choice = self.choices[index]
-                if choice.error is not None:
-                    body = error_body(f"generation failed: {choice.error}", "server_error")
-                    yield f"data: {json.dumps(body)}\n\n"
-                    break
-                # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
-                end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
-                if text:
-                    offset = choice.sent - len(text)
-                    yield self._chunk(index, text, None, logprobs=self._logprobs(choice, reported[index], end, offset))
-                    reported[index] = max(reported[index], end)
-                if choice.finished:
-                    yield self._chunk(index, None if self.parsed.chat else "", choice.finish_reason,
-                                      logprobs=self._logprobs(choice, reported[index], end, choice.sent))
-                    reported[index] = max(reported[index], end)
-            if self.parsed.include_usage:
-                body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
-                        "created": self.created, "model": self.state.model_name, "choices": [],
-                        "usage": self._usage()}
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        except ConnectionError:
-            return
-        finally:
-            self.close()
-
-
-class _ResponseJob(_Job):
-    """A Responses API request: its one choice answered as a Response object, whole or as typed events in OpenAI's
-    order, each with the next sequence_number (from 0):
-
-        response.created, response.in_progress                      the Response, no output yet
-        response.output_item.added, response.content_part.added    an empty assistant message and text part
-        response.output_text.delta ...                              the text, piece by piece
-        response.output_text.done, response.content_part.done, response.output_item.done
-        response.completed | response.incomplete | response.failed  the whole Response (incomplete: the answer
-                                                                    reached max_output_tokens)
-    """
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.id = "resp_" + uuid.uuid4().hex
-        self.message_id = "msg_" + uuid.uuid4().hex
-        self.sequence_number = 0
-
-    @property
-    def status(self) -> str:
-        choice = self.choices[0]
-        if choice.error is not None:
-            return "failed"
-        if not choice.finished:
-            return "in_progress"
-        return "incomplete" if choice.finish_reason == "length" else "completed"
-
-    def _usage(self) -> dict:
-        output_tokens = self.choices[0].num_tokens_kept()
-        return {"input_tokens": len(self.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": len(self.prompt_ids) + output_tokens}
-
-    def _part(self) -> dict:
-        return {"type": "output_text", "text": self.choices[0].text, "annotations": []}
-
-    def _message(self) -> dict:
-        """The output message: in progress and empty until the choice finished."""
-        done = self.status in ("completed", "incomplete")
-        return {"type": "message", "id": self.message_id, "status": self.status if done else "in_progress",
-                "role": "assistant", "content": [self._part()] if done else []}
-
-    def _body(self) -> dict:
-        """The Response object as it stands (output and usage once the choice finished)."""
-        status, choice = self.status, self.choices[0]
-        done = status in ("completed", "incomplete")
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "completed_at": _now() if done else None,
-                "error": {"code": "server_error", "message": choice.error} if status == "failed" else None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.state.model_name, "output": [self._message()] if done else [],
-                "temperature": self.parsed.temperature, "top_p": self.parsed.top_p, "tools": [],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "previous_response_id": None,
-                "background": False, "usage": self._usage() if done else None, **self.parsed.response_fields}
-
-    def _event(self, kind: str, **fields) -> str:
-        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    async def sse(self, request) -> AsyncIterator[str]:
-        """The typed events of the class docstring. Cancelled (the client left) -> the engine request is too."""
-        choice = self.choices[0]
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        try:
-            yield self._event("response.created", response=self._body())
-            yield self._event("response.in_progress", response=self._body())
-            yield self._event("response.output_item.added", output_index=0, item=self._message())
-            yield self._event("response.content_part.added", part=self._part(), **where)
-            while not choice.finished:
-                _, text = await self._next(request)
-                if text:
-                    yield self._event("response.output_text.delta", delta=text, logprobs=[], **where)
-            if choice.error is None:
-                yield self._event("response.output_text.done", text=choice.text, logprobs=[], **where)
-                yield self._event("response.content_part.done", part=self._part(), **where)
-                yield self._event("response.output_item.done", output_index=0, item=self._message())
-            yield self._event(f"response.{self.status}", response=self._body())
-        except ConnectionError:
-            return
-        finally:
-            self.close()
 
 
 def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
