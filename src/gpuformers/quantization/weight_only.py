@@ -23,7 +23,9 @@ Error to expect (relative Frobenius error of dequantize() vs the float weight, 1
 int4 is asymmetric (min/max with a float zero) because that uses all 16 levels: 15-25% less error than symmetric
 4 bits on the Gaussian and Student-t weights above, for one zero per group (about 3% more bytes at g128).
 
-forward is F.linear(x, dequantize(), bias). On the CPU in bfloat16, with no gradient needed and a few rows
+forward is F.linear(x, dequantize(), bias), except for int8 with one scale per output channel, which multiplies
+the output by the scales instead (the same product, rounded once more; no pass over the weight for the scales).
+On the CPU in bfloat16, with no gradient needed and a few rows
 (decode), torch's weight-only kernels give the same numbers within bfloat16 rounding and are much faster
 (1 thread, one row; dequantize-then-matmul / kernel / the bfloat16 nn.Linear):
 
@@ -167,9 +169,10 @@ class WeightOnlyLinear(nn.Module):
         groups = self.scales.shape[1]
         if self.bits == 8:
             # |q| <= 127 is exact in every float dtype, so one multiply in the compute dtype rounds once, as
-            # float32 math then a cast would.
+            # float32 math then a cast would. In place: a second weight-sized buffer costs its page faults too
+            # (8.7 -> 1.2 ms for 1024 x 3072 on the CPU).
             q = self.qweight.to(self.dtype).view(self.out_features, groups, -1)
-            return (q * self.scales[..., None]).view(self.out_features, self.in_features)
+            return q.mul_(self.scales[..., None]).view(self.out_features, self.in_features)
         q = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1)  # (out, in // 2, 2): columns 2j, 2j + 1
         q = q.view(self.out_features, groups, -1).to(torch.float32)
         # (q - 8) * scale + zero as q * scale + (zero - 8 * scale): two in-place passes over the weight, not three.
@@ -189,6 +192,11 @@ class WeightOnlyLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
             return out.view(*x.shape[:-1], self.out_features)
+        if self.bits == 8 and self.scales.shape[1] == 1:
+            # One scale per output channel: scale the output instead of the weight (x @ q.T * s = x @ (q * s).T),
+            # a pass over the weight saved (1024 x 3072, one row, float32 CPU: 1.7 -> 1.15 ms).
+            out = F.linear(x, self.qweight.to(x.dtype)) * self.scales.view(-1)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.dequantize(), self.bias)
 
     def _use_cpu_kernel(self, x: torch.Tensor) -> bool:
