@@ -6,7 +6,7 @@
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~13 minutes)
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 # A device call lasts at most 10 minutes: run it as two calls, `tests kernels generate` (<= 7 min) and
-# `engine load serving quant` (<= 6 min).
+# `engine load serving quant` (<= 7.5 min).
 #
 # Steps, in order, with their time boxes (seconds):
 #   tests     pytest -m gpu tests/kernels, then the other gpu tests (120 + 130)  pytest_gpu_kernels.txt,
@@ -17,7 +17,7 @@
 #             (ours with and without CUDA graphs and async batching, and transformers' generate_batch)
 #   load      benchmarks/bench_load.py --device cuda --repeats 1   (50)   bench_load.txt
 #   serving   benchmarks/bench_serving.py --gpu, 64 then 256 clients (60 + 80)  bench_serving_64.txt, _256.txt
-#   quant     benchmarks/bench_quant.py on cuda, bf16, --big       (60)   bench_quant.txt
+#   quant     benchmarks/bench_quant.py on cuda, bf16, --big       (120)  bench_quant.txt
 #             (bitsandbytes rows only where the package is installed)
 # env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
 # Exit status: 0 when every step passed, else the first failing step's status.
@@ -81,7 +81,7 @@ for step in "${steps[@]}"; do
             run_step serving-64 60 bench_serving_64.txt python benchmarks/bench_serving.py --gpu --clients 64 --rounds 2
             run_step serving-256 80 bench_serving_256.txt \
                 python benchmarks/bench_serving.py --gpu --clients 256 --rounds 2 ;;
-        quant) run_step quant 60 bench_quant.txt \
+        quant) run_step quant 120 bench_quant.txt \
             python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
         *) echo "unknown step ${step}; steps: tests kernels generate engine load serving quant" >&2; exit 2 ;;
     esac
