@@ -15,7 +15,8 @@ from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.manager import ContinuousBatchingConfig
 from gpuformers.engine.scheduler import Scheduler
 from gpuformers.engine.sequence import PLACEHOLDER, RequestStatus, SamplingParams, Sequence
-from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, run_staggered, tiny_model
+from tests.engine.test_engine import (NEW_TOKENS, assert_matches_under_preemption, greedy_reference, make_prompts,
+                                      run_staggered, tiny_model)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -132,11 +133,7 @@ def test_greedy_matches_generate_under_preemption(qwen3, sharing, policy):
     manager = engine(model, True, num_blocks=12, max_batch_tokens=24, allow_block_sharing=sharing,
                      scheduler_type=policy)
     outputs = run_staggered(manager, prompts)
-    for i, (output, expected) in enumerate(zip(outputs, reference)):
-        assert output.status is RequestStatus.FINISHED, output.error
-        assert output.generated_tokens == expected, f"request {i} (prompt length {len(prompts[i])})"
-    assert manager.num_preemptions > 0
-    assert (manager.prefix_hits > 0) == sharing
+    assert_matches_under_preemption(manager, outputs, prompts, reference, sharing)
     assert manager.num_discarded_samples == 0  # max_new_tokens is known by count: no step past it is launched
     assert_all_free(manager)
 

@@ -60,6 +60,16 @@ def run_staggered(manager: ContinuousBatchingManager, prompts, per_step=4):
     return [manager.get_result(i, timeout=0) for i in ids]
 
 
+def assert_matches_under_preemption(manager, outputs, prompts, reference, sharing: bool) -> None:
+    """Every request finished with the tokens generate gives it alone, some were preempted on the way, and prefix
+    blocks were shared exactly when sharing was on."""
+    for i, (output, expected) in enumerate(zip(outputs, reference)):
+        assert output.status is RequestStatus.FINISHED, output.error
+        assert output.generated_tokens == expected, f"request {i} (prompt length {len(prompts[i])})"
+    assert manager.num_preemptions > 0
+    assert (manager.prefix_hits > 0) == sharing
+
+
 @pytest.mark.parametrize("sharing", [True, False], ids=["prefix_sharing", "no_sharing"])
 def test_greedy_matches_generate_under_pressure(qwen3, sharing):
     model, prompts, reference = qwen3
@@ -69,11 +79,7 @@ def test_greedy_matches_generate_under_pressure(qwen3, sharing):
     assert max(map(len, prompts)) > 2 * config.max_batch_tokens  # long prompts are prefilled in chunks
     manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
     outputs = run_staggered(manager, prompts)
-    for i, (output, expected) in enumerate(zip(outputs, reference)):
-        assert output.status is RequestStatus.FINISHED, output.error
-        assert output.generated_tokens == expected, f"request {i} (prompt length {len(prompts[i])})"
-    assert manager.num_preemptions > 0
-    assert (manager.prefix_hits > 0) == sharing
+    assert_matches_under_preemption(manager, outputs, prompts, reference, sharing)
     assert manager.block_manager.num_free_blocks == config.num_blocks
     # The model was switched to the paged backend; plain generate still gives the same tokens.
     assert model.attn_implementation == "paged|sdpa"
