@@ -136,9 +136,7 @@ def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
     if key not in ctx.memo:
         n = ctx.query_start[i + 1] - ctx.query_start[i]
         ctx_len = ctx.context_lens_list[i]
-        slots = _contiguous_slots(ctx, i, ctx_len)
-        if slots is None:
-            slots = _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
+        slots = _slots(ctx, i, ctx_len)
         device = ctx.block_tables.device
         mask = build_attention_mask(None, n, ctx_len, ctx_len - n, sliding_window, device)
         if mask is None and n == 1:
@@ -148,6 +146,13 @@ def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
             mask = torch.ones(1, 1, 1, ctx_len, dtype=torch.bool, device=device)
         ctx.memo[key] = (slots, mask)
     return ctx.memo[key]
+
+
+def _slots(ctx: PagedContext, i: int, ctx_len: int) -> slice | torch.Tensor:
+    """Sequence i's first ctx_len cache slots: a slice when its blocks are consecutive (keys read in place, a view),
+    else the (ctx_len,) slot indices to gather."""
+    slots = _contiguous_slots(ctx, i, ctx_len)
+    return slots if slots is not None else _gather_slots(ctx.block_tables[i:i + 1], ctx_len, ctx.block_size)[0]
 
 
 def _contiguous_slots(ctx: PagedContext, i: int, ctx_len: int) -> slice | None:
@@ -213,12 +218,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         start, end = ctx.query_start[i], ctx.query_start[i + 1]
         slots, mask = _sequence_layout(ctx, i, sliding_window)
         k, v = _read_keys(key, slots), _read_keys(value, slots)  # (1, kv_heads, ctx_len, head_dim)
-        if end - start == 1 and base is sdpa_attention and sliding_window is None:
-            # The CPU decode hot path, called once per sequence and layer: torch's SDPA directly (the query heads
-            # folded as above, no mask: every cached key is visible), output (1, kv_heads, n_rep, head_dim).
-            q = query[0, :, start].view(1, kv_heads, heads // kv_heads, head_dim)
-            out[start] = F.scaled_dot_product_attention(q, k, v, scale=scaling).view(heads, head_dim)
-        elif end - start == 1:  # a decode: the same GQA folding as above, (1, kv_heads, n_rep, head_dim)
+        if end - start == 1:  # one query token: the same GQA folding as above, (1, kv_heads, n_rep, head_dim)
             q = query[0, :, start].reshape(1, kv_heads, heads // kv_heads, head_dim)
             o, _ = base(module, q, k, v, mask, scaling=scaling)  # (1, n_rep, kv_heads, head_dim)
             out[start] = o[0].transpose(0, 1).reshape(heads, head_dim)
@@ -237,10 +237,7 @@ def _cpu_decodes(ctx: PagedContext, query, key, value, scaling: float) -> torch.
     kv_heads = key.shape[1]
     slots = ctx.memo.get("cpu_decode_slots")
     if slots is None:  # a slice (consecutive blocks: the common case) or the slot indices to gather
-        slots = ctx.memo["cpu_decode_slots"] = [
-            _contiguous_slots(ctx, i, ctx.context_lens_list[i])
-            or _gather_slots(ctx.block_tables[i:i + 1], ctx.context_lens_list[i], ctx.block_size)[0]
-            for i in range(nd)]
+        slots = ctx.memo["cpu_decode_slots"] = [_slots(ctx, i, ctx.context_lens_list[i]) for i in range(nd)]
     # Each decode's query heads folded onto its kv heads, as above: (nd, kv_heads, n_rep, head_dim). Inputs stay
     # 4-D (batch 1): torch's CPU flash kernel takes only those (3-D ones fall back to a slower path).
     q = query[0, :, :nd].transpose(0, 1).reshape(nd, kv_heads, heads // kv_heads, head_dim)
