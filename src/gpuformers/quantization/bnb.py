@@ -34,34 +34,32 @@ _4BIT_BLOBS = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
 def bnb_linear(linear: nn.Linear, config, dtype: torch.dtype) -> nn.Module:
     """A meta-device bitsandbytes layer that replaces `linear` and quantizes its weight as it is loaded.
 
-    config: a BitsAndBytesConfig (transformers' field names); dtype: the model's dtype (what the checkpoint's
-    float tensors are cast to before quantizing, and the bias's dtype).
+    config: a BitsAndBytesConfig (quantization/config.py: exactly one of 4 and 8 bits, dtypes already resolved, a
+    missing compute dtype made float32 as transformers does); dtype: the model's dtype (what the checkpoint's float
+    tensors are cast to before quantizing, and the bias's dtype).
     """
     _import_bitsandbytes()  # every time: a cached class must not hide that the package has gone
     linear4bit, linear8bit = _classes()
     bias = linear.bias is not None
-    if getattr(config, "load_in_4bit", False):
+    if config.load_in_4bit:
         return linear4bit(
             linear.in_features,
             linear.out_features,
             bias,
-            # transformers' BitsAndBytesConfig turns a missing compute dtype into float32; so do we, for equal logits
-            compute_dtype=_as_dtype(config.bnb_4bit_compute_dtype, torch.float32, "bnb_4bit_compute_dtype"),
+            compute_dtype=config.bnb_4bit_compute_dtype,
             compress_statistics=bool(config.bnb_4bit_use_double_quant),
             quant_type=config.bnb_4bit_quant_type,
-            quant_storage=_as_dtype(config.bnb_4bit_quant_storage, torch.uint8, "bnb_4bit_quant_storage"),
+            quant_storage=config.bnb_4bit_quant_storage,
             model_dtype=dtype,
         )
-    if getattr(config, "load_in_8bit", False):
-        return linear8bit(
-            linear.in_features,
-            linear.out_features,
-            bias,
-            has_fp16_weights=bool(config.llm_int8_has_fp16_weight),
-            threshold=float(config.llm_int8_threshold),
-            model_dtype=dtype,
-        )
-    raise ValueError("a bitsandbytes config needs load_in_4bit=True or load_in_8bit=True; both are False")
+    return linear8bit(
+        linear.in_features,
+        linear.out_features,
+        bias,
+        has_fp16_weights=bool(config.llm_int8_has_fp16_weight),
+        threshold=float(config.llm_int8_threshold),
+        model_dtype=dtype,
+    )
 
 
 def __getattr__(name: str):
@@ -78,18 +76,6 @@ def _import_bitsandbytes():
     except ImportError as err:
         raise ImportError(f"bitsandbytes quantization needs the bitsandbytes package: {INSTALL_HINT}") from err
     return bitsandbytes
-
-
-def _as_dtype(value, default: torch.dtype, field: str) -> torch.dtype:
-    """A dtype from a config field: None -> default; "bfloat16" (as config.json stores it) -> torch.bfloat16."""
-    if value is None:
-        return default
-    if isinstance(value, torch.dtype):
-        return value
-    parsed = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(parsed, torch.dtype):
-        raise ValueError(f"{field}={value!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'")
-    return parsed
 
 
 def _check_bias(layer: nn.Module, tensor: torch.Tensor) -> None:
