@@ -17,7 +17,7 @@ multiplied by the world size before the backward to give the gradients of one bi
 Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
 functions, since they are collectives.
 
-Offers: world_size, rank, is_main_process, init_distributed, wrap_model, gradient_sync, all_reduce_sum, barrier,
+Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync, all_reduce_sum, barrier,
 full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
 
@@ -47,6 +47,15 @@ def rank() -> int:
 
 def is_main_process() -> bool:
     return rank() == 0
+
+
+def process_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK under torchrun (cuda:0 alone) when a GPU is visible, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from gpuformers.device import resolve_device
+
+    return resolve_device(f"cuda:{max(int(os.environ.get('LOCAL_RANK', 0)), 0)}")
 
 
 def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool = False) -> bool:

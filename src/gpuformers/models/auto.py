@@ -214,10 +214,7 @@ def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
                          "device (cuda:LOCAL_RANK, or the CPU); drop device_map")
     if gguf_file is not None:
         raise NotImplementedError("tp_plan with a GGUF file is not supported; load a safetensors checkpoint")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        device = torch.device("cpu")
+    device = distributed.process_device()
     distributed.init_distributed(device, single=True)
     return device
 

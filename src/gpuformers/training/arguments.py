@@ -147,11 +147,9 @@ class TrainingArguments:
         """cuda:LOCAL_RANK (cuda:0 alone) when a GPU is visible, else cpu; always cpu with use_cpu=True."""
         import torch
 
-        from gpuformers.device import resolve_device
+        from gpuformers.distributed import process_device
 
-        if self.use_cpu or not torch.cuda.is_available():
-            return torch.device("cpu")
-        return resolve_device(f"cuda:{self.local_rank if self.local_rank >= 0 else 0}")
+        return torch.device("cpu") if self.use_cpu else process_device()
 
     @property
     def n_gpu(self) -> int:
