@@ -17,8 +17,8 @@ multiplied by the world size before the backward to give the gradients of one bi
 Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
 functions, since they are collectives.
 
-Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync, all_reduce_sum, barrier,
-full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
+Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync,
+all_reduce_sum, barrier, full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ QUANTIZATION_CHOICES = ("bnb-4bit", "bnb-8bit", "int8", "int4")
 def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help="quantize the linear layers while loading: bnb-4bit (NF4) / bnb-8bit (bitsandbytes), "
-                             "int8 / int4 (weight-only; int4 in groups of 128 columns, or 64 / 32 where 128 does not fit); default: none")
+                             "int8 / int4 (weight-only; int4 in groups of 128 columns, or 64 / 32 where 128 does not "
+                             "fit); default: none")
 
 
 def quantization_config_for(choice: str | None, dtype: str, device: str):
