@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import os
 from pathlib import Path
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, _LORA_PARTS, LoraConfig
@@ -252,7 +250,7 @@ def prepare_model_for_kbit_training(model: nn.Module, use_gradient_checkpointing
        transformers and the Trainer), and, unless use_reentrant=False is given, the input embeddings' output
        requires grad, which reentrant checkpointing needs to reach the adapters (peft's condition).
     """
-    from gpuformers.models.modeling import decoder_layers
+    from gpuformers.models.modeling import checkpoint_decoder_layers
     from gpuformers.quantization.weight_only import WeightOnlyLinear
 
     kwargs = dict(gradient_checkpointing_kwargs or {})
@@ -266,25 +264,13 @@ def prepare_model_for_kbit_training(model: nn.Module, use_gradient_checkpointing
                 param.data = param.data.to(torch.float32)
     if not (quantized and use_gradient_checkpointing):
         return model
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"use_gradient_checkpointing=True but {type(model).__name__} names no decoder layer class "
-                         f"(no_split_modules); pass use_gradient_checkpointing=False for this model")
+    checkpoint_decoder_layers(model, "use_gradient_checkpointing", **{"use_reentrant": False, **kwargs})
+    # peft's condition, on the kwargs as given: the hook unless use_reentrant=False was passed
     if kwargs.get("use_reentrant", True) and getattr(model, "_require_grads_hook", None) is None:
         model._require_grads_hook = model.get_input_embeddings().register_forward_hook(_make_output_require_grad)
-    kwargs.setdefault("use_reentrant", False)
-    for layer in layers:
-        if getattr(layer, "_checkpointed", False):  # the Trainer's flag: it leaves these layers as they are
-            continue
-        layer.forward = functools.partial(_checkpointed_call, layer.forward, kwargs)
-        layer._checkpointed = True
     return model
 
 
 def _make_output_require_grad(module: nn.Module, inputs, output: torch.Tensor) -> None:
     output.requires_grad_(True)
 
-
-def _checkpointed_call(forward, checkpoint_kwargs: dict, *args, **kwargs):
-    # Keyword arguments go in through partial: reentrant checkpointing takes positional ones only.
-    return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)

@@ -7,9 +7,11 @@ Offers: PreTrainedModel, skip_init.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from gpuformers.engine.mixin import ContinuousBatchingMixin
@@ -40,6 +42,26 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     device_map keeps whole, FSDP2 shards one at a time and gradient checkpointing recomputes)."""
     names = set(getattr(model, "no_split_modules", ()) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def checkpoint_decoder_layers(model: nn.Module, setting: str, **checkpoint_kwargs) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (torch.utils.checkpoint with `checkpoint_kwargs`); a layer already wrapped is left as it is. `setting` names
+    the option that asked for it, for the error on a model without decoder layers."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{setting}=True but {type(model).__name__} names no decoder layer class "
+                         f"(no_split_modules); turn {setting} off for this model")
+    for layer in layers:
+        if getattr(layer, "_checkpointed", False):
+            continue
+        layer.forward = functools.partial(_checkpointed_call, layer.forward, checkpoint_kwargs)
+        layer._checkpointed = True
+
+
+def _checkpointed_call(forward, checkpoint_kwargs: dict, *args, **kwargs):
+    # Keyword arguments go in through partial: reentrant checkpointing takes positional ones only.
+    return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
 
 
 class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):

@@ -557,20 +557,9 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
         return
-    import torch.utils.checkpoint
+    from gpuformers.models.modeling import checkpoint_decoder_layers
 
-    from gpuformers.models.modeling import decoder_layers
-
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} names no decoder layer class "
-                         "(no_split_modules); turn gradient_checkpointing off for this model")
-    for layer in layers:
-        if getattr(layer, "_checkpointed", False):
-            continue
-        forward = layer.forward
-        layer.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
-        layer._checkpointed = True
+    checkpoint_decoder_layers(model, "gradient_checkpointing", use_reentrant=False)
 
 
 def _has_lora(model) -> bool:
