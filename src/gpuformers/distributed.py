@@ -18,7 +18,8 @@ Checkpoints are written by process 0 from full (gathered) state dicts; every pro
 functions, since they are collectives.
 
 Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync,
-all_reduce_sum, barrier, full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
+all_reduce_sum, all_reduce_min, barrier, full_model_state_dict, full_optimizer_state_dict,
+load_full_optimizer_state_dict, unwrap.
 """
 
 from __future__ import annotations
@@ -142,6 +143,15 @@ def all_reduce_sum(value: float | int | torch.Tensor, device: torch.device) -> t
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest `value` over all processes (the value itself in a single process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 def barrier() -> None:

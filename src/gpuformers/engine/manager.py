@@ -79,7 +79,9 @@ class ContinuousBatchingConfig:
             per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size)
             values["num_blocks"] = max(1, int(_free_memory(model.device) * self.max_memory_percent) // per_block)
             if tp_size > 1:  # every process must schedule (and preempt) alike: the smallest cache of them all
-                values["num_blocks"] = _smallest_over_processes(values["num_blocks"], model.device)
+                from gpuformers.distributed import all_reduce_min
+
+                values["num_blocks"] = all_reduce_min(values["num_blocks"], model.device)
         values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
         values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
         if self.use_cuda_graph and not cuda:
@@ -91,14 +93,6 @@ class ContinuousBatchingConfig:
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
         return ContinuousBatchingConfig(**values)
-
-
-def _smallest_over_processes(value: int, device: torch.device) -> int:
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
 
 
 def _free_memory(device: torch.device) -> int:
