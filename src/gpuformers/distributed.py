@@ -160,10 +160,12 @@ def barrier() -> None:
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict as plain CPU tensors on process 0 (an empty dict elsewhere under FSDP2).
-    A collective under FSDP2: every process must call it."""
+    """The whole model's state dict as plain CPU tensors on process 0 (an empty dict elsewhere) when it is sharded
+    by FSDP2 or split by tensor parallelism (tensor_parallel.py); a collective then: every process must call it."""
+    from torch.distributed.tensor import DTensor
+
     model = unwrap(model)
-    if not _is_fsdp(model):
+    if not _is_fsdp(model) and not any(isinstance(p, DTensor) for p in model.parameters()):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -23,7 +23,7 @@ parallel inside data parallel), training a tensor-parallel model, serving one, C
 or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint; the engine
 runs when every process makes the same calls (engine/manager.py agrees on the KV cache size).
 
-Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, full_state_dict, refuse.
+Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
 """
 
 from __future__ import annotations
@@ -113,15 +113,6 @@ def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
                              f"(module names look like model.layers.0.self_attn.q_proj)")
         plan.update(dict.fromkeys(matched, style))
     return plan
-
-
-def full_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with every split weight gathered whole, on the CPU (a collective: every process
-    calls it and gets the same dict)."""
-    from torch.distributed.tensor import DTensor
-
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-            for name, t in model.state_dict().items()}
 
 
 def refuse(model: nn.Module, feature: str) -> None:

@@ -95,12 +95,13 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
         generation_config.json in the format transformers reads. `state_dict` replaces the model's own (e.g. the
         gathered weights of a model sharded by FSDP2). A tensor-parallel model gathers its slices into whole
         weights (every process must call this: a collective) and process 0 writes them."""
+        from gpuformers.distributed import full_model_state_dict, is_main_process
         from gpuformers.loading.save import save_checkpoint
-        from gpuformers.tensor_parallel import full_state_dict, is_tensor_parallel
+        from gpuformers.tensor_parallel import is_tensor_parallel
 
         if is_tensor_parallel(self) and state_dict is None:
-            state_dict = full_state_dict(self)
-            if torch.distributed.get_rank() != 0:
+            state_dict = full_model_state_dict(self)
+            if not is_main_process():
                 return
         generation = self.generation_config.to_dict() if self.generation_config is not None else None
         save_checkpoint(
