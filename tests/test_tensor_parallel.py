@@ -45,6 +45,9 @@ def test_two_processes_match_the_whole_model(model_type, tmp_path):
     assert result["saved_logits_diff"] == 0.0  # saved whole by process 0 from the gathered slices
     assert result["engine_equal"] and result["engine_kv_heads"] == config.num_key_value_heads // 2
     assert result["auto_blocks_agree"]
+    lora, fsdp = result["refused"]
+    assert "LoRA adapters on a tensor-parallel model" in lora
+    assert "fsdp='full_shard' with a tensor-parallel model" in fsdp
 
 
 @pytest.mark.distributed

@@ -45,6 +45,7 @@ def main() -> None:
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, blocks)
     result["auto_blocks_agree"] = len(set(every)) == 1
+    result["refused"] = _refusals(model, out)
     model.save_pretrained(out + ".model")  # every process gathers; process 0 writes
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
@@ -53,6 +54,23 @@ def main() -> None:
             result["saved_logits_diff"] = float((saved(ids).logits - whole(ids).logits).abs().max())
         with open(out, "w") as f:
             json.dump(result, f)
+
+
+def _refusals(model, out: str) -> list[str | None]:
+    """The NotImplementedError messages of what a tensor-parallel model cannot do yet (None: it was not refused)."""
+    from gpuformers.lora import LoraConfig, get_peft_model
+    from gpuformers.training import Trainer, TrainingArguments
+
+    attempts = [lambda: get_peft_model(model, LoraConfig(target_modules=["q_proj"])),
+                lambda: Trainer(model, TrainingArguments(output_dir=out + ".train", fsdp="full_shard", use_cpu=True))]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append(None)
+        except NotImplementedError as error:
+            messages.append(str(error))
+    return messages
 
 
 if __name__ == "__main__":

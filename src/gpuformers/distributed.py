@@ -18,7 +18,7 @@ Checkpoints are written by process 0 from full (gathered) state dicts; every pro
 functions, since they are collectives.
 
 Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync,
-all_reduce_sum, all_reduce_min, barrier, full_model_state_dict, full_optimizer_state_dict,
+all_reduce_sum, all_reduce_min, barrier, full_model_state_dict, load_full_model_state_dict, full_optimizer_state_dict,
 load_full_optimizer_state_dict, unwrap.
 """
 
@@ -165,18 +165,40 @@ def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     model = unwrap(model)
-    if not _is_fsdp(model) and not any(isinstance(p, DTensor) for p in model.parameters()):
+    if not _has_dtensors(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    """Sharded by FSDP2 or split by tensor parallelism: some parameters are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return _is_fsdp(model) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def load_full_model_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy whole weights (every process passes all of them) into a model whose parameters may be DTensors, each
+    process keeping its part; the model's tied weights may be absent from `state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = unwrap(model)
+    tied = set(getattr(model, "tied_weights", {}) or {})
+    missing = [k for k in model.state_dict() if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in model.state_dict()]
+    if missing or unexpected:
+        raise ValueError(f"the weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                         "resume with the model the checkpoint was trained from")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state with whole (gathered) tensors, keyed like optimizer.state_dict(); a collective under
-    FSDP2 (process 0 gets the values)."""
+    FSDP2 and tensor parallelism (process 0 gets the values)."""
     model = unwrap(model)
-    if not _is_fsdp(model):
+    if not _has_dtensors(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -185,10 +207,10 @@ def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
 
 
 def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a state written by full_optimizer_state_dict (each process passes the whole state; FSDP2 keeps its
-    shard)."""
+    """Load a state written by full_optimizer_state_dict (each process passes the whole state; FSDP2 and tensor
+    parallelism keep their parts)."""
     model = unwrap(model)
-    if not _is_fsdp(model):
+    if not _has_dtensors(model):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -1,4 +1,4 @@
-"""Tensor parallelism for inference under torchrun: each process holds a slice of every decoder layer's weights.
+"""Tensor parallelism under torchrun: each process holds a slice of every decoder layer's weights.
 
     torchrun --nproc_per_node=2 script.py      with   from_pretrained(model_id, tp_plan="auto")
 
@@ -8,6 +8,9 @@ The llama family's plan (the one transformers writes for these models), over one
                                                   own attention heads and its own part of the MLP's hidden layer
     o_proj, down_proj                             "rowwise": input features split, partial outputs summed (one
                                                   all-reduce per attention and one per MLP)
+    q_norm, k_norm (Qwen3)                        "replicated_with_grad_allreduce": whole in every process, but
+                                                  each process applies them to its own heads only, so their
+                                                  gradients are summed over the processes in the backward
     embeddings, norms, lm_head                    whole in every process (every process gets the full logits)
 
 The decoder code does not change: a layer's heads are read from the width of its local q/k/v output, so each
@@ -18,10 +21,16 @@ from_pretrained loads the checkpoint into CPU memory first and then moves each s
 one at a time, keeping only its slice there: a GPU holds its share of the decoder plus the whole embeddings, norms
 and LM head, never the whole model (the CPU holds it for a moment).
 
+Training: the Trainer trains a tensor-parallel model when every process feeds it the same batches (the processes
+split the model, not the data). The split weights are DTensors, the others plain tensors: the optimizer takes them
+in separate parameter groups (optim.py) and gradient clipping adds up the split gradients' norms over the processes
+(trainer.clip_grad_norm); checkpoints gather the whole model and optimizer state and resume into the slices.
+
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
-parallel inside data parallel), training a tensor-parallel model, serving one, CUDA graphs under it, and quantized
-or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint; the engine
-runs when every process makes the same calls (engine/manager.py agrees on the KV cache size).
+parallel inside data parallel, also with FSDP2), fp16 training (bf16 works), serving a tensor-parallel model, CUDA
+graphs under it, and quantized or LoRA layers in one. save_pretrained gathers the slices and process 0 writes the
+whole checkpoint; the engine runs when every process makes the same calls (engine/manager.py agrees on the KV cache
+size).
 
 Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
 """
@@ -29,11 +38,12 @@ Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tenso
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 import torch
 from torch import nn
 
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 LLAMA_TP_PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.k_proj": "colwise",
@@ -42,6 +52,8 @@ LLAMA_TP_PLAN = {
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",  # Qwen3; other models have none
+    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
 }
 
 
@@ -64,7 +76,7 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
     """Split `model`'s decoder layers over the processes (see the module doc); returns the device mesh.
 
     tp_plan: "auto" (the llama family's plan above) or a dict module-name pattern (fnmatch, "*" for a layer index)
-    -> "colwise" | "rowwise". device: where this process computes (default: where the model is). A model still on
+    -> one of TP_STYLES. device: where this process computes (default: where the model is). A model still on
     the CPU moves there slice by slice: each split weight goes over whole, is cut, and only this process's slice
     stays, so the device never holds the whole model. Needs the process group (torchrun)."""
     import torch.distributed as dist
@@ -81,24 +93,42 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
                                   f"is not supported yet: use tp_size={world}, one slice per process")
     plan = _resolve_plan(model, tp_plan)
     check_tp_size(model.config, tp_size)
-    for name in plan:
+    for name, style in plan.items():
         layer = model.get_submodule(name)
-        if type(layer) is not nn.Linear:
+        if style != "replicated_with_grad_allreduce" and type(layer) is not nn.Linear:
             raise NotImplementedError(f"tensor parallelism over {name} ({type(layer).__name__}) is not supported: "
                                       "only plain nn.Linear layers are split (no quantized or LoRA layers yet)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     mesh = init_device_mesh(device.type, (tp_size,))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})  # moves the slices
+    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items() if style in styles})
     model.to(device)  # the rest, whole: embeddings, norms, lm_head, rotary buffers
+    if tp_size > 1:
+        group = mesh.get_group()
+        for name, style in plan.items():
+            if style == "replicated_with_grad_allreduce":
+                for param in model.get_submodule(name).parameters():
+                    param.register_hook(functools.partial(_sum_over, group))
     model.tp_size, model.tp_plan, model.device_mesh = tp_size, plan, mesh
     return mesh
 
 
+def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook: this process's part of the gradient -> the sum over the group's processes."""
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
 def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
-    """The plan as {module name: style}, every pattern matched by at least one nn module."""
+    """The plan as {module name: style}, every pattern matched by at least one nn module (in "auto", the
+    replicated_with_grad_allreduce patterns may match none: not every model has q/k norms)."""
+    optional = set()
     if tp_plan == "auto":
         tp_plan = LLAMA_TP_PLAN
+        optional = {pattern for pattern, style in tp_plan.items() if style == "replicated_with_grad_allreduce"}
     if not isinstance(tp_plan, dict):
         raise ValueError(f'tp_plan={tp_plan!r}: pass "auto" or a dict of module-name patterns -> "colwise" / '
                          f'"rowwise"')
@@ -108,7 +138,7 @@ def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
         if style not in TP_STYLES:
             raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {TP_STYLES}")
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
+        if not matched and pattern not in optional:
             raise ValueError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
                              f"(module names look like model.layers.0.self_attn.q_proj)")
         plan.update(dict.fromkeys(matched, style))

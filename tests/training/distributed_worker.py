@@ -1,8 +1,9 @@
-"""One process of a data-parallel training run, for tests/training/test_distributed_trainer.py:
-`torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR ddp|fsdp [--max-steps N]
-[--stop-at N] [--resume]`. Each process trains on its share of every batch (1 row x 2 accumulated micro-batches: with 2
-processes, global batches of 4); process 0 writes the logged losses and gradient norms to OUTPUT_DIR/losses.json and the final
-weights to OUTPUT_DIR/final."""
+"""One process of a distributed training run, for tests/training/test_distributed_trainer.py:
+`torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR ddp|fsdp|tp [--max-steps N]
+[--stop-at N] [--resume]`. With ddp and fsdp each process trains on its share of every batch (1 row x 2 accumulated
+micro-batches: with 2 processes, global batches of 4); with tp (the model loaded with tp_plan="auto") every process
+takes the whole batch (2 rows x 2 micro-batches) on its slices of the model; process 0 writes the logged losses and
+gradient norms to OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final."""
 
 from __future__ import annotations
 
@@ -44,16 +45,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
     parser.add_argument("output_dir")
-    parser.add_argument("strategy", choices=["ddp", "fsdp"])
+    parser.add_argument("strategy", choices=["ddp", "fsdp", "tp"])
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-at", type=int, help="end training after this step (its checkpoint is written)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False)
-    extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {}
+    tp = args.strategy == "tp"
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False, tp_plan="auto" if tp else None)
+    extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {"per_device_train_batch_size": 2} if tp else {}
     eval_batches = CountEvalBatches()
-    trainer = Trainer(model, tiny_args(args.output_dir, **DISTRIBUTED_ARGS, **extra, max_steps=args.max_steps,
+    trainer = Trainer(model, tiny_args(args.output_dir, **{**DISTRIBUTED_ARGS, **extra}, max_steps=args.max_steps,
                                        use_cpu=True),
                       train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS),
                       callbacks=[eval_batches] + ([StopAt(args.stop_at)] if args.stop_at else []))

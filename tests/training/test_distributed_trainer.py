@@ -1,5 +1,6 @@
-"""The Trainer under torchrun on the CPU (gloo, 2 processes): DDP and FSDP2 train exactly like one process on the
-same global batches (logged losses and final weights), and a distributed run resumes from its checkpoint."""
+"""The Trainer under torchrun on the CPU (gloo, 2 processes): DDP, FSDP2 and tensor parallelism train exactly like one
+process on the same global batches (logged losses, gradient norms and final weights), and a distributed run resumes
+from its checkpoint."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def single_process(tiny_checkpoint, tmp_path_factory):
     return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process, tmp_path):
     torchrun(str(tiny_checkpoint), str(tmp_path), strategy)
     logged = json.loads((tmp_path / "losses.json").read_text())
@@ -56,8 +57,10 @@ def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process,
     assert sorted(evals) == ["eval3", "eval6"]  # evaluation mid-run: the loss of the whole eval set ...
     for key, value in evals.items():
         assert value == pytest.approx(expected_losses[key], rel=1e-5)
-    # ... with each process scoring half of it: 7 rows -> 4 per process (one padding row), batches of 2, twice
-    assert [int((tmp_path / f"eval_batches_{rank}.json").read_text()) for rank in (0, 1)] == [4, 4]
+    # ... with each data-parallel process scoring half of it: 7 rows -> 4 per process (one padding row), batches of
+    # 2, twice; under tensor parallelism both processes run all 4 batches of the set together
+    batches = [int((tmp_path / f"eval_batches_{rank}.json").read_text()) for rank in (0, 1)]
+    assert batches == ([8, 8] if strategy == "tp" else [4, 4])
     losses = {int(k): v for k, v in logged.items() if not k.startswith("eval")}
     assert sorted(losses) == list(range(1, 7))
     for step, (loss, grad_norm) in losses.items():
@@ -72,10 +75,11 @@ def test_two_processes_train_like_one(strategy, tiny_checkpoint, single_process,
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_fsdp_run_resumes_from_its_checkpoint(tiny_checkpoint, single_process, tmp_path):
-    torchrun(str(tiny_checkpoint), str(tmp_path), "fsdp", "--stop-at", "3")
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_run_resumes_from_its_checkpoint(strategy, tiny_checkpoint, single_process, tmp_path):
+    torchrun(str(tiny_checkpoint), str(tmp_path), strategy, "--stop-at", "3")
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
-    torchrun(str(tiny_checkpoint), str(tmp_path), "fsdp", "--resume")
+    torchrun(str(tiny_checkpoint), str(tmp_path), strategy, "--resume")
     got = weights(tmp_path / "final")
     for name, value in single_process[1].items():
         torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)

@@ -31,6 +31,9 @@ class PeftModel(nn.Module):
         if isinstance(model, PeftModel):
             raise ValueError("the model is already a PeftModel; call merge_and_unload() or unload() first, or "
                              "pass the plain model")
+        from gpuformers.tensor_parallel import refuse
+
+        refuse(model, "LoRA adapters")
         if not isinstance(peft_config, LoraConfig):
             if not callable(getattr(peft_config, "to_dict", None)):
                 raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a gpuformers LoraConfig")

@@ -173,16 +173,22 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_model_weights_in_place(model, folder: Path) -> None:
-    """Copy the checkpoint's safetensors into the model's existing parameters (the optimizer holds those very
-    tensors, so they must not be replaced)."""
+def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, on the CPU."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(path))
     if not state:
         raise FileNotFoundError(f"{folder} holds no *.safetensors model weights")
+    return state
+
+
+def load_model_weights_in_place(model, folder: Path) -> None:
+    """Copy the checkpoint's safetensors into the model's existing parameters (the optimizer holds those very
+    tensors, so they must not be replaced)."""
+    state = read_model_weights(folder)
     if hasattr(model, "peft_config"):  # a LoRA model's checkpoint holds its adapter weights only
         from gpuformers.lora import set_peft_model_state_dict
 

@@ -42,6 +42,7 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    groups = [part for group in groups for part in _split_dtensors(group)]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
     kwargs = {}
@@ -51,6 +52,17 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         kwargs["foreach"] = True
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_epsilon, **kwargs)
+
+
+def _split_dtensors(group: dict) -> list[dict]:
+    """A tensor-parallel model's split weights are DTensors and its other weights plain tensors; torch's foreach and
+    fused optimizers take a group of one kind only, so a mixed group becomes two with the same settings."""
+    from torch.distributed.tensor import DTensor
+
+    split = [p for p in group["params"] if isinstance(p, DTensor)]
+    if not split or len(split) == len(group["params"]):
+        return [group]
+    return [{**group, "params": split}, {**group, "params": [p for p in group["params"] if not isinstance(p, DTensor)]}]
 
 
 def schedule_factor(step: int, *, kind: str, warmup: int, total: int, num_cycles: float = 0.5) -> float:

@@ -87,9 +87,13 @@ class Trainer:
         if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
             raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                       "model on one device for now: load it with device_map=None or one device")
-        from gpuformers.tensor_parallel import refuse
+        from gpuformers.tensor_parallel import is_tensor_parallel
 
-        refuse(model, "training")
+        # A tensor-parallel model is split over the processes, which all train it on the same batches: no data
+        # parallelism, so one data-parallel "process" (see _data_parallel).
+        self._tensor_parallel = is_tensor_parallel(model)
+        if self._tensor_parallel:
+            _check_tensor_parallel_args(self.args)
         if getattr(model, "is_quantized", False) and not _has_lora(model):
             raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
                              "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
@@ -148,14 +152,20 @@ class Trainer:
             order = torch.randperm(n, generator=generator).tolist()
         else:
             order = list(range(n))
-        world = self.args.world_size
+        world, rank = self._data_parallel
         if shard and world > 1:
-            order = (order + order[:(-len(order)) % world])[self.args.process_index::world]
+            order = (order + order[:(-len(order)) % world])[rank::world]
             n = len(order)
         batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
         if batches and self.args.dataloader_drop_last and len(batches[-1]) < batch_size:
             batches.pop()
         return batches
+
+    @property
+    def _data_parallel(self) -> tuple[int, int]:
+        """(processes that split the data, this one's index among them): torchrun's world and rank, or (1, 0) for a
+        tensor-parallel model, whose processes all take the same batches."""
+        return (1, 0) if self._tensor_parallel else (self.args.world_size, self.args.process_index)
 
     def _loader(self, dataset, batches: list[list[int]]) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
@@ -207,10 +217,10 @@ class Trainer:
         if num_items_in_batch is None or not (self._model_counts_items or self.compute_loss_func):
             loss = loss / self._micro_batches  # a per-micro-batch mean: average over the step's micro-batches
         backward = loss
-        if self.args.world_size > 1 and num_items_in_batch is not None and (self._model_counts_items
-                                                                               or self.compute_loss_func):
+        world = self._data_parallel[0]
+        if world > 1 and num_items_in_batch is not None and (self._model_counts_items or self.compute_loss_func):
             # The loss is already over the whole step's tokens (all processes): undo DDP's / FSDP2's average.
-            backward = loss * self.args.world_size
+            backward = loss * world
         (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         return loss.detach()
 
@@ -247,7 +257,7 @@ class Trainer:
         items = sum(self._count_targets(b) for b in micro)
         tokens = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None else b["input_ids"].numel()
                      for b in micro)
-        if self.args.world_size > 1:  # ... over every process's share of the step
+        if self._data_parallel[0] > 1:  # ... over every process's share of the step
             items, tokens = (int(v) for v in distributed.all_reduce_sum([items, tokens], self.args.device).tolist())
         num_items = max(1, items) if self._model_counts_items or self.compute_loss_func else None
         loss = 0.0
@@ -290,10 +300,11 @@ class Trainer:
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
         fsdp = args.distributed_strategy == "fsdp"
+        gathered = fsdp or self._tensor_parallel  # checkpoints hold whole states, each process keeps its part
         if self.model_wrapped is None:
             if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
                 ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
-            strategy = args.distributed_strategy
+            strategy = None if self._tensor_parallel else args.distributed_strategy
             self.model_wrapped = distributed.wrap_model(self.model, strategy, args.device) if strategy else self.model
         self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
@@ -306,10 +317,12 @@ class Trainer:
                                      is_world_process_zero=distributed.is_main_process())
         rng = None
         if resume_from_checkpoint:
-            loaded = ckpt.load_training_state(resume_from_checkpoint, model=None if fsdp else self.model,
-                                              optimizer=None if fsdp else self.optimizer,
+            loaded = ckpt.load_training_state(resume_from_checkpoint, model=None if gathered else self.model,
+                                              optimizer=None if gathered else self.optimizer,
                                               scheduler=self.lr_scheduler, scaler=self.scaler)
-            if fsdp and (state := ckpt.load_optimizer_state(resume_from_checkpoint)) is not None:
+            if self._tensor_parallel:  # every process reads the whole weights and keeps its slices
+                distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(resume_from_checkpoint))
+            if gathered and (state := ckpt.load_optimizer_state(resume_from_checkpoint)) is not None:
                 # every process reads the whole state and keeps its shard
                 distributed.load_full_optimizer_state_dict(self.model, self.optimizer, state)
             saved = cb.TrainerState.load_from_json(loaded["state_path"])
@@ -364,7 +377,8 @@ class Trainer:
                 break
 
         runtime = time.perf_counter() - start_time
-        metrics = {"train_runtime": round(runtime, 4), "train_loss": self._global_loss(total_loss) / max(1, total_steps),
+        train_loss = self._global_loss(total_loss) / max(1, total_steps)
+        metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
         self.control = self._call("on_train_end")
@@ -401,18 +415,20 @@ class Trainer:
     def _global_loss(self, value) -> float:
         """A loss summed over this process's micro-batches -> the same over all processes (each holds its tokens'
         share of the step's loss; without token counting each holds a mean, so the processes are averaged)."""
-        if self.args.world_size <= 1:
+        world = self._data_parallel[0]
+        if world <= 1:
             return float(value)
         total = float(distributed.all_reduce_sum(value, self.args.device))
-        return total if (self._model_counts_items or self.compute_loss_func) else total / self.args.world_size
+        return total if (self._model_counts_items or self.compute_loss_func) else total / world
 
     def _save_checkpoint(self) -> Path:
         args = self.args
-        fsdp = args.distributed_strategy == "fsdp"
-        # Under FSDP2 the whole states are gathered (every process takes part); process 0 alone writes.
-        model_state = distributed.full_model_state_dict(self.model) if fsdp else None
+        gathered = args.distributed_strategy == "fsdp" or self._tensor_parallel
+        # Under FSDP2 and tensor parallelism the whole states are gathered (every process takes part); process 0
+        # alone writes.
+        model_state = distributed.full_model_state_dict(self.model) if gathered else None
         optimizer_state = (distributed.full_optimizer_state_dict(self.model, self.optimizer)
-                           if fsdp and not args.save_only_model else None)
+                           if gathered and not args.save_only_model else None)
         path = Path(args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
         if distributed.is_main_process():
             path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
@@ -442,7 +458,7 @@ class Trainer:
         loss_sum, count, logits, labels = 0.0, 0, [], []
         # Under torchrun each process scores its share of the rows and the sums are added up; logits (for
         # compute_metrics and predict) are not gathered yet, so then every process runs the whole set.
-        split = self.args.world_size > 1 and not keep_logits
+        split = self._data_parallel[0] > 1 and not keep_logits
         batches, padding = self._eval_batches(dataset, split)
         for index, batch in enumerate(self._loader(dataset, batches)):
             if index in padding:  # rows repeated only to give every process as many batches: no targets
@@ -473,8 +489,8 @@ class Trainer:
         the first rows, so that every process runs as many forwards (FSDP gathers weights in each)."""
         if not split:
             return self._batches(dataset, self.args.eval_batch_size, 0, shuffle=False), {}
-        n, world, size = len(dataset), self.args.world_size, self.args.eval_batch_size
-        positions = list(range(self.args.process_index, n + (-n) % world, world))
+        (world, rank), n, size = self._data_parallel, len(dataset), self.args.eval_batch_size
+        positions = list(range(rank, n + (-n) % world, world))
         batches, padding = [], {}
         for start in range(0, len(positions), size):
             chunk = positions[start:start + size]
@@ -518,8 +534,8 @@ class Trainer:
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
         output_dir = Path(output_dir or self.args.output_dir)
-        fsdp = self.args.distributed_strategy == "fsdp"
-        state = distributed.full_model_state_dict(self.model) if fsdp else None  # a collective: every process
+        gathered = self.args.distributed_strategy == "fsdp" or self._tensor_parallel
+        state = distributed.full_model_state_dict(self.model) if gathered else None  # a collective: every process
         if distributed.is_main_process():
             if state is None:
                 self.model.save_pretrained(output_dir)
@@ -534,13 +550,42 @@ class Trainer:
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (same norm, same clipped gradients), less the multiplication of every
     gradient by 1 when the norm is already within max_norm: a pass over all gradients that changes no bit. Checked
-    on the CPU only (on a GPU the check would wait for the device). Returns the norm before clipping."""
+    on the CPU only (on a GPU the check would wait for the device). Returns the norm before clipping.
+    A tensor-parallel model's gradients are split DTensors beside whole tensors, which torch's clipping cannot mix:
+    the split ones' squared norms are summed over the processes, and every gradient is scaled in place."""
+    from torch.distributed.tensor import DTensor
+
     parameters = [p for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    grads = [p.grad for p in parameters]
+    split = [g for g in grads if isinstance(g, DTensor)]
+    if split and len(split) < len(grads):
+        return _clip_tensor_parallel(grads, max_norm)
+    total_norm = torch.nn.utils.get_total_norm(grads)
     if (type(total_norm) is torch.Tensor and total_norm.device.type == "cpu"  # not a DTensor (FSDP2)
             and bool(max_norm / (total_norm + 1e-6) >= 1.0)):
         return total_norm
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def _clip_tensor_parallel(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    sharded, whole, group = [], [], None
+    for grad in grads:
+        if isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements):
+            sharded.append(grad.to_local())
+            group = grad.device_mesh.get_group()
+        else:  # a plain tensor, or a replicated DTensor (a row-wise layer's bias): the same in every process
+            whole.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    squares = torch.nn.utils.get_total_norm(sharded).square()
+    torch.distributed.all_reduce(squares, group=group)
+    if whole:
+        squares = squares + torch.nn.utils.get_total_norm(whole).square()
+    total_norm = squares.sqrt()
+    coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if total_norm.device.type != "cpu" or bool(coefficient < 1.0):
+        torch._foreach_mul_(sharded + whole, coefficient)
     return total_norm
 
 
@@ -560,6 +605,16 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     from gpuformers.models.modeling import checkpoint_decoder_layers
 
     checkpoint_decoder_layers(model, "gradient_checkpointing", use_reentrant=False)
+
+
+def _check_tensor_parallel_args(args: TrainingArguments) -> None:
+    if args.fsdp:
+        raise NotImplementedError(f"fsdp={args.fsdp!r} with a tensor-parallel model (2-D parallelism: FSDP2 across "
+                                  "tensor-parallel groups) is not supported yet; drop fsdp, or load the model "
+                                  "without tp_plan")
+    if args.mixed_precision == torch.float16:
+        raise NotImplementedError("fp16=True with a tensor-parallel model is not supported (the gradient scaler "
+                                  "cannot unscale split gradients); use bf16=True")
 
 
 def _has_lora(model) -> bool:
