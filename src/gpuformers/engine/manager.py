@@ -191,6 +191,7 @@ class ContinuousBatchingManager:
         self._next_id = 0
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
+        self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
 
     # --- the engine -------------------------------------------------------------------------------------------
 
@@ -199,6 +200,8 @@ class ContinuousBatchingManager:
         step collected is the previous one, so the device runs this step meanwhile. Returns False when there was
         nothing to run."""
         self._drain_inbox()
+        if self._lockstep is not None and self._lockstep.stopped:
+            return False  # the leader's loop has ended: no process may run another step (its collectives)
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None:
             if self.scheduler.has_work:
@@ -252,20 +255,26 @@ class ContinuousBatchingManager:
             bar.close()
 
     def _drain_inbox(self) -> None:
+        commands = []
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                commands.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self._lockstep is not None:  # every process applies the leader's commands
+            commands = self._lockstep.exchange(commands)
+        for kind, item in commands:
             if kind == "add":
                 if not self.scheduler.add(item):
                     self._publish_one(item, final=True)
-            else:
+            elif kind == "cancel":
                 seq = self.scheduler.cancel(item)
                 if seq is not None:
                     self._publish_one(seq, final=True)
 
     def _publish_one(self, seq: Sequence, final: bool) -> None:
+        if self._lockstep is not None and not self._lockstep.is_leader:
+            return  # a follower's outputs: the leader publishes the same ones
         output = GenerationOutput(
             request_id=seq.request_id,
             prompt_ids=list(seq.prompt_ids),
@@ -319,6 +328,36 @@ class ContinuousBatchingManager:
                 self.scheduler.cancel(seq.request_id)
                 seq.error = f"engine stopped: {type(error).__name__}: {error}"
                 self._publish_one(seq, final=True)
+        finally:
+            if self._lockstep is not None:
+                from gpuformers.engine.lockstep import STOP
+
+                self._lockstep.exchange([(STOP, None)])  # the followers' loops end with this one
+
+    # --- tensor parallelism: the processes' engines in lockstep -----------------------------------------------
+
+    def run_in_lockstep(self) -> "ContinuousBatchingManager":
+        """Make the engines of a tensor-parallel model's processes step together (lockstep.py): process 0, the
+        leader, takes requests and runs the loop with start(); every other process calls follow(). Call it in
+        every process, before any request."""
+        from gpuformers.engine.lockstep import Lockstep
+
+        mesh = getattr(self.model, "device_mesh", None)
+        if mesh is None:
+            raise ValueError("run_in_lockstep is for a tensor-parallel model (loaded with tp_plan under torchrun)")
+        self._lockstep = Lockstep(mesh.get_group())
+        return self
+
+    def follow(self) -> None:
+        """A follower's engine loop, in the caller's thread: step with the leader until its loop stops."""
+        if self._lockstep is None or self._lockstep.is_leader:
+            raise RuntimeError("follow() runs in the processes other than 0 after run_in_lockstep(); process 0 "
+                               "runs the engine with start()")
+        while not self._lockstep.stopped:
+            try:
+                self.step()
+            except Exception:  # the same step failed in the leader, whose loop now ends: its "stop" comes next
+                logger.exception("a tensor-parallel follower's engine step failed")
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         self._stop.set()

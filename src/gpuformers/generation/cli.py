@@ -77,11 +77,16 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str | None = None,
-                             quantization: str | None = None):
+                             quantization: str | None = None, tensor_parallel: bool = False):
+    """(model, tokenizer) from a Hub id, folder or .gguf path (None: the embedded default). tensor_parallel: this
+    process's slices of a model split over the torchrun processes (tp_plan="auto"; each on its own device)."""
     import torch
 
     from gpuformers.models.auto import AutoModelForCausalLM, AutoTokenizer
 
+    if tensor_parallel and device is not None:
+        raise ValueError(f"--device {device} with tensor parallelism: each process computes on its own GPU "
+                         "(cuda:LOCAL_RANK), or on the CPU where none is visible; drop --device")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if model is None:
@@ -96,7 +101,8 @@ def load_model_and_tokenizer(model: str | None, dtype: str = "auto", device: str
     config = quantization_config_for(quantization, dtype, device)
     if config is not None:
         kwargs["quantization_config"] = config
-    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, **kwargs)
+    placement = {"tp_plan": "auto"} if tensor_parallel else {"device_map": device}
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **placement, **kwargs)
     kwargs.pop("quantization_config", None)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     return lm, tokenizer

@@ -1,6 +1,12 @@
 """`gpuformers serve MODEL`: load a model, start the continuous batching engine and serve the OpenAI API.
 
     gpuformers serve Qwen/Qwen3-0.6B --port 8000 --api-key secret --max-num-seqs 64
+    gpuformers serve Qwen/Qwen3-8B --tensor-parallel-size 2       # the model split over 2 GPUs
+
+With --tensor-parallel-size N the command starts itself again under torchrun with N processes (or, already under
+torchrun, uses its processes): each loads its slices of the model (tp_plan="auto"), process 0 serves HTTP and the
+engines of all the processes step in lockstep (engine/lockstep.py). The others ignore SIGTERM and Ctrl-C: they end
+when process 0's engine stops, after its graceful shutdown.
 
 Offers: add_serve_arguments, run_serve.
 """
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +51,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine requests in flight before new ones get 429 at once (default: 512)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM / Ctrl-C (default: 30)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="split the model over this many processes, one per GPU (started with torchrun; "
+                             "default: the number of torchrun processes, else 1)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -54,21 +64,33 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         raise RuntimeError(f"serving needs the serve extra ({', '.join(missing)} missing): "
                            "pip install 'gpuformers[serve]'")
-    for name in ("port", "max_model_len", "max_num_seqs", "max_batch_tokens", "num_blocks", "max_pending"):
+    for name in ("port", "max_model_len", "max_num_seqs", "max_batch_tokens", "num_blocks", "max_pending",
+                 "tensor_parallel_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if "WORLD_SIZE" not in os.environ and (args.tensor_parallel_size or 1) > 1:
+        return _restart_under_torchrun(args.tensor_parallel_size)
+    if args.tensor_parallel_size not in (None, processes):
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {processes} "
+                         f"processes: they must be equal (or leave --tensor-parallel-size out)")
     from gpuformers.engine.manager import ContinuousBatchingConfig
     from gpuformers.generation.cli import load_model_and_tokenizer
     from gpuformers.serving.server import run_server
 
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization,
+                                                tensor_parallel=processes > 1)
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
     config = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                       max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_num_seqs,
                                       max_memory_percent=args.gpu_memory_utilization)
     manager = model.init_continuous_batching(continuous_batching_config=config)
+    if processes > 1:
+        manager.run_in_lockstep()
+        if int(os.environ.get("RANK", 0)) != 0:
+            return _follow(manager)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     blocks = manager.block_manager
     print(f"gpuformers serve: {name} on {model.device} ({blocks.num_blocks} KV blocks of {blocks.block_size} "
@@ -76,4 +98,31 @@ def run_serve(args: argparse.Namespace) -> int:
     run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
                shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
+def _restart_under_torchrun(processes: int) -> int:
+    """Run this same command as `processes` torchrun processes (this one becomes their torchrun agent); returns
+    when they have ended: 0 after SIGTERM / Ctrl-C, which the agent passes on to them (graceful shutdown)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    argv = ["--standalone", f"--nproc_per_node={processes}", "-m", "gpuformers", *sys.argv[1:]]
+    print(f"gpuformers serve: starting {processes} tensor-parallel processes (torchrun {' '.join(argv)})",
+          flush=True)
+    try:
+        torchrun(argv)
+    except SignalException:  # the agent stopped the processes on our signal
+        return 0
+    return 0
+
+
+def _follow(manager) -> int:
+    """A process other than 0: run the engine with process 0's until its engine stops (after its graceful
+    shutdown), whatever signal torchrun passes on meanwhile."""
+    import signal
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
+    manager.follow()
     return 0
