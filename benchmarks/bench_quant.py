@@ -7,8 +7,14 @@ decode tokens/s (the difference of a 1-token and an N-token generate call, so th
 --repeats, interleaved), and the largest logits difference from the unquantized model on one prompt, relative to
 the largest logit. bitsandbytes rows are skipped when the package is missing.
 
+With --device cuda it first times single layers, the MLP projections of Qwen3-0.6B (1024 <-> 3072) and Qwen3-8B
+(4096 <-> 12288) at 1, 16 and 256 rows: the Triton weight-only kernel (what WeightOnlyLinear runs on a GPU) against
+dequantize-then-matmul (what it ran before) and the unquantized nn.Linear in the benchmark's dtype, as median
+times (triton.testing.do_bench, L2 cleared between calls) and ratios to nn.Linear, in the same run.
+
     python benchmarks/bench_quant.py                        # ~30M-parameter shape on the CPU, float32
     python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --big    # Qwen3-0.6B shape on a GPU
+    python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --layers-only  # the layer table only
 """
 
 from __future__ import annotations
@@ -65,6 +71,41 @@ def decode_speed(model, prompt, new_tokens: int, repeats: int, device: str) -> f
     return (new_tokens - 1) / (many - one)
 
 
+LAYER_SHAPES = [(1024, 3072), (3072, 1024), (4096, 12288), (12288, 4096)]  # (in, out): up/gate, down projections
+LAYER_ROWS = (1, 16, 256)
+LAYER_SETTINGS = [(8, None), (4, 128)]  # int8 per channel, int4 g128: WeightOnlyConfig's defaults
+
+
+def layer_speed(device: str, dtype: torch.dtype) -> None:
+    """Per-layer times on a GPU: weight-only kernel / dequantize-then-matmul / nn.Linear, each layout and size."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from gpuformers.kernels.weight_only_matmul import weight_only_matmul
+    from gpuformers.quantization.weight_only import WeightOnlyLinear
+
+    print(f"Layers on {torch.cuda.get_device_name(device)}, {str(dtype).removeprefix('torch.')}: median us, "
+          "kernel / dequantize-then-matmul / nn.Linear (ratio: nn.Linear time / that time, > 1 is faster)", flush=True)
+    for in_features, out_features in LAYER_SHAPES:
+        linear = torch.nn.Linear(in_features, out_features, device=device, dtype=dtype)
+        for bits, group_size in LAYER_SETTINGS:
+            layer = WeightOnlyLinear.from_linear(linear, bits, group_size)
+            zeros = layer.zeros if bits == 4 else None
+            for rows in LAYER_ROWS:
+                x = torch.randn(rows, in_features, device=device, dtype=dtype)
+                with torch.no_grad():
+                    times = [do_bench(fn, warmup=10, rep=40, return_mode="median") * 1000 for fn in (
+                        lambda: weight_only_matmul(x, layer.qweight, layer.scales, zeros, bits, group_size, layer.bias),
+                        lambda: F.linear(x, layer.dequantize(), layer.bias),
+                        lambda: linear(x))]
+                name = f"int{bits} {'g' + str(group_size) if group_size else 'channel'}"
+                kernel, dequantized, dense = times
+                print(f"  {in_features:5d} -> {out_features:5d}  {name:12s} M={rows:4d}  {kernel:8.1f} / "
+                      f"{dequantized:8.1f} / {dense:8.1f} us   ({dense / kernel:.2f}x / {dense / dequantized:.2f}x)",
+                      flush=True)  # a time-boxed run keeps the rows it finished
+    print()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--big", action="store_true", help="the Qwen3-0.6B shape instead of the ~30M one")
@@ -73,9 +114,17 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers-only", action="store_true",
+                        help="with --device cuda: time the single layers, not the whole model")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        layer_speed(args.device, getattr(torch, args.dtype))
+        if args.layers_only:
+            return
+    elif args.layers_only:
+        parser.error("--layers-only times the Triton kernel, which needs --device cuda")
 
     from gpuformers import AutoModelForCausalLM
     from gpuformers.quantization import BitsAndBytesConfig, WeightOnlyConfig

@@ -23,27 +23,45 @@ Error to expect (relative Frobenius error of dequantize() vs the float weight, 1
 int4 is asymmetric (min/max with a float zero) because that uses all 16 levels: 15-25% less error than symmetric
 4 bits on the Gaussian and Student-t weights above, for one zero per group (about 3% more bytes at g128).
 
-forward is F.linear(x, dequantize(), bias), except for int8 with one scale per output channel, which multiplies
-the output by the scales instead (the same product, rounded once more; no pass over the weight for the scales).
-On the CPU in bfloat16, with no gradient needed and a few rows
-(decode), torch's weight-only kernels give the same numbers within bfloat16 rounding and are much faster
-(1 thread, one row; dequantize-then-matmul / kernel / the bfloat16 nn.Linear):
+What forward runs, first match wins (the first two: x in the compute dtype, float16, bfloat16 or float32, no autocast):
+
+    CUDA with triton            the Triton kernel (kernels/weight_only_matmul.py): reads the packed integers and
+                                dequantizes tiles in registers, float32 accumulation; backward gives x and bias
+                                their gradients (grad_y @ dequantize()). Not for a group size without a power-of-two
+                                factor >= 16 (e.g. 24), nor with GPUFORMERS_DISABLE_KERNELS=1
+    CPU, TRITON_ON_CPU = True   the same kernel under TRITON_INTERPRET=1 (tests only: ~2 ms per program)
+    CPU, bfloat16, decode       torch's weight-only CPU kernels (below), with no gradient needed
+    anything else               F.linear(x, dequantize(), bias); int8 with one scale per output channel multiplies
+                                the output by the scales instead (the same product, rounded once more; no pass
+                                over the weight for the scales)
+
+The GPU kernel's speed is unmeasured: no GPU has run it yet (`python benchmarks/bench_quant.py --device cuda
+--dtype bfloat16 --layers-only` compares it with dequantize-then-matmul and nn.Linear per layer).
+
+On the CPU in bfloat16, with no gradient needed and a few rows (decode), torch's weight-only kernels give the same
+numbers within bfloat16 rounding and are much faster (1 thread, one row; dequantize-then-matmul / kernel / the
+bfloat16 nn.Linear):
 
     1024 x 1024   int8: 583 / 55 / 137 us    int4 g128: 1465 / 55 / 142 us
     1024 x 3072   int8: 1690 / 180 / 423 us  int4 g128: 5260 / 155 / 412 us
 
-Their float32 and float16 paths are not vectorized and lose to dequantize-then-matmul, so those dtypes (and
-CUDA) dequantize per call. The int4 kernel reads its own weight layout: it is built from qweight on first use
+Their float32 and float16 paths are not vectorized and lose to dequantize-then-matmul, so those dtypes
+dequantize per call on the CPU. The int4 kernel reads its own weight layout: it is built from qweight on first use
 and kept beside it (in * out / 2 more bytes, not saved), which is the price of the int4 speed on the CPU.
 
-Offers: WeightOnlyLinear.
+Offers: WeightOnlyLinear, dequantize_weight, TRITON_ON_CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpuformers.kernels.checks import interpreter_on
+from gpuformers.kernels.mapping import DISABLE_ENV, kernels_available
 
 BITS = (4, 8)
 INT8_MAX = 127
@@ -54,6 +72,11 @@ INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # int8 wins 2.8x at 8 rows and loses at 32; int4 wins 4.4x at 16 rows and loses at 64.
 CPU_KERNEL_MAX_ROWS = {8: 16, 4: 32}
 _TINY = torch.finfo(torch.float32).tiny
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Whether the CPU takes the Triton kernel under TRITON_INTERPRET=1 too. Off: the interpreter takes ~2 ms per program,
+# and the kernel tests' conftest sets TRITON_INTERPRET=1 for the whole pytest process, so every CPU model test
+# would crawl; the kernel tests switch it on for their layers.
+TRITON_ON_CPU = False
 
 
 class WeightOnlyLinear(nn.Module):
@@ -166,22 +189,14 @@ class WeightOnlyLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight the forward multiplies by: (out_features, in_features) in the compute dtype."""
-        groups = self.scales.shape[1]
-        if self.bits == 8:
-            # |q| <= 127 is exact in every float dtype, so one multiply in the compute dtype rounds once, as
-            # float32 math then a cast would. In place: a second weight-sized buffer costs its page faults too
-            # (8.7 -> 1.2 ms for 1024 x 3072 on the CPU).
-            q = self.qweight.to(self.dtype).view(self.out_features, groups, -1)
-            return q.mul_(self.scales[..., None]).view(self.out_features, self.in_features)
-        q = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1)  # (out, in // 2, 2): columns 2j, 2j + 1
-        q = q.view(self.out_features, groups, -1).to(torch.float32)
-        # (q - 8) * scale + zero as q * scale + (zero - 8 * scale): two in-place passes over the weight, not three.
-        scale = self.scales.float()
-        offset = self.zeros.float() - INT4_MID * scale
-        w = q.mul_(scale[..., None]).add_(offset[..., None])
-        return w.view(self.out_features, self.in_features).to(self.dtype)
+        return dequantize_weight(self.qweight, self.scales, self.zeros if self.bits == 4 else None, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_triton_kernel(x):
+            from gpuformers.kernels.weight_only_matmul import weight_only_matmul
+
+            zeros = self.zeros if self.bits == 4 else None
+            return weight_only_matmul(x, self.qweight, self.scales, zeros, self.bits, self.group_size, self.bias)
         if self._use_cpu_kernel(x):
             x2d = x.reshape(-1, self.in_features).contiguous()
             if self.bits == 8:
@@ -198,6 +213,13 @@ class WeightOnlyLinear(nn.Module):
             out = F.linear(x, self.qweight.to(x.dtype)) * self.scales.view(-1)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.dequantize(), self.bias)
+
+    def _use_triton_kernel(self, x: torch.Tensor) -> bool:
+        # In x's own compute dtype only: under autocast, or given another dtype, F.linear's rules apply as before.
+        if not (x.dtype == self.dtype and x.dtype in TRITON_DTYPES and x.device == self.qweight.device
+                and (x.device.type != "cpu" or TRITON_ON_CPU) and not torch.is_autocast_enabled(x.device.type)):
+            return False
+        return _triton_kernel_fits(x.device, self.in_features, self.group_size)
 
     def _use_cpu_kernel(self, x: torch.Tensor) -> bool:
         # The kernels have no autograd, and only their bfloat16 path is vectorized: in float32 / float16, and
@@ -229,6 +251,41 @@ class WeightOnlyLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def _triton_kernel_fits(device: torch.device, in_features: int, group_size: int | None) -> bool:
+    if torch.compiler.is_compiling():
+        # Traced: kernels_available's cached "is triton importable" would be traced with a warning, and a GPU that
+        # torch.compile runs on has triton (Inductor needs it), so the device and the off switch decide.
+        available = ((device.type == "cuda" or interpreter_on())
+                     and os.environ.get(DISABLE_ENV, "0") in ("", "0"))
+    else:  # CUDA with triton, or the interpreter; not with GPUFORMERS_DISABLE_KERNELS=1
+        available = kernels_available(device)[0]
+    if not available:
+        return False
+    from gpuformers.kernels.weight_only_matmul import kernel_fits
+
+    return kernel_fits(in_features, group_size)
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      bits: int) -> torch.Tensor:
+    """The float weight (out, in) in scales' dtype from WeightOnlyLinear's storage (module doc); zeros for bits 4."""
+    out_features, groups = scales.shape
+    in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+    if bits == 8:
+        # |q| <= 127 is exact in every float dtype, so one multiply in the compute dtype rounds once, as
+        # float32 math then a cast would. In place: a second weight-sized buffer costs its page faults too
+        # (8.7 -> 1.2 ms for 1024 x 3072 on the CPU).
+        q = qweight.to(scales.dtype).view(out_features, groups, -1)
+        return q.mul_(scales[..., None]).view(out_features, in_features)
+    q = torch.stack([qweight & 15, qweight >> 4], dim=-1)  # (out, in // 2, 2): columns 2j, 2j + 1
+    q = q.view(out_features, groups, -1).to(torch.float32)
+    # (q - 8) * scale + zero as q * scale + (zero - 8 * scale): two in-place passes over the weight, not three.
+    scale = scales.float()
+    offset = zeros.float() - INT4_MID * scale
+    w = q.mul_(scale[..., None]).add_(offset[..., None])
+    return w.view(out_features, in_features).to(scales.dtype)
 
 
 def _check_settings(in_features: int, bits: int, group_size: int | None, dtype: torch.dtype) -> None:
