@@ -3,7 +3,9 @@
 The claims (issue 5): each memory-bound kernel (RMSNorm, residual-add + RMSNorm, SwiGLU, rotary) reaches 70% or
 more of the card's measured copy bandwidth; the attention forward reaches 50% or more of the measured bfloat16
 matmul rate at 4k+ tokens; the fused linear + cross-entropy peaks at a quarter or less of the unfused memory; a
-Qwen3-0.6B-shaped model gives the same logits with use_kernels=True.
+Qwen3-0.6B-shaped model gives the same logits with use_kernels=True. The MoE block (Qwen3-30B-A3B shape: hidden 2048,
+expert intermediate 768, 128 experts, top 8, at 1, 64 and 1024 tokens) is timed as the fused grouped-GEMM kernel
+against the torch expert loop in the same run, with the ratio (no target is claimed for it yet).
 
 Shapes: Qwen3-0.6B (hidden 1024, intermediate 3072, 16 heads / 8 kv heads of 128) and Qwen3-8B (hidden 4096,
 intermediate 12288, 32 / 8 heads of 128), 1 to 16k tokens, vocab 151936. The peak rates are measured in the same
@@ -225,6 +227,40 @@ def _peak_bytes(fn, device) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+MOE_BLOCK = dict(hidden=2048, intermediate=768, experts=128, top_k=8)  # Qwen3-30B-A3B
+SMOKE_MOE_BLOCK = dict(hidden=64, intermediate=32, experts=8, top_k=2)
+
+
+def bench_moe(table, device, dtype, smoke: bool):
+    """One SparseMoeBlock: the fused Triton experts (use_kernels=True at inference) against its torch expert loop."""
+    from gpuformers.kernels.moe import sparse_moe_forward
+    from gpuformers.layers.moe import SparseMoeBlock
+
+    m = SMOKE_MOE_BLOCK if smoke else MOE_BLOCK
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = SparseMoeBlock(m["hidden"], m["intermediate"], m["experts"], m["top_k"], norm_topk_prob=True)
+        torch.nn.init.normal_(block.gate.weight, std=0.02)
+    block = block.to(dtype).eval()
+    ratios = []
+    for tokens in ((1, 17) if smoke else (1, 64, 1024)):
+        shape = f"qwen3-30b-a3b x{tokens}" if not smoke else f"smoke x{tokens}"
+        x = torch.randn(tokens, m["hidden"], device=device, dtype=dtype)
+        tflop = 2 * 3 * tokens * m["top_k"] * m["hidden"] * m["intermediate"] / 1e12
+        with torch.no_grad():
+            got, want = sparse_moe_forward(block, x), block(x)  # the first kernel call stacks the experts
+            error = float((got.float() - want.float()).abs().max())
+            times = {}
+            for impl, fn in (("triton", lambda: sparse_moe_forward(block, x)), ("torch", lambda: block(x))):
+                table.add("moe block", shape, impl, fn, device, tflop=tflop)
+                times[impl] = table.rows[-1].get("ms")
+        ratio = round(times["torch"] / times["triton"], 2) if times["torch"] and times["triton"] else None
+        ratios.append(dict(shape=shape, triton_ms=times["triton"], torch_ms=times["torch"], speedup=ratio,
+                           max_abs_diff=error, output_scale=float(want.float().abs().max())))
+        print(f"moe block {shape}: torch loop / triton = {ratio}, max |diff| {error:.3g}", flush=True)
+    return ratios
+
+
 def bench_model(device, dtype, smoke: bool):
     """A Qwen3-0.6B-shaped random model: forward time and logits with and without use_kernels."""
     from gpuformers.kernels.mapping import Mode, kernelize, unkernelize
@@ -302,12 +338,13 @@ def main(argv=None):
     bench_memory_bound(table, models, tokens, device, dtype, compile_refs)
     bench_attention(table, models, seqs, device, dtype)
     memory = bench_fused_loss(table, {k: models[k] for k in list(models)[:2]}, loss_tokens, device, dtype)
+    moe = bench_moe(table, device, dtype, args.smoke)
     model = bench_model(device, dtype, args.smoke)
     info["seconds"] = round(time.perf_counter() - start, 1)
     print(f"done in {info['seconds']} s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(info=info, rows=table.rows, fused_loss_memory=memory, model=model),
+        args.out.write_text(json.dumps(dict(info=info, rows=table.rows, fused_loss_memory=memory, moe=moe, model=model),
                                        indent=1))
     return 0 if all("error" not in r for r in table.rows) else 1
 

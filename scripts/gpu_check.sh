@@ -66,7 +66,7 @@ run_step() {  # name, seconds, output file, command...
 for step in "${steps[@]}"; do
     case "${step}" in
         tests)
-            run_step tests-kernels 120 pytest_gpu_kernels.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+            run_step tests-kernels 150 pytest_gpu_kernels.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
                 --junitxml="${OUT}/pytest_gpu_kernels.xml" tests/kernels
             run_step tests-rest 130 pytest_gpu_rest.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
                 --junitxml="${OUT}/pytest_gpu_rest.xml" --ignore=tests/kernels tests ;;

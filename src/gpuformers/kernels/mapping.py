@@ -1,20 +1,23 @@
 """use_kernels=True: which layers a Triton kernel may replace, KernelConfig to choose per layer, and kernelize.
 
-Layers declare what they are with a class attribute `kernel_layer_name` ("RMSNorm", "SwiGLUMLP"; torch's nn.SiLU
-counts as "SiLU"); functions do it with the `use_kernel_function(name)` decorator ("rotary_pos_emb",
+Layers declare what they are with a class attribute `kernel_layer_name` ("RMSNorm", "SwiGLUMLP", "SparseMoeBlock";
+torch's nn.SiLU counts as "SiLU"); functions do it with the `use_kernel_function(name)` decorator ("rotary_pos_emb",
 "ForCausalLMLoss"). `kernelize(model, mode=...)` then
 
-    module layer   -> its forward is replaced on that instance (the class and the weights are untouched)
+    module layer   -> its forward is replaced on that instance (the class is untouched, the weights keep their
+                      values; the MoE kernel moves a block's expert weights into one buffer, kernels/moe.py)
     function layer -> while the model's forward runs, calls to the function go to the kernel (a ContextVar set by
                       forward hooks on the model, so two models in one process keep their own choice; torch.compile
                       cannot read a ContextVar, so compiled code reads the same choice from a stack the hooks push)
 
-Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place), Mode.TRAINING (kernels with a backward),
+Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place; the MoE block's grouped-GEMM experts, which
+have no backward), Mode.TRAINING (kernels with a backward; the MoE block keeps its torch forward),
 Mode.TORCH_COMPILE (added to either, for a model that will run under torch.compile; it installs the same kernels).
-Every kernel is also a torch.library op (ops.py, namespace `gpuformers`) and the kernel functions call their op
-while torch.compile traces them, so a compiled model keeps the kernels in its graph with no graph break,
-fullgraph=True included; rotary is then out of place. `model.train()` / `model.eval()` call kernelize again for the
-new mode.
+Every kernel is also a torch.library op (ops.py, namespace `gpuformers`; the MoE one in moe.py) and the kernel
+functions call their op while torch.compile traces them, so a compiled model keeps the kernels in its graph with no
+graph break, fullgraph=True included; rotary is then out of place. The MoE block is the exception: it finds its
+stacked expert weights outside the graph (one break per block; its torch forward breaks the graph too).
+`model.train()` / `model.eval()` call kernelize again for the new mode.
 
 Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests); elsewhere the torch layers are
 kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
@@ -97,6 +100,9 @@ for _kernel in (
     LayerKernel("RMSNorm", "triton", f"{_ADAPTERS}:_rms_norm_forward", f"{_ADAPTERS}:_rms_norm_forward"),
     LayerKernel("SwiGLUMLP", "triton", f"{_ADAPTERS}:_swiglu_mlp_forward", f"{_ADAPTERS}:_swiglu_mlp_forward"),
     LayerKernel("SiLU", "triton", f"{_ADAPTERS}:_silu_forward", f"{_ADAPTERS}:_silu_forward"),
+    # Inference only: the grouped-GEMM MoE kernel has no backward, so training keeps the torch block.
+    LayerKernel("SparseMoeBlock", "triton", "gpuformers.kernels.moe:sparse_moe_forward",
+                f"{_ADAPTERS}:_torch_forward"),
     LayerKernel("rotary_pos_emb", "triton", "gpuformers.kernels.rotary:apply_rotary_inplace",
                 "gpuformers.kernels.rotary:apply_rotary", is_function=True),
     LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
@@ -133,6 +139,11 @@ def _silu_forward(self, x):
     from gpuformers.kernels.swiglu import silu
 
     return silu(x)
+
+
+def _torch_forward(self, *args, **kwargs):
+    # A mode without a kernel for this layer: the class's own forward.
+    return type(self).forward(self, *args, **kwargs)
 
 
 # --- function layers ----------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@
 It stands where a decoder layer's `mlp` stands and takes the same (batch, seq, hidden) input. The experts are a
 ModuleList of GatedMLP (checkpoint keys mlp.experts.{e}.{gate,up,down}_proj.weight, as on the Hub) and run one after
 the other over the tokens routed to them, in expert order, summed with index_add_: transformers' "eager" experts,
-the same numbers. A grouped (one kernel for all experts) path is not written yet.
+the same numbers. With use_kernels=True (kernel layer "SparseMoeBlock") inference runs the experts as two grouped
+Triton GEMMs instead (kernels/moe.py), which keep the expert weights stacked in one buffer that the expert
+Parameters are slices of; training keeps this forward.
 
 Offers: TopKRouter, SparseMoeBlock.
 """
@@ -46,6 +48,8 @@ class TopKRouter(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    kernel_layer_name = "SparseMoeBlock"
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
