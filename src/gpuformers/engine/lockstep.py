@@ -5,7 +5,7 @@ the same batch. The scheduler is deterministic, so it is enough that every proce
 and cancellations at the same step: at the start of each step the leader (process 0, which serves HTTP) hands what
 arrived since its last step to the others in one broadcast, and every process applies it before scheduling.
 
-    leader:     inbox ─> commands ─┬─> apply ─> schedule ─> launch / collect ─> publish (to the HTTP handlers)
+    leader:     inbox ─> commands ─┬─> apply ─> schedule ─> launch / collect ─> publish (to HTTP handlers)
     followers:                     └─> apply ─> schedule ─> launch / collect              (outputs dropped)
 
 Sampling must agree as well. The logits are the same in every process (the row-wise layers' all-reduce and the
