@@ -24,7 +24,7 @@ and LM head, never the whole model (the CPU holds it for a moment).
 Training: the Trainer trains a tensor-parallel model when every process feeds it the same batches (the processes
 split the model, not the data). The split weights are DTensors, the others plain tensors: the optimizer takes them
 in separate parameter groups (optim.py) and gradient clipping adds up the split gradients' norms over the processes
-(trainer.clip_grad_norm); checkpoints gather the whole model and optimizer state and resume into the slices.
+(optim.clip_grad_norm); checkpoints gather the whole model and optimizer state and resume into the slices.
 
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
 parallel inside data parallel, also with FSDP2), fp16 training (bf16 works), CUDA graphs under it, and quantized or

@@ -3,7 +3,8 @@
 [--stop-at N] [--resume]`. With ddp and fsdp each process trains on its share of every batch (1 row x 2 accumulated
 micro-batches: with 2 processes, global batches of 4); with tp (the model loaded with tp_plan="auto") every process
 takes the whole batch (2 rows x 2 micro-batches) on its slices of the model; process 0 writes the logged losses and
-gradient norms to OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final."""
+gradient norms (and what compute_metrics saw) to OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final;
+every process writes predict()'s logits over the eval rows to OUTPUT_DIR/predictions_RANK.npy."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gpuformers import AutoModelForCausalLM
@@ -22,6 +24,19 @@ EVAL_ROWS = dict(count=7, seed=9)  # odd: one process gets a padding row, which 
 DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
                         save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
                         max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+
+
+def argmax_ids(logits, labels):
+    return logits.argmax(-1)  # preprocess_logits_for_metrics: ids, not (rows, seq, vocab) logits, are kept
+
+
+def metrics(prediction) -> dict[str, float]:
+    """What compute_metrics saw: its row count, the sum of its labels and the next-token accuracy."""
+    ids = prediction.predictions if prediction.predictions.ndim == 2 else prediction.predictions.argmax(-1)
+    ids, labels = ids[:, :-1], prediction.label_ids[:, 1:]
+    real = labels != -100
+    return {"rows": float(len(labels)), "label_sum": float(labels[real].sum()),
+            "accuracy": float((ids[real] == labels[real]).mean())}
 
 
 class CountEvalBatches(TrainerCallback):
@@ -57,14 +72,20 @@ def main() -> None:
     eval_batches = CountEvalBatches()
     trainer = Trainer(model, tiny_args(args.output_dir, **{**DISTRIBUTED_ARGS, **extra}, max_steps=args.max_steps,
                                        use_cpu=True),
-                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS),
+                      train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), compute_metrics=metrics,
+                      preprocess_logits_for_metrics=argmax_ids,
                       callbacks=[eval_batches] + ([StopAt(args.stop_at)] if args.stop_at else []))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(Path(args.output_dir) / "final")
+    trainer.preprocess_logits_for_metrics = None  # predict: the whole logits, gathered from every process
+    predicted = trainer.predict(make_rows(**EVAL_ROWS))
+    np.save(Path(args.output_dir) / f"predictions_{trainer.args.process_index}.npy", predicted.predictions)
     (Path(args.output_dir) / f"eval_batches_{trainer.args.process_index}.json").write_text(str(eval_batches.count))
     if trainer.args.process_index == 0:
         losses = {e["step"]: [e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e}
         losses.update({f"eval{e['step']}": e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e})
+        losses.update({f"metrics{e['step']}": [e["eval_rows"], e["eval_label_sum"], e["eval_accuracy"]]
+                       for e in trainer.state.log_history if "eval_loss" in e})
         (Path(args.output_dir) / "losses.json").write_text(json.dumps(losses))
 
 

@@ -4,10 +4,12 @@
   "layernorm", "rmsnorm", a module called "norm" or ending in "_norm"), so two parameter groups.
 - AdamW is fused ("adamw_torch_fused", the default: one kernel for all parameters, on CUDA and on the CPU),
   "adamw_torch_foreach" or the plain per-parameter loop ("adamw_torch").
+- Gradient clipping as torch's clip_grad_norm_, also over a tensor-parallel model's mix of split (DTensor) and
+  whole gradients.
 - Schedules are multipliers of the peak learning rate over optimizer steps (LambdaLR), warmup rising linearly
   from 0: linear (decay to 0), cosine (half a cosine to 0), constant, constant_with_warmup.
 
-Offers: decay_parameter_names, build_optimizer, build_scheduler, schedule_factor.
+Offers: decay_parameter_names, build_optimizer, build_scheduler, schedule_factor, clip_grad_norm.
 """
 
 from __future__ import annotations
@@ -88,3 +90,45 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, to
     factor = partial(schedule_factor, kind=kind, warmup=warmup, total=total, **kwargs)
     factor(0)  # check the kind now, not at the first step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (same norm, same clipped gradients), less the multiplication of every
+    gradient by 1 when the norm is already within max_norm: a pass over all gradients that changes no bit. Checked
+    on the CPU only (on a GPU the check would wait for the device). Returns the norm before clipping.
+    A tensor-parallel model's gradients are split DTensors beside whole tensors, which torch's clipping cannot mix:
+    the split ones' squared norms are summed over the processes, and every gradient is scaled in place."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    split = [g for g in grads if isinstance(g, DTensor)]
+    if split and len(split) < len(grads):
+        return _clip_tensor_parallel(grads, max_norm)
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    if (type(total_norm) is torch.Tensor and total_norm.device.type == "cpu"  # not a DTensor (FSDP2)
+            and bool(max_norm / (total_norm + 1e-6) >= 1.0)):
+        return total_norm
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def _clip_tensor_parallel(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    sharded, whole, group = [], [], None
+    for grad in grads:
+        if isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements):
+            sharded.append(grad.to_local())
+            group = grad.device_mesh.get_group()
+        else:  # a plain tensor, or a replicated DTensor (a row-wise layer's bias): the same in every process
+            whole.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    squares = torch.nn.utils.get_total_norm(sharded).square()
+    torch.distributed.all_reduce(squares, group=group)
+    if whole:
+        squares = squares + torch.nn.utils.get_total_norm(whole).square()
+    total_norm = squares.sqrt()
+    coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if total_norm.device.type != "cpu" or bool(coefficient < 1.0):
+        torch._foreach_mul_(sharded + whole, coefficient)
+    return total_norm

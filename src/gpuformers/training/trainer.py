@@ -12,7 +12,8 @@ global RNG, so a resumed run replays the same batches; the global RNG state is s
 The forward runs inside logits_not_needed() (compute_loss reads only the loss): a causal LM then fuses its LM head
 and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, with the same loss and gradients.
 
-Offers: Trainer, TrainOutput, PredictionOutput, EvalPrediction, clip_grad_norm.
+Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
+clip_grad_norm).
 """
 
 from __future__ import annotations
@@ -35,24 +36,14 @@ from gpuformers.training import callbacks as cb
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
-from gpuformers.training.optim import build_optimizer, build_scheduler
+from gpuformers.training.evaluation import EvalPrediction, PredictionOutput, RowCollector, eval_batches
+from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
 
 
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
-    metrics: dict[str, float]
-
-
-class EvalPrediction(NamedTuple):
-    predictions: np.ndarray  # logits (samples, seq, vocab), padded with -100
-    label_ids: np.ndarray  # (samples, seq), padded with -100
-
-
-class PredictionOutput(NamedTuple):
-    predictions: np.ndarray
-    label_ids: np.ndarray | None
     metrics: dict[str, float]
 
 
@@ -73,7 +64,8 @@ class Trainer:
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None,
                  compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
-                 callbacks: list | None = None, optimizers: tuple = (None, None)):
+                 callbacks: list | None = None, optimizers: tuple = (None, None),
+                 preprocess_logits_for_metrics: Callable | None = None):
         if model is None:
             if model_init is None:
                 raise ValueError("Trainer needs a model (or model_init, a function returning one)")
@@ -105,6 +97,7 @@ class Trainer:
         self.processing_class = processing_class
         self.data_collator = data_collator or DataCollatorForCausalLM(processing_class)
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.model_wrapped = None  # the model made data-parallel (DDP / FSDP2) by the first train()
         self.scaler = None
@@ -451,19 +444,23 @@ class Trainer:
     # --- evaluation -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _eval_loop(self, dataset, keep_logits: bool):
-        """Token-weighted mean loss over `dataset`, and the logits / labels when asked for."""
+    def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
+        """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
+        process: evaluation.py) when asked for."""
         was_training = self.model.training
         self.model.eval()
-        loss_sum, count, logits, labels = 0.0, 0, [], []
-        # Under torchrun each process scores its share of the rows and the sums are added up; logits (for
-        # compute_metrics and predict) are not gathered yet, so then every process runs the whole set.
-        split = self._data_parallel[0] > 1 and not keep_logits
-        batches, padding = self._eval_batches(dataset, split)
+        loss_sum, count, rows = 0.0, 0, RowCollector()
+        world, rank = self._data_parallel
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing")
+        batches, repeats = eval_batches(len(dataset), self.args.eval_batch_size, world, rank)
+        if self.args.dataloader_drop_last and batches and len(batches[-1]) < self.args.eval_batch_size:
+            batches.pop()  # (every process has as many batches, of the same sizes)
+            repeats.pop(len(batches), None)
         for index, batch in enumerate(self._loader(dataset, batches)):
-            if index in padding:  # rows repeated only to give every process as many batches: no targets
+            if index in repeats:  # rows repeated only to give every process as many batches: no targets
                 batch["labels"] = batch["labels"].clone()
-                batch["labels"][padding[index]] = IGNORE_INDEX
+                batch["labels"][repeats[index]] = IGNORE_INDEX
             targets = self._count_targets(batch)
             inputs = self._prepare_inputs(batch)
             with self._autocast():
@@ -474,31 +471,18 @@ class Trainer:
             elif targets:
                 loss_sum, count = loss_sum + float(loss) * targets, count + targets
             if keep_logits:
-                logits.append(outputs.logits.float().cpu())
-                labels.append(batch.get("labels"))
+                logits, labels = outputs.logits, batch.get("labels")
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
+                rows.add(batches[index], logits, labels, batch.get("attention_mask"), skip=repeats.get(index, ()))
             self.control = self._call("on_prediction_step")
         self.model.train(was_training)
-        if split:
+        if world > 1:
             loss_sum = float(distributed.all_reduce_sum(loss_sum, self.args.device))
             count = int(distributed.all_reduce_sum(count, self.args.device))
-        return (loss_sum / count if count else float("nan")), logits, labels
-
-    def _eval_batches(self, dataset, split: bool) -> tuple[list[list[int]], dict[int, list[int]]]:
-        """Evaluation batches of this process, in order, and {batch index: rows that are padding}. Split, process
-        r takes rows r, r + world, ...; the row count is rounded up to a multiple of the world size by repeating
-        the first rows, so that every process runs as many forwards (FSDP gathers weights in each)."""
-        if not split:
-            return self._batches(dataset, self.args.eval_batch_size, 0, shuffle=False), {}
-        (world, rank), n, size = self._data_parallel, len(dataset), self.args.eval_batch_size
-        positions = list(range(rank, n + (-n) % world, world))
-        batches, padding = [], {}
-        for start in range(0, len(positions), size):
-            chunk = positions[start:start + size]
-            batches.append([p % n for p in chunk])
-            pads = [i for i, p in enumerate(chunk) if p >= n]
-            if pads:
-                padding[len(batches) - 1] = pads
-        return batches, padding
+        if keep_logits:
+            rows.gather(world)
+        return (loss_sum / count if count else float("nan")), rows
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
@@ -506,12 +490,12 @@ class Trainer:
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
         start = time.perf_counter()
-        loss, logits, labels = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
+        loss, rows = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
         metrics = {f"{metric_key_prefix}_loss": loss,
                    f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)),
                    f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
         if self.compute_metrics is not None:
-            extra = self.compute_metrics(EvalPrediction(_pad_stack(logits), _pad_stack(labels)))
+            extra = self.compute_metrics(EvalPrediction(*rows.arrays()))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
         self.log(metrics)
         self.control = self._call("on_evaluate", metrics=metrics)
@@ -519,9 +503,8 @@ class Trainer:
 
     def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
         """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
-        loss, logits, labels = self._eval_loop(test_dataset, keep_logits=True)
-        predictions = _pad_stack(logits)
-        label_ids = _pad_stack(labels) if all(l is not None for l in labels) else None
+        loss, rows = self._eval_loop(test_dataset, keep_logits=True)
+        predictions, label_ids = rows.arrays()
         metrics = {f"{metric_key_prefix}_loss": loss}
         if self.compute_metrics is not None and label_ids is not None:
             extra = self.compute_metrics(EvalPrediction(predictions, label_ids))
@@ -545,56 +528,6 @@ class Trainer:
                 self.processing_class.save_pretrained(output_dir)
             (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
         distributed.barrier()
-
-
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ (same norm, same clipped gradients), less the multiplication of every
-    gradient by 1 when the norm is already within max_norm: a pass over all gradients that changes no bit. Checked
-    on the CPU only (on a GPU the check would wait for the device). Returns the norm before clipping.
-    A tensor-parallel model's gradients are split DTensors beside whole tensors, which torch's clipping cannot mix:
-    the split ones' squared norms are summed over the processes, and every gradient is scaled in place."""
-    from torch.distributed.tensor import DTensor
-
-    parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    split = [g for g in grads if isinstance(g, DTensor)]
-    if split and len(split) < len(grads):
-        return _clip_tensor_parallel(grads, max_norm)
-    total_norm = torch.nn.utils.get_total_norm(grads)
-    if (type(total_norm) is torch.Tensor and total_norm.device.type == "cpu"  # not a DTensor (FSDP2)
-            and bool(max_norm / (total_norm + 1e-6) >= 1.0)):
-        return total_norm
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
-    return total_norm
-
-
-def _clip_tensor_parallel(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    sharded, whole, group = [], [], None
-    for grad in grads:
-        if isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements):
-            sharded.append(grad.to_local())
-            group = grad.device_mesh.get_group()
-        else:  # a plain tensor, or a replicated DTensor (a row-wise layer's bias): the same in every process
-            whole.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    squares = torch.nn.utils.get_total_norm(sharded).square()
-    torch.distributed.all_reduce(squares, group=group)
-    if whole:
-        squares = squares + torch.nn.utils.get_total_norm(whole).square()
-    total_norm = squares.sqrt()
-    coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if total_norm.device.type != "cpu" or bool(coefficient < 1.0):
-        torch._foreach_mul_(sharded + whole, coefficient)
-    return total_norm
-
-
-def _pad_stack(tensors: list[torch.Tensor]) -> np.ndarray:
-    """Batches of different lengths (batch, seq, ...) -> one array (samples, longest seq, ...), padded with -100."""
-    longest = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]], value=IGNORE_INDEX)
-              for t in tensors]
-    return torch.cat(padded).numpy()
 
 
 def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
