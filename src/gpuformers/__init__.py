@@ -22,6 +22,8 @@ _LAZY = {
     "Qwen2ForCausalLM": "gpuformers.models.llama",
     "Qwen3ForCausalLM": "gpuformers.models.qwen3",
     "CausalLMOutput": "gpuformers.models.outputs",
+    "MoeCausalLMOutput": "gpuformers.models.outputs",
+    "Qwen3MoeForCausalLM": "gpuformers.models.qwen3_moe",
     "DynamicCache": "gpuformers.generation.cache",
     "StaticCache": "gpuformers.generation.cache",
     "GenerationConfig": "gpuformers.generation.config",

@@ -11,7 +11,12 @@ the same numbers. With use_kernels=True (kernel layer "SparseMoeBlock") inferenc
 Triton GEMMs instead (kernels/moe.py), which keep the expert weights stacked in one buffer that the expert
 Parameters are slices of; training keeps this forward.
 
-Offers: TopKRouter, SparseMoeBlock.
+Training with output_router_logits=True adds the Switch-Transformer load-balancing loss over the sparse layers
+(transformers' load_balancing_loss_func): the model sets each router's `recorded` to one shared list for that
+forward, every router call appends its logits (both forwards above call the router), and `load_balancing_loss`
+turns them into the aux loss. With `recorded` left at None (inference, the engine) nothing is kept.
+
+Offers: TopKRouter, SparseMoeBlock, load_balancing_loss.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ class TopKRouter(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.recorded: list[torch.Tensor] | None = None  # a list while the model records router logits
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, hidden) -> router logits (tokens, experts), weights (tokens, top_k), expert ids (tokens, top_k)."""
         logits = F.linear(hidden_states, self.weight)
+        if self.recorded is not None:
+            self.recorded.append(logits)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -66,3 +74,39 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[expert](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out.view(shape)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Switch-Transformer load-balancing loss (its eqs. 4-6) over all sparse layers, as transformers'
+    load_balancing_loss_func computes it:
+
+        loss = num_experts * sum_e  f_e * P_e
+        f_e  = top-k assignments to expert e / tokens     (summed over the k slots: sum_e f_e = top_k)
+        P_e  = mean router probability of expert e
+
+    both over the tokens of every layer together. router_logits: one (tokens, experts) tensor per sparse layer,
+    tokens = batch * seq in row-major order; attention_mask (batch, seq): 0 marks padding, left out of both means.
+    Softmax and top-k run in float32 (the router's own choice of experts); transformers runs the softmax in the
+    logits' dtype, the same numbers in float32. Only P_e carries a gradient (to the router weights)."""
+    if not router_logits:  # no sparse layer
+        return torch.zeros((), dtype=torch.float32)
+    device = router_logits[0].device  # layers may sit on several devices (device_map): gather on the first
+    tokens = router_logits[0].shape[0]
+    if attention_mask is None:
+        token_weight = torch.ones(tokens, dtype=torch.float32, device=device)
+    else:
+        token_weight = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)  # (tokens,)
+        if token_weight.shape[0] != tokens:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} covers {token_weight.shape[0]} tokens "
+                             f"but the router saw {tokens}: pass a (batch, seq) mask of the routed tokens")
+    slot_weight = token_weight.repeat_interleave(top_k)  # (tokens * top_k,): each token's k assignments
+    assignments = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    for logits in router_logits:  # one layer at a time: memory O(tokens * experts), whatever the depth
+        probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)  # (tokens, experts)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # (tokens, top_k)
+        assignments = assignments.scatter_add(0, chosen.reshape(-1), slot_weight)
+        prob_sum = prob_sum + (probs * token_weight[:, None]).sum(dim=0)
+    rows = token_weight.sum() * len(router_logits)
+    return num_experts * torch.sum((assignments / rows) * (prob_sum / rows))

@@ -1,6 +1,6 @@
 """Model outputs: a dataclass that also reads like transformers' ModelOutput (`out.logits`, `out["logits"]`, `out[0]`).
 
-Offers: ModelOutput, CausalLMOutput.
+Offers: ModelOutput, CausalLMOutput, MoeCausalLMOutput.
 """
 
 from __future__ import annotations
@@ -38,3 +38,16 @@ class CausalLMOutput(ModelOutput):
     logits: torch.Tensor | None = None  # (batch, seq, vocab)
     past_key_values: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MoeCausalLMOutput(ModelOutput):
+    """A mixture-of-experts LM's output, fields in transformers' MoeCausalLMOutputWithPast order. With
+    output_router_logits, `loss` includes router_aux_loss_coef * aux_loss."""
+
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # the router's load-balancing loss
+    logits: torch.Tensor | None = None  # (batch, seq, vocab)
+    past_key_values: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None  # one (batch * seq, experts) per sparse layer

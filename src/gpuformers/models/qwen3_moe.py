@@ -2,18 +2,27 @@
 
 A layer is sparse when num_experts > 0, (layer_idx + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers
 (transformers' rule); the others keep a dense GatedMLP of intermediate_size. The MoE fields come from config.json
-(ModelConfig.extra, with transformers' defaults). The router's load-balancing loss (output_router_logits=True) is not
-added to the training loss yet: a labelled forward with it set raises NotImplementedError.
+(ModelConfig.extra, with transformers' defaults).
+
+With output_router_logits=True (config.json or a forward argument) the forward also returns `router_logits` (one
+(batch * seq, experts) tensor per sparse layer, recorded by the routers during that forward only) and `aux_loss`,
+the Switch-Transformer load-balancing loss over them (padding excluded via attention_mask), and a labelled forward's
+loss is LM loss + router_aux_loss_coef * aux_loss, as in transformers; the chunked LM-head loss of the Trainer
+included. Forwards without it (inference, generate's cached steps, the engine) record nothing.
 
 Offers: Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM.
 """
 
 from __future__ import annotations
 
-from gpuformers.layers.moe import SparseMoeBlock
+import torch
+
+from gpuformers.generation.cache import Cache
+from gpuformers.layers.moe import SparseMoeBlock, TopKRouter, load_balancing_loss
 from gpuformers.models.config import ModelConfig
-from gpuformers.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from gpuformers.models.llama import LlamaDecoderLayer
+from gpuformers.models.outputs import MoeCausalLMOutput
+from gpuformers.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
 
 def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -37,8 +46,51 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     decoder_layer_class = Qwen3MoeDecoderLayer
     no_split_modules = ("Qwen3MoeDecoderLayer",)
 
-    def forward(self, *args, labels=None, **kwargs):
-        if labels is not None and self.config.extra.get("output_router_logits"):
-            raise NotImplementedError("output_router_logits=True (the router's load-balancing loss in training) is "
-                                      "not supported yet; set it to False in the config to train without it")
-        return super().forward(*args, labels=labels, **kwargs)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        cache_position: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> MoeCausalLMOutput:
+        """LlamaForCausalLM.forward, and with output_router_logits the routers' logits and load-balancing loss:
+        MoeCausalLMOutput(loss = LM loss + router_aux_loss_coef * aux_loss, aux_loss, logits, ..., router_logits).
+
+        output_router_logits=None takes the config's value, except on a forward given a KV cache (generate's
+        prefill and decode steps), which records nothing unless asked. The LM loss alone is divided by
+        num_items_in_batch, as in transformers."""
+        if output_router_logits is None:
+            output_router_logits = self.config.extra["output_router_logits"] and past_key_values is None
+        args = (input_ids, attention_mask, position_ids, past_key_values, use_cache, labels, inputs_embeds,
+                logits_to_keep, num_items_in_batch, output_hidden_states, cache_position)
+        if not output_router_logits:
+            out = super().forward(*args, **kwargs)
+            return MoeCausalLMOutput(loss=out.loss, logits=out.logits, past_key_values=out.past_key_values,
+                                     hidden_states=out.hidden_states)
+        routers = [module for module in self.modules() if isinstance(module, TopKRouter)]
+        router_logits: list[torch.Tensor] = []  # one (batch * seq, experts) per sparse layer, in layer order
+        for router in routers:
+            router.recorded = router_logits
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:  # also after an error: the next forward (generate, the engine) must not record
+            for router in routers:
+                router.recorded = None
+        seq = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        routed_mask = attention_mask[:, -seq:] if attention_mask is not None else None  # the new tokens' columns
+        extra = self.config.extra
+        aux_loss = load_balancing_loss(router_logits, extra["num_experts"], extra["num_experts_per_tok"], routed_mask)
+        loss = out.loss
+        if loss is not None:
+            loss = loss + extra["router_aux_loss_coef"] * aux_loss.to(loss.device)
+        return MoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=out.logits, past_key_values=out.past_key_values,
+                                 hidden_states=out.hidden_states, router_logits=tuple(router_logits))
