@@ -51,6 +51,22 @@ def test_two_processes_match_the_whole_model(model_type, tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_mixture_of_experts_model_splits_every_expert(tmp_path):
+    # Qwen3-MoE with a sparse layer 0 and a dense layer 1: the experts split as plain tensors, one all-reduce per block
+    make_checkpoint(tmp_path / "ckpt", "qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                    head_dim=16, mlp_only_layers=[1])
+    result = _torchrun_worker(tmp_path / "ckpt", tmp_path / "result.json", processes=2)
+    assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
+    assert result["tokens_equal"] and result["batch_tokens_equal"] and result["engine_equal"]
+    assert result["expert_shapes"] == [[16, 64], [64, 16]] and result["experts_plain"]
+    assert result["local_shapes"]["gate_proj"] == [48, 64]  # the dense layer: a DTensor slice, as before
+    assert result["saved_logits_diff"] == 0.0  # the experts' slices were gathered into whole weights
+    lora, fsdp = result["refused"]
+    assert "LoRA adapters on a tensor-parallel model" in lora
+    assert "training a tensor-parallel mixture-of-experts model" in fsdp
+
+
+@pytest.mark.distributed
 def test_one_process_under_torchrun_holds_the_whole_layers(tmp_path):
     # torchrun --nproc_per_node=1, as when trying a script: a group of one, every "slice" whole
     make_checkpoint(tmp_path / "ckpt", "llama")

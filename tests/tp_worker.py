@@ -29,10 +29,15 @@ def main() -> None:
     result["batch_tokens_equal"] = torch.equal(
         model.generate(batch.to(dev), attention_mask=mask.to(dev), pad_token_id=0, **greedy).cpu(),
         whole.generate(batch, attention_mask=mask, pad_token_id=0, **greedy))
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    # the last layer's MLP: dense in every model here (in the MoE checkpoint, layer 0 is sparse and layer 1 dense)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[-1].mlp
     result["local_shapes"] = {name: list(getattr(layer.weight, "_local_tensor", layer.weight).shape) for name, layer in
                               [("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("o_proj", attn.o_proj),
                                ("gate_proj", mlp.gate_proj), ("down_proj", mlp.down_proj)]}
+    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    if experts is not None:  # split as plain tensors (local_colwise / local_rowwise)
+        result["expert_shapes"] = [list(experts[0].gate_proj.weight.shape), list(experts[0].down_proj.weight.shape)]
+        result["experts_plain"] = not hasattr(experts[0].gate_proj.weight, "_local_tensor")
     # The engine: every process adds the same requests; each caches only its kv heads
     prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11], [3] * 20]
     outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,

@@ -169,7 +169,11 @@ def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from gpuformers.tensor_parallel import gather_local_splits, has_local_splits
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Weights split as plain tensors (the MoE experts under tensor parallelism) come out as this process's slice
+    return gather_local_splits(model, state) if has_local_splits(model) else state
 
 
 def _has_dtensors(model: torch.nn.Module) -> bool:

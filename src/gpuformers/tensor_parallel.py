@@ -8,6 +8,9 @@ The llama family's plan (the one transformers writes for these models), over one
                                                   own attention heads and its own part of the MLP's hidden layer
     o_proj, down_proj                             "rowwise": input features split, partial outputs summed (one
                                                   all-reduce per attention and one per MLP)
+    experts.*.gate_proj, up_proj / down_proj      "local_colwise" / "local_rowwise" (Qwen3-MoE): each expert split
+                                                  as the dense MLP is, as plain tensors, and the sparse block's
+                                                  summed output all-reduced once ("allreduce" on the block)
     q_norm, k_norm (Qwen3)                        "replicated_with_grad_allreduce": whole in every process, but
                                                   each process applies them to its own heads only, so their
                                                   gradients are summed over the processes in the backward
@@ -27,12 +30,13 @@ in separate parameter groups (optim.py) and gradient clipping adds up the split 
 (optim.clip_grad_norm); checkpoints gather the whole model and optimizer state and resume into the slices.
 
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
-parallel inside data parallel, also with FSDP2), fp16 training (bf16 works), CUDA graphs under it, and quantized or
-LoRA layers in one. save_pretrained gathers the slices and process 0 writes the whole checkpoint; the engine runs
-when every process makes the same calls (engine/manager.py agrees on the KV cache size), or with process 0 taking
+parallel inside data parallel, also with FSDP2), fp16 training (bf16 works), training a split MoE model, CUDA graphs
+under it, and quantized or LoRA layers in one. save_pretrained gathers the slices (the experts' plain ones too) and
+process 0 writes the whole checkpoint; the engine runs when every process makes the same calls (engine/manager.py agrees on the KV cache size), or with process 0 taking
 the requests and the others following it (engine/lockstep.py; how `gpuformers serve --tensor-parallel-size` runs).
 
-Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, refuse.
+Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, has_local_splits,
+gather_local_splits, refuse.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import functools
 import torch
 from torch import nn
 
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "allreduce")
 LLAMA_TP_PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.k_proj": "colwise",
@@ -54,7 +58,14 @@ LLAMA_TP_PLAN = {
     "model.layers.*.mlp.down_proj": "rowwise",
     "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",  # Qwen3; other models have none
     "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    # Qwen3-MoE's sparse blocks: every expert split as the dense MLP is, but as plain tensors, and the block's summed
+    # output all-reduced once (not once per expert)
+    "model.layers.*.mlp.experts.*.gate_proj": "local_colwise",
+    "model.layers.*.mlp.experts.*.up_proj": "local_colwise",
+    "model.layers.*.mlp.experts.*.down_proj": "local_rowwise",
+    "model.layers.*.mlp": "allreduce",  # kept only for modules holding local_rowwise layers (the sparse blocks)
 }
+_LINEAR_STYLES = ("colwise", "rowwise", "local_colwise", "local_rowwise")
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
@@ -66,6 +77,8 @@ def check_tp_size(config, tp_size: int) -> None:
     """Heads and the MLP's hidden width must split evenly over tp_size processes."""
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
+    if config.extra.get("num_experts"):
+        sizes["moe_intermediate_size"] = config.extra["moe_intermediate_size"]
     uneven = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
     if uneven:
         raise ValueError(f"tensor parallelism over {tp_size} processes needs {', '.join(uneven)} to be divisible by "
@@ -95,13 +108,20 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
     check_tp_size(model.config, tp_size)
     for name, style in plan.items():
         layer = model.get_submodule(name)
-        if style != "replicated_with_grad_allreduce" and type(layer) is not nn.Linear:
+        if style in _LINEAR_STYLES and type(layer) is not nn.Linear:
             raise NotImplementedError(f"tensor parallelism over {name} ({type(layer).__name__}) is not supported: "
                                       "only plain nn.Linear layers are split (no quantized or LoRA layers yet)")
+        if style == "local_rowwise" and layer.bias is not None:
+            raise NotImplementedError(f"{name}: a local_rowwise layer with a bias is not supported (the bias would be "
+                                      "added once per process)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     mesh = init_device_mesh(device.type, (tp_size,))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items() if style in styles})
+    rank = dist.get_rank()
+    for name, style in plan.items():
+        if style in ("local_colwise", "local_rowwise"):
+            _split_locally(model.get_submodule(name), 0 if style == "local_colwise" else 1, rank, tp_size, device)
     model.to(device)  # the rest, whole: embeddings, norms, lm_head, rotary buffers
     if tp_size > 1:
         group = mesh.get_group()
@@ -109,8 +129,57 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
             if style == "replicated_with_grad_allreduce":
                 for param in model.get_submodule(name).parameters():
                     param.register_hook(functools.partial(_sum_over, group))
+            elif style == "allreduce":
+                model.get_submodule(name).register_forward_hook(functools.partial(_sum_output, group))
     model.tp_size, model.tp_plan, model.device_mesh = tp_size, plan, mesh
     return mesh
+
+
+def _split_locally(layer: nn.Linear, dim: int, rank: int, tp_size: int, device: torch.device) -> None:
+    """Keep this process's slice of `layer`'s weight (and a column split's bias) along `dim` as a plain tensor on
+    `device`; the parameter is marked with the dim (`_tp_local_dim`) so that saving can gather the whole weight."""
+    size = layer.weight.shape[dim] // tp_size
+    for attr, split in (("weight", dim), ("bias", 0 if dim == 0 else None)):
+        value = getattr(layer, attr)
+        if value is None or split is None:
+            continue
+        piece = value.detach().narrow(split, rank * size, size)
+        local = nn.Parameter(torch.empty(piece.shape, dtype=piece.dtype, device=device).copy_(piece),
+                             requires_grad=value.requires_grad)
+        local._tp_local_dim = split
+        setattr(layer, attr, local)
+    if dim == 0:
+        layer.out_features = size
+    else:
+        layer.in_features = size
+
+
+def _sum_output(group, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: a module's partial output (its local_rowwise layers' share) -> the sum over the processes.
+    Inference only: the sum has no backward (training such a model is refused)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(output, group=group)
+    return output
+
+
+def has_local_splits(model: nn.Module) -> bool:
+    """Whether some weights are split as plain tensors (local_colwise / local_rowwise: the MoE experts)."""
+    return any(hasattr(p, "_tp_local_dim") for p in model.parameters())
+
+
+def gather_local_splits(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (a full state dict, on process 0) with each locally split weight replaced by the whole weight; a
+    collective: every process calls it, in the same parameter order."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, param in model.named_parameters():
+        dim = getattr(param, "_tp_local_dim", None)
+        if dim is not None:
+            whole = DTensor.from_local(param.detach(), model.device_mesh, [Shard(dim)], run_check=False).full_tensor()
+            if state:
+                state[name] = whole.cpu()
+    return state
 
 
 def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
@@ -123,12 +192,12 @@ def _sum_over(group, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
-    """The plan as {module name: style}, every pattern matched by at least one nn module (in "auto", the
-    replicated_with_grad_allreduce patterns may match none: not every model has q/k norms)."""
-    optional = set()
-    if tp_plan == "auto":
+    """The plan as {module name: style}, every pattern matched by at least one nn module ("auto" serves several
+    model types: each matches some of its patterns). An "allreduce" module must hold local_rowwise layers (their
+    partial outputs are what it sums); in "auto", the matches that hold none (a dense MLP) are dropped."""
+    auto = tp_plan == "auto"
+    if auto:
         tp_plan = LLAMA_TP_PLAN
-        optional = {pattern for pattern, style in tp_plan.items() if style == "replicated_with_grad_allreduce"}
     if not isinstance(tp_plan, dict):
         raise ValueError(f'tp_plan={tp_plan!r}: pass "auto" or a dict of module-name patterns -> "colwise" / '
                          f'"rowwise"')
@@ -138,10 +207,20 @@ def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
         if style not in TP_STYLES:
             raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {TP_STYLES}")
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched and pattern not in optional:
+        if not matched and not auto:  # "auto" covers several model types: each matches some of its patterns
             raise ValueError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
                              f"(module names look like model.layers.0.self_attn.q_proj)")
         plan.update(dict.fromkeys(matched, style))
+    local_rows = [name for name, style in plan.items() if style == "local_rowwise"]
+    for name in [name for name, style in plan.items() if style == "allreduce"]:
+        if not any(row.startswith(name + ".") for row in local_rows):
+            if not auto:
+                raise ValueError(f"tp_plan: {name} is 'allreduce' but holds no 'local_rowwise' layer: its output is "
+                                 "not a partial sum, and summing it over the processes would multiply it")
+            del plan[name]
+    if not any(style in _LINEAR_STYLES for style in plan.values()):
+        raise ValueError(f"tp_plan={tp_plan if not auto else 'auto'!r} splits no linear layer of "
+                         f"{type(model).__name__}")
     return plan
 
 

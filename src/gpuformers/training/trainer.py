@@ -85,7 +85,7 @@ class Trainer:
         # parallelism, so one data-parallel "process" (see _data_parallel).
         self._tensor_parallel = is_tensor_parallel(model)
         if self._tensor_parallel:
-            _check_tensor_parallel_args(self.args)
+            _check_tensor_parallel_args(self.args, model)
         if getattr(model, "is_quantized", False) and not _has_lora(model):
             raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
                              "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
@@ -540,7 +540,13 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     checkpoint_decoder_layers(model, "gradient_checkpointing", use_reentrant=False)
 
 
-def _check_tensor_parallel_args(args: TrainingArguments) -> None:
+def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
+    from gpuformers.tensor_parallel import has_local_splits
+
+    if has_local_splits(model):
+        raise NotImplementedError("training a tensor-parallel mixture-of-experts model is not supported yet (its "
+                                  "experts' outputs are summed over the processes without a backward); train it "
+                                  "without tp_plan (FSDP2: fsdp='full_shard'), or serve and generate with it")
     if args.fsdp:
         raise NotImplementedError(f"fsdp={args.fsdp!r} with a tensor-parallel model (2-D parallelism: FSDP2 across "
                                   "tensor-parallel groups) is not supported yet; drop fsdp, or load the model "
