@@ -32,8 +32,9 @@ in separate parameter groups (optim.py) and gradient clipping adds up the split 
 What is not here yet (each raises NotImplementedError naming it): tp_size below the number of processes (tensor
 parallel inside data parallel, also with FSDP2), fp16 training (bf16 works), training a split MoE model, CUDA graphs
 under it, and quantized or LoRA layers in one. save_pretrained gathers the slices (the experts' plain ones too) and
-process 0 writes the whole checkpoint; the engine runs when every process makes the same calls (engine/manager.py agrees on the KV cache size), or with process 0 taking
-the requests and the others following it (engine/lockstep.py; how `gpuformers serve --tensor-parallel-size` runs).
+process 0 writes the whole checkpoint; the engine runs when every process makes the same calls (engine/manager.py
+agrees on the KV cache size), or with process 0 taking the requests and the others following it (engine/lockstep.py;
+how `gpuformers serve --tensor-parallel-size` runs).
 
 Offers: TP_STYLES, LLAMA_TP_PLAN, check_tp_size, apply_tensor_parallel, is_tensor_parallel, has_local_splits,
 gather_local_splits, refuse.
