@@ -13,7 +13,7 @@ readable (`GenerationConfig().top_k == 50`) and still allows transformers' prior
 
 Offers: GenerationConfig (from_dict, from_model_config, from_pretrained, to_dict, to_diff_dict, save_pretrained,
 update, merged_with, validate, copy, is_set, eos_token_ids, max_length_for, min_length_for), CompileConfig,
-CACHE_IMPLEMENTATIONS, GENERATION_CONFIG_NAME.
+CACHE_IMPLEMENTATIONS, ASSISTANT_TOKEN_SCHEDULES, GENERATION_CONFIG_NAME.
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ _UNSUPPORTED_FIELDS: dict[str, Any] = {
     "watermarking_config": None, "token_healing": False, "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0, "decoder_start_token_id": None, "penalty_alpha": None, "dola_layers": None,
     "num_beam_groups": 1, "diversity_penalty": 0.0, "constraints": None, "force_words_ids": None, "low_memory": None,
-    "use_mtp": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "prefill_chunk_size": None,
+    "use_mtp": None, "assistant_early_exit": None, "prefill_chunk_size": None,
 }
+
+# Values of num_assistant_tokens_schedule (transformers'): how the draft length changes from round to round.
+ASSISTANT_TOKEN_SCHEDULES = ("heuristic", "heuristic_transient", "constant")
 
 
 @dataclass
@@ -78,6 +81,12 @@ class GenerationConfig:
     # --- strategy ---------------------------------------------------------------------------------------------
     do_sample: bool = False
     num_beams: int = 1
+    # --- assisted generation (speculative decoding; generation/assisted.py) -----------------------------------
+    num_assistant_tokens: int = 20  # tokens the assistant drafts per round
+    num_assistant_tokens_schedule: str = "constant"  # "heuristic": +2 after a fully accepted draft, else -1 (min 1)
+    assistant_confidence_threshold: float | None = 0.4  # the assistant stops drafting below this probability
+    prompt_lookup_num_tokens: int | None = None  # draft by n-gram lookup in the prompt instead of an assistant
+    max_matching_ngram_size: int | None = None  # longest n-gram prompt lookup matches; None means 2 (transformers)
     # --- cache ------------------------------------------------------------------------------------------------
     use_cache: bool = True
     cache_implementation: str | None = None
@@ -300,6 +309,17 @@ class GenerationConfig:
         _check_int("top_k", self.top_k, minimum=0, hint="; use 0 to turn top-k filtering off")
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0)
         _check_int("max_cache_len", self.max_cache_len, minimum=1, optional=True)
+        _check_int("num_assistant_tokens", self.num_assistant_tokens, minimum=1)
+        _check_int("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, minimum=1, optional=True)
+        _check_int("max_matching_ngram_size", self.max_matching_ngram_size, minimum=1, optional=True)
+        if self.num_assistant_tokens_schedule not in ASSISTANT_TOKEN_SCHEDULES:
+            raise ValueError(
+                f"generation config field num_assistant_tokens_schedule {self.num_assistant_tokens_schedule!r} is not "
+                f"one of: {', '.join(ASSISTANT_TOKEN_SCHEDULES)}"
+            )
+        if self.assistant_confidence_threshold is not None:
+            _check_number("assistant_confidence_threshold", self.assistant_confidence_threshold, low=0.0, high=1.0,
+                          hint="; 0 or None lets the assistant always draft num_assistant_tokens")
         if self.max_time is not None:
             _check_number("max_time", self.max_time, low=0.0, low_open=True)
         if self.early_stopping not in (True, False, "never"):

@@ -1,6 +1,7 @@
 """`model.generate()` as transformers': input preparation, greedy and sampling decode over a KV cache, dispatch.
 
-Beam search (num_beams > 1) lives in generation/beam_search.py; generate() prepares its inputs and calls it.
+Beam search (num_beams > 1) lives in generation/beam_search.py, assisted generation (assistant_model=,
+prompt_lookup_num_tokens=) in generation/assisted.py; generate() prepares their inputs and calls them.
 
     prompt -> prefill (logits for the last position only) -> decode loop:
         logits (rows, vocab) -> logits processors -> argmax | sample | beam top-k -> stop checks -> streamer
@@ -135,6 +136,7 @@ class GenerationMixin:
         streamer=None,
         attention_mask: torch.Tensor | None = None,
         tokenizer=None,
+        assistant_model=None,
         **kwargs,
     ):
         """Continue each prompt row of `inputs` (batch, seq); returns (rows, seq + new) token ids, or a
@@ -143,6 +145,8 @@ class GenerationMixin:
         kwargs are GenerationConfig fields (max_new_tokens=, do_sample=, temperature=, num_beams=, ...) that
         override model.generation_config for this call, plus `input_ids=` and `past_key_values=` (a Cache).
         `tokenizer=` is needed for stop_strings. Pass the attention_mask of left-padded batches.
+        `assistant_model=` (a smaller model with the same tokenizer) or `prompt_lookup_num_tokens=` turns on
+        assisted generation (speculative decoding, one prompt at a time; generation/assisted.py).
         """
         from gpuformers.generation.logits import LogitsProcessorList, build_logits_processors
         from gpuformers.generation.stopping import StoppingCriteriaList, build_stopping_criteria
@@ -153,6 +157,10 @@ class GenerationMixin:
         config = self._prepare_generation_config(generation_config, kwargs)
         input_ids, attention_mask = self._prepare_prompt(inputs, input_ids, attention_mask, config)
         batch, prompt_length = input_ids.shape
+        assisted = assistant_model is not None or config.prompt_lookup_num_tokens is not None
+        if assisted:
+            from gpuformers.generation.assisted import assisted_decoding, check_assisted_generation
+            check_assisted_generation(self, assistant_model, config, batch)
         eos = config.eos_token_ids
         if config.pad_token_id is None and eos:
             config.pad_token_id = eos[0]  # transformers' fallback: finished rows are padded with eos
@@ -197,7 +205,10 @@ class GenerationMixin:
             cache = self._prepare_cache(cache, config, rows, max_length)
             step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
             forward = self._decode_forward(config, cache)
-            if beams > 1:
+            if assisted:
+                out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors, criteria,
+                                        streamer)
+            elif beams > 1:
                 out = beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
             else:
                 out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
