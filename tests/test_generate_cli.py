@@ -43,6 +43,15 @@ def test_generate_with_int4_weights_still_answers():
 
 
 @pytest.mark.slow
+def test_prompt_lookup_gives_the_same_answer():
+    _default_model_or_skip()
+    question = ["generate", "Repeat after me: the capital of France is Paris.", "--max-new-tokens", "20"]
+    plain, looked_up = _run(question), _run(question + ["--prompt-lookup", "8"])
+    assert plain.returncode == 0 and looked_up.returncode == 0, plain.stderr + looked_up.stderr
+    assert "Paris" in plain.stdout and looked_up.stdout == plain.stdout  # speculative decoding: the same tokens
+
+
+@pytest.mark.slow
 def test_chat_keeps_history_and_clears_it():
     path = _default_model_or_skip()
     script = "What is the capital of France?\n/clear\n/exit\n"

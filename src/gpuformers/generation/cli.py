@@ -33,6 +33,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--system", default=None, help="a system message to put before the conversation")
+    parser.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                        help="speculative decoding with N draft tokens copied from the conversation (prompt lookup; "
+                             "the same tokens, faster when the answer repeats the prompt); default: off")
 
 
 QUANTIZATION_CHOICES = ("bnb-4bit", "bnb-8bit", "int8", "int4")
@@ -127,6 +130,7 @@ def _reply(model, tokenizer, input_ids, args) -> str:
         streamer=streamer,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         **_sampling(args),
+        **({"prompt_lookup_num_tokens": args.prompt_lookup} if args.prompt_lookup else {}),
     )
     return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
