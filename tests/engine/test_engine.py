@@ -205,6 +205,18 @@ def test_top_logprobs_are_the_most_likely_tokens(qwen3):
         manager.add_request(prompts[3], top_logprobs=21)
 
 
+def test_memory_summary_says_where_memory_goes(qwen3):
+    from gpuformers.engine.model_runner import kv_bytes_per_block
+
+    model = qwen3[0]
+    manager = model.init_continuous_batching(num_blocks=8, block_size=16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = kv_bytes_per_block(model.config, 16, model.dtype) * 9  # the 8 blocks and the scratch block
+    summary = manager.memory_summary()
+    assert summary.startswith(f"weights {weights / (1 << 20):.1f} MiB, KV cache {cache / (1 << 20):.1f} MiB ")
+    assert "(8 blocks of 16 tokens = 128 tokens)" in summary and "free on cpu" in summary
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="block_size=48 must be a power of two"):
         ContinuousBatchingConfig(block_size=48)

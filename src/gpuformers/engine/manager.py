@@ -95,7 +95,8 @@ class ContinuousBatchingConfig:
         return ContinuousBatchingConfig(**values)
 
 
-def _free_memory(device: torch.device) -> int:
+def _free_memory(device: torch.device, cap: bool = True) -> int:
+    """Free bytes on `device`; on the CPU at most _CPU_CACHE_CAP when `cap` (what the KV cache may be sized from)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -103,7 +104,11 @@ def _free_memory(device: torch.device) -> int:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         available = _CPU_CACHE_CAP
-    return min(available, _CPU_CACHE_CAP)
+    return min(available, _CPU_CACHE_CAP) if cap else available
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 @dataclass
@@ -173,6 +178,7 @@ class ContinuousBatchingManager:
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
         self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        logger.info("continuous batching: %s", self.memory_summary())
         if cfg.use_cuda_graph:
             from gpuformers.engine.cuda_graphs import DecodeGraphs
 
@@ -192,6 +198,17 @@ class ContinuousBatchingManager:
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
         self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
+
+    def memory_summary(self) -> str:
+        """Where the device memory goes: the model's weights, the KV cache (and how many tokens it holds), and what
+        is left free now."""
+        tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values()
+        weights = sum(t.numel() * t.element_size() for t in tensors)
+        cache = sum(t.numel() * t.element_size() for t in self.runner.key_caches + self.runner.value_caches)
+        cfg = self.config
+        return (f"weights {_size(weights)}, KV cache {_size(cache)} ({cfg.num_blocks} blocks of {cfg.block_size} "
+                f"tokens = {cfg.num_blocks * cfg.block_size} tokens), "
+                f"{_size(_free_memory(self.model.device, cap=False))} free on {self.model.device}")
 
     # --- the engine -------------------------------------------------------------------------------------------
 

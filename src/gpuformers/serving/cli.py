@@ -92,9 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", 0)) != 0:
             return _follow(manager)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    blocks = manager.block_manager
-    print(f"gpuformers serve: {name} on {model.device} ({blocks.num_blocks} KV blocks of {blocks.block_size} "
-          f"tokens); listening on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"gpuformers serve: {name} on {model.device} ({manager.memory_summary()}); listening on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
     run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
                shutdown_timeout=args.shutdown_timeout)
