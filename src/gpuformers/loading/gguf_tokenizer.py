@@ -3,7 +3,7 @@
 llama.cpp stores the vocabulary, its token types, the merges (or SentencePiece scores) and the name of the
 pre-tokenizer as tokenizer.* metadata. Two vocabulary kinds are rebuilt:
 
-    tokenizer.ggml.model "gpt2"  -> byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM), pre-tokenizer picked by
+    tokenizer.ggml.model "gpt2"  -> byte-level BPE (GPT-2, Llama 3, Qwen2/3, SmolLM, Mistral tekken), pre-tokenizer by
                                     tokenizer.ggml.pre from `_PRE_TOKENIZER_KINDS`
     tokenizer.ggml.model "llama" -> SentencePiece BPE ("\u2581" for spaces, <0xNN> byte fallback); merges come from
                                     the file or are derived from the piece scores
@@ -28,6 +28,14 @@ _LLAMA3_SPLIT = (
 )
 # Qwen2: the same, but every digit on its own.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's tekken (Nemo, Small 3): words split at lower -> upper case changes, every digit on its own,
+# no contraction rule.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
 _PRE_TOKENIZER_KINDS = {
     "default": "gpt2",
     "gpt2": "gpt2",
@@ -42,6 +50,7 @@ _PRE_TOKENIZER_KINDS = {
     "falcon3": "llama3",
     "qwen2": "qwen2",
     "deepseek-r1-qwen": "qwen2",
+    "tekken": "tekken",
 }
 
 
@@ -108,10 +117,9 @@ def _byte_level_pre_tokenizer(pre: str):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    split = _LLAMA3_SPLIT if kind == "llama3" else _QWEN2_SPLIT
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLITS[kind]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
