@@ -223,3 +223,25 @@ def test_greedy_generation_with_kernels_and_triton_attention(qwen3_dir):
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         got = fast.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_rotary_kernel_runs_in_decode_steps_with_torch_norms(tmp_path, monkeypatch):
+    # Qwen3's one-token fast path (q and k heads normalised and rotated together) must leave the rotary kernel in
+    # charge when it is on
+    import gpuformers.kernels.rotary as rotary
+
+    tiny = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **tiny), dtype="float32").save_pretrained(tmp_path)
+    calls = []
+    original = rotary.apply_rotary_inplace
+    monkeypatch.setattr(rotary, "apply_rotary_inplace", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, progress=False)
+    fast = AutoModelForCausalLM.from_pretrained(tmp_path, progress=False, use_kernels=True,
+                                                kernel_config=KernelConfig({"RMSNorm": "torch", "SwiGLUMLP": "torch"}))
+    ids = torch.randint(0, 96, (1, 6))
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    got = fast.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert torch.equal(got, want)
+    assert len(calls) == 4 * tiny["num_hidden_layers"]  # prefill + 3 decode steps, every layer

@@ -59,7 +59,8 @@ def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropou
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
                                              scale=scaling)
-        return out.reshape(batch, heads, 1, head_dim).transpose(1, 2), None
+        # (batch, kv_heads, n_rep, head_dim) lists the heads in order: (batch, 1, heads, head_dim) is a reshape
+        return out.reshape(batch, 1, heads, head_dim), None
     out = F.scaled_dot_product_attention(
         query,
         key,

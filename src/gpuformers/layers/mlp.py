@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuformers.models.modeling import plain_calls
+
 
 class GatedMLP(nn.Module):
     kernel_layer_name = "SwiGLUMLP"
@@ -23,4 +25,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_proj, up_proj, down_proj = plain_calls(self, "gate_proj", "up_proj", "down_proj")
+        return down_proj(F.silu(gate_proj(x)) * up_proj(x))

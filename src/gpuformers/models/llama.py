@@ -5,6 +5,8 @@
 
 Differences between families live in ModelConfig: q/k/v biases (Qwen2), sliding-window layers (Mistral, Qwen2),
 q/k RMSNorm (Qwen3, a subclass in qwen3.py). Module and parameter names are the Hugging Face checkpoint keys.
+Modules call their submodules through modeling.plain_calls: straight to forward unless a hook is registered, since
+nn.Module.__call__ is a tenth of a decode step's time at batch 1.
 
 Offers: LlamaAttention, LlamaDecoderLayer, LlamaModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
 """
@@ -22,7 +24,7 @@ from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from gpuformers.models.config import ModelConfig
-from gpuformers.models.modeling import PreTrainedModel
+from gpuformers.models.modeling import PreTrainedModel, plain_calls
 from gpuformers.models.outputs import CausalLMOutput
 
 
@@ -47,17 +49,23 @@ class LlamaAttention(nn.Module):
         """Hook for families that transform q and k per head before rotary (Qwen3's q/k norm)."""
         return q, k
 
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (batch, seq, heads, head_dim), k (batch, seq, kv_heads, head_dim) -> both through project_qk and
+        rotary, as (batch, heads, seq, head_dim)."""
+        q, k = self.project_qk(q, k)
+        cos, sin = position_embeddings
+        return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None,
                 cache_position: torch.Tensor | None = None):
         batch, seq, _ = hidden_states.shape
+        q_proj, k_proj, v_proj, o_proj = plain_calls(self, "q_proj", "k_proj", "v_proj", "o_proj")
         # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim)
-        q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        k = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = self.project_qk(q, k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        k = k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        v = v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = self.position_qk(q, k, position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
         out, _ = self.attention_fn(
@@ -70,7 +78,7 @@ class LlamaAttention(nn.Module):
             dropout=self.attention_dropout,
             sliding_window=self.sliding_window,
         )
-        return self.o_proj(out.reshape(batch, seq, -1))
+        return o_proj(out.reshape(batch, seq, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,12 +92,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        attn_out = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position
-        )
+        input_norm, attn, mlp = plain_calls(self, "input_layernorm", "self_attn", "mlp")
+        attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         # residual add + post-attention norm: one fused kernel with use_kernels=True
         normed, hidden_states = add_rms_norm(attn_out, hidden_states, self.post_attention_layernorm)
-        return hidden_states + self.mlp(normed)
+        return hidden_states + mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -147,8 +154,8 @@ class LlamaModel(nn.Module):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         all_hidden = [hidden_states] if output_hidden_states else None
-        for layer in self.layers:
-            hidden_states = layer(
+        for layer, forward in zip(self.layers, plain_calls(self.layers, *self.layers._modules)):
+            hidden_states = forward(
                 hidden_states, position_embeddings, masks[layer.self_attn.sliding_window], past_key_values,
                 cache_position,
             )

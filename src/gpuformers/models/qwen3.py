@@ -5,9 +5,14 @@ Offers: Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM.
 
 from __future__ import annotations
 
-from gpuformers.layers.norm import RMSNorm
+import torch
+
+from gpuformers.kernels.mapping import active_kernel_functions
+from gpuformers.layers.norm import RMSNorm, cpu_rms_norm_applies, cpu_rms_normalize
+from gpuformers.layers.rotary import apply_rotary_pos_emb_to
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from gpuformers.models.modeling import plain_calls
 
 
 class Qwen3Attention(LlamaAttention):
@@ -18,7 +23,36 @@ class Qwen3Attention(LlamaAttention):
 
     def project_qk(self, q, k):
         # q, k: (batch, seq, heads, head_dim); the norm runs over head_dim.
-        return self.q_norm(q), self.k_norm(k)
+        q_norm, k_norm = plain_calls(self, "q_norm", "k_norm")
+        return q_norm(q), k_norm(k)
+
+    def position_qk(self, q, k, position_embeddings):
+        q_norm, k_norm = plain_calls(self, "q_norm", "k_norm")
+        if q.shape[1] == 1 and _joint_norm_applies(q_norm, k_norm, q, k):
+            return _norm_and_rotate_jointly(q, k, q_norm.__self__, k_norm.__self__, position_embeddings)
+        return super().position_qk(q, k, position_embeddings)
+
+
+def _joint_norm_applies(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q_norm and k_norm (from plain_calls) are RMSNorm's own forward, both on its CPU path with one eps,
+    and rotary is not routed to a kernel (use_kernels): then _norm_and_rotate_jointly gives their numbers."""
+    return (getattr(q_norm, "__func__", None) is RMSNorm.forward
+            and getattr(k_norm, "__func__", None) is RMSNorm.forward
+            and cpu_rms_norm_applies(q, q_norm.__self__.weight) and cpu_rms_norm_applies(k, k_norm.__self__.weight)
+            and q_norm.__self__.variance_epsilon == k_norm.__self__.variance_epsilon
+            and "rotary_pos_emb" not in active_kernel_functions())
+
+
+def _norm_and_rotate_jointly(q, k, q_norm: RMSNorm, k_norm: RMSNorm, position_embeddings):
+    """position_qk for one token per row, q's and k's heads normalised and rotated as one tensor: half the ops of
+    two norms and two rotations (a decode step's count), the same numbers, since each head is normalised on its own
+    and then multiplied by its own weight, as RMSNorm does. q (batch, 1, heads, dim), k (batch, 1, kv_heads, dim)."""
+    heads, kv_heads, dim = q.shape[2], k.shape[2], q.shape[3]
+    qk = cpu_rms_normalize(torch.cat((q, k), dim=2), q_norm.variance_epsilon)  # (batch, 1, heads + kv_heads, dim)
+    # each head's weight: (heads + kv_heads, dim), cheaper to build than to multiply two slices in place
+    qk = qk * torch.cat((q_norm.weight.expand(heads, dim), k_norm.weight.expand(kv_heads, dim)))
+    qk = apply_rotary_pos_emb_to(qk, position_embeddings, unsqueeze_dim=2)
+    return qk.narrow(2, 0, heads).transpose(1, 2), qk.narrow(2, heads, kv_heads).transpose(1, 2)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
