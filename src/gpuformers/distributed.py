@@ -10,21 +10,33 @@ cuda:LOCAL_RANK), gloo on the CPU (which is how the tests run it). `wrap_model` 
     "fsdp"   FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer (the classes the model lists in
              `no_split_modules`), then the root, is sharded over the processes; a layer's parameters are gathered
              just before it runs and freed after, gradients are reduce-scattered. Tied weights (embeddings and the
-             LM head) stay in the root group together.
+             LM head) stay in the root group together. `FSDPOptions` (TrainingArguments.fsdp / fsdp_config) choose:
+
+             reshard_after_forward=False   parameters stay gathered from the forward to the backward (ZeRO-2:
+                                           "shard_grad_op"), one all-gather per step instead of two
+             hybrid_shard                  a 2-D mesh (replicate, shard): parameters sharded over dp_shard_size
+                                           processes (a node: LOCAL_WORLD_SIZE), replicated across those groups,
+                                           gradients reduce-scattered inside a group then all-reduced across
+             cpu_offload                   sharded parameters, gradients and optimizer state live on the CPU
+                                           (CPUOffloadPolicy): the optimizer steps there, copies go to the GPU
+                                           for each layer's forward and backward
+             mixed_precision               MixedPrecisionPolicy: the dtype parameters are gathered in, gradients
+                                           reduced in and outputs cast to
 
 Both average gradients over the processes, so a loss normalised by the tokens of the *global* batch must be
 multiplied by the world size before the backward to give the gradients of one big batch (the Trainer does that).
 Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
 functions, since they are collectives.
 
-Offers: world_size, rank, is_main_process, process_device, init_distributed, wrap_model, gradient_sync,
-all_reduce_sum, all_reduce_min, barrier, full_model_state_dict, load_full_model_state_dict, full_optimizer_state_dict,
-load_full_optimizer_state_dict, unwrap.
+Offers: world_size, rank, is_main_process, process_device, init_distributed, FSDPOptions, wrap_model, hybrid_mesh,
+gradient_sync, all_reduce_sum, all_reduce_min, barrier, full_model_state_dict, load_full_model_state_dict,
+full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 
@@ -59,10 +71,12 @@ def process_device() -> torch.device:
     return resolve_device(f"cuda:{max(int(os.environ.get('LOCAL_RANK', 0)), 0)}")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool = False) -> bool:
+def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool = False,
+                     cpu_offload: bool = False) -> bool:
     """Join torchrun's process group (once); False when this is a single process. `single`: join it even when
     torchrun started one process (tensor parallelism over one process, as when trying a script with
-    --nproc_per_node=1)."""
+    --nproc_per_node=1). `cpu_offload` (FSDP2 offloading to the CPU): on GPUs, gloo beside NCCL for the collectives
+    over CPU tensors (the gradient norm and the checkpoints' gathering of offloaded states)."""
     if world_size() <= 1 and not (single and "RANK" in os.environ):
         return False
     if not dist.is_available():
@@ -75,34 +89,109 @@ def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool
                            "processes with torchrun (torchrun --nproc_per_node=N script.py)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 
-def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device) -> torch.nn.Module:
-    """The model made data-parallel over the group by `strategy` ("ddp" or "fsdp"); see the module docstring."""
+@dataclasses.dataclass(frozen=True)
+class FSDPOptions:
+    """How "fsdp" shards the model (TrainingArguments builds it from fsdp and fsdp_config; see the module docstring).
+    `mixed_precision` maps param_dtype / reduce_dtype / output_dtype to dtype names ("bfloat16"); `layer_classes`
+    replaces the model's no_split_modules as the classes sharded one by one."""
+
+    reshard_after_forward: bool = True
+    hybrid_shard: bool = False
+    dp_shard_size: int | None = None  # hybrid_shard: processes sharing one copy (None: LOCAL_WORLD_SIZE)
+    cpu_offload: bool = False
+    mixed_precision: dict[str, str] | None = None
+    layer_classes: tuple[str, ...] | None = None
+
+
+def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device,
+               fsdp_options: FSDPOptions | None = None) -> torch.nn.Module:
+    """The model made data-parallel over the group by `strategy` ("ddp" or "fsdp", the latter as `fsdp_options`
+    say, full sharding by default); see the module docstring."""
     if strategy not in STRATEGIES:
         raise ValueError(f"distributed strategy {strategy!r} is not one of {STRATEGIES}")
     if not dist.is_initialized():
         raise RuntimeError("wrap_model needs the process group: call init_distributed(device) first (under torchrun)")
     if strategy == "ddp":
+        if fsdp_options is not None:
+            raise ValueError("fsdp_options were given with strategy 'ddp'; pass strategy='fsdp' to use them")
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
+    options = fsdp_options or FSDPOptions()
+    layers = _layers_to_shard(model, options.layer_classes)
+    kwargs = _fully_shard_kwargs(options, device)
+    # output_dtype casts the root's outputs only: a layer's output feeds the next layer, gathered in param_dtype
+    layer_kwargs = {**kwargs, "mp_policy": dataclasses.replace(kwargs["mp_policy"], output_dtype=None)}
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **layer_kwargs)
+    # the root keeps FSDP2's default (its parameters stay gathered after the forward: the backward starts with them)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _layers_to_shard(model: torch.nn.Module, layer_classes: tuple[str, ...] | None) -> list[torch.nn.Module]:
     from gpuformers.models.modeling import decoder_layers
 
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"fsdp: {type(model).__name__} names no decoder layer class (no_split_modules) to shard "
-                         "one by one; use ddp for this model")
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    if layer_classes is None:
+        layers = decoder_layers(model)
+        if not layers:
+            raise ValueError(f"fsdp: {type(model).__name__} names no decoder layer class (no_split_modules) to "
+                             "shard one by one; use ddp for this model, or name the classes in "
+                             "fsdp_config['transformer_layer_cls_to_wrap']")
+        return layers
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    found = {type(m).__name__ for m in layers}
+    if missing := [name for name in layer_classes if name not in found]:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"fsdp_config['transformer_layer_cls_to_wrap'] names {missing}, which "
+                         f"{type(model).__name__} does not contain; its module classes are {present}")
+    return layers
+
+
+def _fully_shard_kwargs(options: FSDPOptions, device: torch.device) -> dict:
+    """fully_shard's mesh, offload_policy and mp_policy for `options` (mesh and offload_policy omitted when left
+    at their defaults)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy()}
+    if options.hybrid_shard:
+        kwargs["mesh"] = hybrid_mesh(device, options.dp_shard_size)
+    if options.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if device.type != "cpu" and "cpu:" not in dist.get_backend_config():
+            raise RuntimeError(f"CPU offload puts the sharded states on the CPU, but the process group "
+                               f"({dist.get_backend_config()}) has no backend for CPU tensors; start it with "
+                               "init_distributed(device, cpu_offload=True) (NCCL and gloo)")
+
+        # pinned CPU memory makes the host <-> GPU copies asynchronous; there is nothing to pin for without a GPU
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if options.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(**{k: getattr(torch, v)
+                                                      for k, v in options.mixed_precision.items()})
+    return kwargs
+
+
+def hybrid_mesh(device: torch.device, dp_shard_size: int | None = None):
+    """The (replicate, shard) DeviceMesh of hybrid sharding: consecutive groups of `dp_shard_size` processes
+    (default LOCAL_WORLD_SIZE, one node under torchrun) each hold one sharded copy of the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    shard = dp_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if shard < 1 or world % shard:
+        raise ValueError(f"hybrid_shard: {world} processes cannot be split in groups of dp_shard_size={shard}; set "
+                         f"fsdp_config['dp_shard_size'] to a divisor of {world} (the processes per node)")
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

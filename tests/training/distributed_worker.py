@@ -1,10 +1,11 @@
 """One process of a distributed training run, for tests/training/test_distributed_trainer.py:
-`torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR ddp|fsdp|tp [--max-steps N]
-[--stop-at N] [--resume]`. With ddp and fsdp each process trains on its share of every batch (1 row x 2 accumulated
-micro-batches: with 2 processes, global batches of 4); with tp (the model loaded with tp_plan="auto") every process
-takes the whole batch (2 rows x 2 micro-batches) on its slices of the model; process 0 writes the logged losses and
-gradient norms (and what compute_metrics saw) to OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final;
-every process writes predict()'s logits over the eval rows to OUTPUT_DIR/predictions_RANK.npy."""
+`torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR RUN [--max-steps N]
+[--stop-at N] [--resume]`, RUN one of the named configurations in RUNS. With ddp and the fsdp variants each process
+trains on its share of every batch (1 row x 2 accumulated micro-batches: with 2 processes, global batches of 4); with
+tp (the model loaded with tp_plan="auto") every process takes the whole batch (2 rows x 2 micro-batches) on its
+slices of the model; process 0 writes the logged losses and gradient norms (and what compute_metrics saw) to
+OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final; every process writes predict()'s logits over the
+eval rows to OUTPUT_DIR/predictions_RANK.npy."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer, TrainerCallback
@@ -24,6 +26,20 @@ EVAL_ROWS = dict(count=7, seed=9)  # odd: one process gets a padding row, which 
 DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
                         save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
                         max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+# the named configurations: TrainingArguments on top of DISTRIBUTED_ARGS
+RUNS = {
+    "ddp": {},
+    "tp": {"per_device_train_batch_size": 2},
+    "fsdp": {"fsdp": "full_shard"},
+    "shard_grad_op": {"fsdp": "shard_grad_op"},
+    # torchrun's LOCAL_WORLD_SIZE (2) is the default shard size: a 1 x 2 (replicate, shard) mesh
+    "hybrid_shard": {"fsdp": "hybrid_shard"},
+    # dp_shard_size=1: a 2 x 1 mesh, each process a whole replica, gradients all-reduced over the replicate dim;
+    # with the parameters, gradients and optimizer state offloaded to the CPU and the fused AdamW stepping there
+    "hybrid_shard_zero2_offload": {"fsdp": "hybrid_shard_zero2 offload", "fsdp_config": {"dp_shard_size": 1},
+                                   "optim": "adamw_torch_fused"},
+    "offload": {"fsdp": "full_shard offload", "optim": "adamw_torch_fused"},
+}
 
 
 def argmax_ids(logits, labels):
@@ -47,6 +63,30 @@ class CountEvalBatches(TrainerCallback):
         self.count += 1
 
 
+class RecordLayout(TrainerCallback):
+    """How FSDP2 holds the first decoder layer's weights: the mesh shape, the placements, the offload policy, and
+    whether they are still gathered right after the layer's training forward (reshard_after_forward=False)."""
+
+    def __init__(self):
+        self.layout = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        layer = model.model.layers[0]
+        if not isinstance(layer, FSDPModule):
+            return
+        weight = next(layer.parameters())  # between steps: the sharded DTensor
+        group = layer._get_fsdp_state()._fsdp_param_group  # private: FSDP2 has no public getter for the policy
+        self.layout = {"mesh": list(weight.device_mesh.shape), "placements": [str(p) for p in weight.placements],
+                       "offload": type(group.offload_policy).__name__}
+        layer.register_forward_hook(self._after_forward)  # after FSDP2's own hook, which may reshard
+
+    def _after_forward(self, module, inputs, output):
+        if module.training and "gathered_after_forward" not in self.layout:
+            self.layout["gathered_after_forward"] = not isinstance(next(module.parameters()), DTensor)
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step: int):
         self.step = step
@@ -60,21 +100,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
     parser.add_argument("output_dir")
-    parser.add_argument("strategy", choices=["ddp", "fsdp", "tp"])
+    parser.add_argument("run", choices=list(RUNS))
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-at", type=int, help="end training after this step (its checkpoint is written)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tp = args.strategy == "tp"
+    tp = args.run == "tp"
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False, tp_plan="auto" if tp else None)
-    extra = {"fsdp": "full_shard"} if args.strategy == "fsdp" else {"per_device_train_batch_size": 2} if tp else {}
-    eval_batches = CountEvalBatches()
-    trainer = Trainer(model, tiny_args(args.output_dir, **{**DISTRIBUTED_ARGS, **extra}, max_steps=args.max_steps,
-                                       use_cpu=True),
+    eval_batches, layout = CountEvalBatches(), RecordLayout()
+    values = {**DISTRIBUTED_ARGS, **RUNS[args.run], "max_steps": args.max_steps, "use_cpu": True}
+    trainer = Trainer(model, tiny_args(args.output_dir, **values),
                       train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), compute_metrics=metrics,
                       preprocess_logits_for_metrics=argmax_ids,
-                      callbacks=[eval_batches] + ([StopAt(args.stop_at)] if args.stop_at else []))
+                      callbacks=[eval_batches, layout] + ([StopAt(args.stop_at)] if args.stop_at else []))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(Path(args.output_dir) / "final")
     trainer.preprocess_logits_for_metrics = None  # predict: the whole logits, gathered from every process
@@ -87,6 +126,7 @@ def main() -> None:
         losses.update({f"metrics{e['step']}": [e["eval_rows"], e["eval_label_sum"], e["eval_accuracy"]]
                        for e in trainer.state.log_history if "eval_loss" in e})
         (Path(args.output_dir) / "losses.json").write_text(json.dumps(losses))
+        (Path(args.output_dir) / "layout.json").write_text(json.dumps(layout.layout))
 
 
 if __name__ == "__main__":

@@ -54,12 +54,83 @@ def test_auto_precision_follows_the_gpu_capability(monkeypatch, capability, expe
     ({"lr_scheduler_type": "polynomial"}, ValueError, "is not one of: linear, cosine"),
     ({"optim": "lion"}, ValueError, 'optim "lion" is not one of'),
     ({"save_strategy": "sometimes"}, ValueError, 'save_strategy "sometimes" is not one of: no, steps, epoch'),
-    ({"fsdp": "shard_grad_op offload"}, NotImplementedError, r"fsdp options \['shard_grad_op', 'offload'\]"),
     ({"per_device_train_batch_size": 0}, ValueError, "per_device_train_batch_size 0 must be"),
 ])
 def test_bad_arguments_are_refused_with_the_value_and_the_fix(kwargs, error, match):
     with pytest.raises(error, match=match):
         TrainingArguments(**kwargs)
+
+
+@pytest.mark.parametrize("fsdp, fsdp_config", [
+    ("full_shard", None), ("shard_grad_op", None), ("full_shard offload", None),
+    ("shard_grad_op offload auto_wrap", None),
+    (["full_shard", "auto_wrap"], None), (True, {"fsdp_reshard_after_forward": "false", "cpu_offload": True}),
+    (True, {"reshard_after_forward": True, "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}),
+])
+def test_fsdp_options_mean_what_they_mean_in_transformers(monkeypatch, fsdp, fsdp_config):
+    import transformers
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # transformers sets it: restored after the test
+    theirs = transformers.TrainingArguments(output_dir="out", fsdp=fsdp, fsdp_config=dict(fsdp_config or {}),
+                                            use_cpu=True).fsdp_plugin_args
+    ours = TrainingArguments(fsdp=fsdp, fsdp_config=dict(fsdp_config or {})).fsdp_options
+    assert ours.reshard_after_forward == theirs["reshard_after_forward"]
+    assert ours.cpu_offload == theirs.get("cpu_offload", False)
+    assert not ours.hybrid_shard and ours.layer_classes is None and ours.mixed_precision is None
+
+
+@pytest.mark.parametrize("fsdp, fsdp_config, expected", [
+    ("hybrid_shard", None, {"hybrid_shard": True, "reshard_after_forward": True}),
+    ("hybrid_shard_zero2 offload", {"dp_shard_size": 4},
+     {"hybrid_shard": True, "reshard_after_forward": False, "cpu_offload": True, "dp_shard_size": 4}),
+    (True, {"fsdp_offload_params": "true"}, {"cpu_offload": True}),  # accelerate's name, with its prefix
+    (True, {"transformer_layer_cls_to_wrap": "Qwen3DecoderLayer"}, {"layer_classes": ("Qwen3DecoderLayer",)}),
+    (True, {"auto_wrap_policy": "no_wrap"}, {"layer_classes": ()}),
+    (True, {"mixed_precision_policy": "bf16"},
+     {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": "bfloat16"}}),
+    (True, {"mixed_precision_policy": {"param_dtype": "bf16", "reduce_dtype": "torch.float32"}},
+     {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}),
+])
+def test_fsdp_options_beyond_transformers_fsdp2(fsdp, fsdp_config, expected):
+    from gpuformers.distributed import FSDPOptions
+
+    got = TrainingArguments(fsdp=fsdp, fsdp_config=fsdp_config).fsdp_options
+    assert got == FSDPOptions(**expected)
+
+
+def test_fsdp_config_from_a_json_file_and_activation_checkpointing(tmp_path):
+    path = tmp_path / "fsdp.json"
+    path.write_text('{"fsdp_activation_checkpointing": true, "fsdp_reshard_after_forward": false}')
+    args = TrainingArguments(fsdp=True, fsdp_config=str(path))
+    assert args.fsdp_options.reshard_after_forward is False
+    assert args.gradient_checkpointing is True  # FSDP's name for it
+    assert args.fsdp_config == {"fsdp_activation_checkpointing": True, "fsdp_reshard_after_forward": False}
+    assert TrainingArguments().fsdp_options is None
+
+
+@pytest.mark.parametrize("fsdp, fsdp_config, error, match", [
+    ("full_shard shard_grad_op", None, ValueError, r"strategies \['full_shard', 'shard_grad_op'\]; keep one"),
+    ("no_shard", None, ValueError, "that is DDP.*drop fsdp"),
+    ("zero3", None, ValueError, r"fsdp options \['zero3'\] are not among: full_shard, shard_grad_op"),
+    ("shard_grad_op", {"reshard_after_forward": True}, ValueError, "means reshard_after_forward=False"),
+    ("full_shard offload", {"cpu_offload": False}, ValueError, "CPU offload is both asked for and refused"),
+    (True, {"cpu_offload": True, "offload_params": False}, ValueError, "CPU offload is both asked for and refused"),
+    ("full_shard", {"dp_shard_size": 2}, ValueError, "add 'hybrid_shard'"),
+    ("hybrid_shard", {"dp_shard_size": 0}, ValueError, "dp_shard_size=0 must be a whole number >= 1"),
+    (True, {"fsdp_backward_prefetch": "BACKWARD_PRE"}, ValueError, r"\['backward_prefetch'\] are FSDP1 settings"),
+    (True, {"reshard_after_forwrd": False}, ValueError, r"keys \['reshard_after_forwrd'\] are not understood"),
+    (True, {"version": 1}, ValueError, "FSDP2 only; drop version or set it to 2"),
+    (None, {"cpu_offload": True}, ValueError, "fsdp is off; pass fsdp=True"),
+    (True, {"reshard_after_forward": "maybe"}, ValueError, "reshard_after_forward='maybe' is not a yes/no value"),
+    (True, {"mixed_precision_policy": "fp64"}, ValueError, "dtype 'fp64' is not one of: bf16"),
+    (True, {"auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": ["X"]}, ValueError, "drop one of them"),
+    (True, {"auto_wrap_policy": "SIZE_BASED_WRAP"}, NotImplementedError, "use TRANSFORMER_BASED_WRAP"),
+    (True, {"state_dict_type": "SHARDED_STATE_DICT"}, NotImplementedError, "FULL_STATE_DICT"),
+    (True, {"cpu_ram_efficient_loading": True}, NotImplementedError, "cpu_ram_efficient_loading=True"),
+])
+def test_fsdp_combinations_that_make_no_sense_are_refused(fsdp, fsdp_config, error, match):
+    with pytest.raises(error, match=match):
+        TrainingArguments(fsdp=fsdp, fsdp_config=fsdp_config)
 
 
 def test_torchrun_environment_picks_the_strategy(monkeypatch):

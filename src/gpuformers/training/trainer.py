@@ -72,7 +72,9 @@ class Trainer:
             model = model_init()
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed)
-        distributed.init_distributed(self.args.device)  # under torchrun: join the process group (else a no-op)
+        # under torchrun: join the process group (else a no-op); FSDP2's CPU offload also needs gloo for CPU tensors
+        offload = self.args.fsdp_options is not None and self.args.fsdp_options.cpu_offload
+        distributed.init_distributed(self.args.device, cpu_offload=offload)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
@@ -298,7 +300,8 @@ class Trainer:
             if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
                 ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
             strategy = None if self._tensor_parallel else args.distributed_strategy
-            self.model_wrapped = distributed.wrap_model(self.model, strategy, args.device) if strategy else self.model
+            self.model_wrapped = (distributed.wrap_model(self.model, strategy, args.device, args.fsdp_options)
+                                  if strategy else self.model)
         self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(args.device.type)
