@@ -14,6 +14,7 @@ import torch
 from gpuformers import distributed
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.registry import model_class_for
+from gpuformers.distributed import exit_process
 
 CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=32,
               intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -81,3 +82,4 @@ def _broadcast(obj):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_process()

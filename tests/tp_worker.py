@@ -9,6 +9,7 @@ import sys
 import torch
 
 from gpuformers import AutoModelForCausalLM
+from gpuformers.distributed import exit_process
 
 
 def main() -> None:
@@ -80,3 +81,4 @@ def _refusals(model, out: str) -> list[str | None]:
 
 if __name__ == "__main__":
     main()
+    exit_process()

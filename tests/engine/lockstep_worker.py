@@ -11,6 +11,7 @@ import sys
 import torch
 
 from gpuformers import AutoModelForCausalLM
+from gpuformers.distributed import exit_process
 
 PROMPTS = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11], [3] * 20]
 
@@ -56,3 +57,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()

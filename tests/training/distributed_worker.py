@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer, TrainerCallback
+from gpuformers.distributed import exit_process
 from tests.training.helpers import make_rows, tiny_args
 
 ROWS = dict(count=24, seed=3)
@@ -131,3 +132,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()

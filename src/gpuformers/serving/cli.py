@@ -94,9 +94,20 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     print(f"gpuformers serve: {name} on {model.device} ({manager.memory_summary()}); listening on "
           f"http://{args.host}:{args.port}/v1", flush=True)
-    run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
-               max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
-               shutdown_timeout=args.shutdown_timeout)
+    code = 1
+    try:
+        run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
+                   max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
+                   shutdown_timeout=args.shutdown_timeout)
+        code = 0
+    except SystemExit as stop:  # the graceful shutdown on SIGTERM / Ctrl-C ends with sys.exit(0)
+        code = stop.code if isinstance(stop.code, int) else 0
+        raise
+    finally:
+        if processes > 1:  # the engine has stopped (and told the others): leave without torch's teardown
+            from gpuformers.distributed import exit_process
+
+            exit_process(code)
     return 0
 
 
@@ -121,7 +132,10 @@ def _follow(manager) -> int:
     shutdown), whatever signal torchrun passes on meanwhile."""
     import signal
 
+    from gpuformers.distributed import exit_process
+
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, signal.SIG_IGN)
     manager.follow()
+    exit_process(0)
     return 0
