@@ -162,6 +162,12 @@ class Trainer:
         tensor-parallel model, whose processes all take the same batches."""
         return (1, 0) if self._tensor_parallel else (self.args.world_size, self.args.process_index)
 
+    @property
+    def _gathers_states(self) -> bool:
+        """Whether the model is split over the processes (FSDP2 shards, tensor-parallel slices): its checkpoints are
+        then whole states gathered from every process (a collective), and each process loads back its part."""
+        return self.args.distributed_strategy == "fsdp" or self._tensor_parallel
+
     def _loader(self, dataset, batches: list[list[int]]) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=batches, collate_fn=self.data_collator,
@@ -295,7 +301,7 @@ class Trainer:
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
         fsdp = args.distributed_strategy == "fsdp"
-        gathered = fsdp or self._tensor_parallel  # checkpoints hold whole states, each process keeps its part
+        gathered = self._gathers_states
         if self.model_wrapped is None:
             if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
                 ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
@@ -419,9 +425,8 @@ class Trainer:
 
     def _save_checkpoint(self) -> Path:
         args = self.args
-        gathered = args.distributed_strategy == "fsdp" or self._tensor_parallel
-        # Under FSDP2 and tensor parallelism the whole states are gathered (every process takes part); process 0
-        # alone writes.
+        # Whole states are gathered (every process takes part); process 0 alone writes.
+        gathered = self._gathers_states
         model_state = distributed.full_model_state_dict(self.model) if gathered else None
         optimizer_state = (distributed.full_optimizer_state_dict(self.model, self.optimizer)
                            if gathered and not args.save_only_model else None)
@@ -520,8 +525,7 @@ class Trainer:
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
         output_dir = Path(output_dir or self.args.output_dir)
-        gathered = self.args.distributed_strategy == "fsdp" or self._tensor_parallel
-        state = distributed.full_model_state_dict(self.model) if gathered else None  # a collective: every process
+        state = distributed.full_model_state_dict(self.model) if self._gathers_states else None  # a collective
         if distributed.is_main_process():
             if state is None:
                 self.model.save_pretrained(output_dir)
