@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -243,7 +244,7 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def exit_process(code: int = 0) -> None:
+def exit_process(code: int = 0) -> NoReturn:
     """End a torchrun process whose work is done: flush the output, leave the process group and exit at once,
     skipping the interpreter's teardown. That teardown aborts about one gloo process in twenty-five on this project's
     CI machine ("terminate called without an active exception" in torch's C++ runtime, after every output was
@@ -265,18 +266,16 @@ def barrier() -> None:
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict as plain CPU tensors on process 0 (an empty dict elsewhere) when it is sharded
     by FSDP2 or split by tensor parallelism (tensor_parallel.py); a collective then: every process must call it."""
-    from torch.distributed.tensor import DTensor
-
     model = unwrap(model)
     if not _has_dtensors(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from gpuformers.tensor_parallel import gather_local_splits, has_local_splits
+    from gpuformers.tensor_parallel import gather_local_splits
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # Weights split as plain tensors (the MoE experts under tensor parallelism) come out as this process's slice
-    return gather_local_splits(model, state) if has_local_splits(model) else state
+    return gather_local_splits(model, state)
 
 
 def _has_dtensors(model: torch.nn.Module) -> bool:
