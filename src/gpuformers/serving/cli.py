@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    processes = int(os.environ.get("WORLD_SIZE", 1))
-    if "WORLD_SIZE" not in os.environ and (args.tensor_parallel_size or 1) > 1:
+    from gpuformers import distributed
+
+    processes = distributed.world_size()
+    if "WORLD_SIZE" not in os.environ and (args.tensor_parallel_size or 1) > 1:  # not started by torchrun yet
         return _restart_under_torchrun(args.tensor_parallel_size)
     if args.tensor_parallel_size not in (None, processes):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {processes} "
@@ -89,8 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
     manager = model.init_continuous_batching(continuous_batching_config=config)
     if processes > 1:
         manager.run_in_lockstep()
-        if int(os.environ.get("RANK", 0)) != 0:
-            return _follow(manager)
+        if not distributed.is_main_process():
+            _follow(manager)  # does not return
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     print(f"gpuformers serve: {name} on {model.device} ({manager.memory_summary()}); listening on "
           f"http://{args.host}:{args.port}/v1", flush=True)
@@ -105,9 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     finally:
         if processes > 1:  # the engine has stopped (and told the others): leave without torch's teardown
-            from gpuformers.distributed import exit_process
-
-            exit_process(code)
+            distributed.exit_process(code)
     return 0
 
 
@@ -123,13 +124,13 @@ def _restart_under_torchrun(processes: int) -> int:
     try:
         torchrun(argv)
     except SignalException:  # the agent stopped the processes on our signal
-        return 0
+        pass
     return 0
 
 
-def _follow(manager) -> int:
+def _follow(manager) -> NoReturn:
     """A process other than 0: run the engine with process 0's until its engine stops (after its graceful
-    shutdown), whatever signal torchrun passes on meanwhile."""
+    shutdown), whatever signal torchrun passes on meanwhile; then end the process."""
     import signal
 
     from gpuformers.distributed import exit_process
@@ -138,4 +139,3 @@ def _follow(manager) -> int:
         signal.signal(number, signal.SIG_IGN)
     manager.follow()
     exit_process(0)
-    return 0
