@@ -20,6 +20,7 @@ from gpuformers.generation.assisted import speculative_sampling
 from gpuformers.generation.config import GenerationConfig
 from gpuformers.generation.stopping import StoppingCriteria
 from tests.fixtures.checkpoints import make_checkpoint
+from tests.fixtures.streamers import RecordingStreamer
 
 PROMPT_LENGTH = 12
 
@@ -97,17 +98,6 @@ class _CountForwards:
         self.handle.remove()
 
 
-class _RecordingStreamer:
-    def __init__(self):
-        self.calls = []
-
-    def put(self, value):
-        self.calls.append(value.tolist())
-
-    def end(self):
-        self.calls.append("end")
-
-
 # --- greedy: the same tokens as plain greedy and as transformers ---------------------------------------------------
 
 
@@ -117,7 +107,7 @@ def test_greedy_with_assistant_equals_plain_greedy_and_transformers(models, seed
     hf_small, small = models["small"]
     ids = _prompt(seed)
     plain = ours.generate(ids, max_new_tokens=40, eos_token_id=None)
-    streamer = _RecordingStreamer()  # one put per round
+    streamer = RecordingStreamer()  # one put per round
     with _CountForwards(ours) as target_forwards:
         got = ours.generate(ids, max_new_tokens=40, eos_token_id=None, assistant_model=small, num_assistant_tokens=4,
                             streamer=streamer)
@@ -135,7 +125,7 @@ def test_assistant_equal_to_target_has_every_draft_accepted(models):
     _, ours = models["target"]
     ids = _prompt(2)
     plain = ours.generate(ids, max_new_tokens=40, eos_token_id=None)
-    streamer = _RecordingStreamer()  # one put per round
+    streamer = RecordingStreamer()  # one put per round
     got = ours.generate(ids, max_new_tokens=40, eos_token_id=None, assistant_model=ours, streamer=streamer,
                         num_assistant_tokens=8, assistant_confidence_threshold=None)
     assert torch.equal(got, plain)
@@ -215,7 +205,7 @@ def test_user_stopping_criteria_processors_and_scores(models):
 def test_streamer_gets_prompt_then_the_accepted_tokens(models):
     _, ours = models["target"]
     ids = _prompt(7)
-    streamer = _RecordingStreamer()
+    streamer = RecordingStreamer()
     got = ours.generate(ids, max_new_tokens=25, eos_token_id=None, streamer=streamer, assistant_model=ours,
                         num_assistant_tokens=4, assistant_confidence_threshold=None)
     assert streamer.calls[0] == ids.tolist()

@@ -12,6 +12,7 @@ import torch
 from gpuformers.generation import generate as generate_module
 from gpuformers.generation.cache import DynamicCache, StaticCache
 from tests.fixtures.checkpoints import hf_config
+from tests.fixtures.streamers import RecordingStreamer
 
 PROMPT_LENGTH, PAD = 10, 4
 
@@ -239,21 +240,10 @@ def test_stop_strings_stop_where_transformers_does(tmp_path):
     assert stop in tokenizer.decode(got[0, ids.shape[1]:].tolist())
 
 
-class _RecordingStreamer:
-    def __init__(self):
-        self.calls = []
-
-    def put(self, value):
-        self.calls.append(value.tolist())
-
-    def end(self):
-        self.calls.append("end")
-
-
 def test_streamer_gets_prompt_then_each_token_then_end(models):
     _, ours = models["llama"]
     ids, _ = _prompt(batch=1)
-    streamer = _RecordingStreamer()
+    streamer = RecordingStreamer()
     out = ours.generate(ids, max_new_tokens=5, streamer=streamer, eos_token_id=None)
     assert streamer.calls[0] == ids.tolist()
     assert streamer.calls[1:-1] == [[t] for t in out[0, PROMPT_LENGTH:].tolist()]
@@ -322,7 +312,7 @@ def test_errors_name_the_problem(models):
     with pytest.raises(ValueError, match="temperature"):
         ours.generate(ids, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="streamer cannot be used with beam search"):
-        ours.generate(ids, num_beams=2, streamer=_RecordingStreamer())
+        ours.generate(ids, num_beams=2, streamer=RecordingStreamer())
     with pytest.raises(ValueError, match=r"\(batch, seq\)"):
         ours.generate(ids[0], max_new_tokens=3)
 
