@@ -36,6 +36,8 @@ _LAZY = {
     "kernelize": "gpuformers.kernels.mapping",
     "TrainingArguments": "gpuformers.training.arguments",
     "Trainer": "gpuformers.training.trainer",
+    "DataCollatorForCausalLM": "gpuformers.training.data",
+    "DataCollatorForLanguageModeling": "gpuformers.training.data",
     "LoraConfig": "gpuformers.lora",
     "get_peft_model": "gpuformers.lora",
     "PeftModel": "gpuformers.lora",

@@ -31,6 +31,37 @@ def test_collator_pads_right_and_masks_padding():
         DataCollatorForCausalLM()([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
 
 
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_language_modeling_collator_equals_transformers(padding_side):
+    import transformers
+
+    from gpuformers.training import DataCollatorForLanguageModeling
+
+    theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    ours_tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    for tokenizer in (theirs_tokenizer, ours_tokenizer):
+        tokenizer.padding_side = padding_side
+    pad = ours_tokenizer.pad_token_id
+    rows = [{"input_ids": [1, 2, 3, pad, 5]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9, 10, 11, 12]}]
+    theirs = transformers.DataCollatorForLanguageModeling(theirs_tokenizer, mlm=False, pad_to_multiple_of=4)(rows)
+    ours = DataCollatorForLanguageModeling(ours_tokenizer, mlm=False, pad_to_multiple_of=4)(rows)
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert ours[key].tolist() == theirs[key].tolist(), key
+    assert ours["labels"][0].tolist().count(-100) >= 2  # the padding and, as transformers does, the pad-id token
+
+
+def test_language_modeling_collator_refuses_what_it_cannot_do():
+    from gpuformers.training import DataCollatorForLanguageModeling
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    with pytest.raises(NotImplementedError, match="mlm=False"):
+        DataCollatorForLanguageModeling(tokenizer)
+    tokenizer.pad_token = None
+    with pytest.raises(ValueError, match="pad_token = tokenizer.eos_token"):
+        DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+
 def _trained_segments(tokenizer, row) -> list[str]:
     segments, current = [], []
     for token, label in zip(row["input_ids"], row["labels"]):

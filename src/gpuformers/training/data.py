@@ -2,6 +2,7 @@
 
 - `DataCollatorForCausalLM` pads a list of {"input_ids", optional "labels"} rows to the longest (right side),
   with attention_mask 0 and label -100 on the padding; labels default to the input ids.
+  `DataCollatorForLanguageModeling(tokenizer, mlm=False)` is transformers' collator under its name, with its rules.
 - `tokenize_text(tokenizer, text)` and `tokenize_chat(tokenizer, messages)`: one row each. A chat is rendered
   with the tokenizer's chat template and only the assistant turns are trained on: every other token gets -100.
 - `load_jsonl(path)` reads `{"text": ...}` or `{"messages": [...]}` rows; `tokenize_rows` turns them into rows.
@@ -13,7 +14,7 @@ and the end-of-turn text the template writes after a reply ("<|im_end|>", found 
 model must learn to stop. Templates that rewrite earlier turns (Qwen3 drops old reasoning) still work because
 only the header position and the content are matched.
 
-Offers: DataCollatorForCausalLM, tokenize_text, tokenize_chat, assistant_spans, end_of_turn, load_jsonl,
+Offers: DataCollatorForCausalLM, DataCollatorForLanguageModeling, tokenize_text, tokenize_chat, assistant_spans, end_of_turn, load_jsonl,
 tokenize_rows, IGNORE_INDEX.
 """
 
@@ -69,6 +70,37 @@ class DataCollatorForCausalLM:
             batch["input_ids"][row, cols] = torch.tensor(i, dtype=torch.long)
             batch["labels"][row, cols] = torch.tensor(l, dtype=torch.long)
             batch["attention_mask"][row, cols] = 1
+        return batch
+
+
+class DataCollatorForLanguageModeling(DataCollatorForCausalLM):
+    """transformers' collator under its name, for causal LMs (`mlm=False`): rows {"input_ids": [...]} padded to
+    the longest on the tokenizer's padding side, labels = input_ids with every pad-token id set to -100.
+
+    As in transformers, any label a row brings is ignored, and a real token whose id is the pad token's is masked
+    too: with `pad_token = eos_token` the model is never trained to stop. Use DataCollatorForCausalLM (labels
+    from the rows, only the padding masked) when that matters.
+    """
+
+    def __init__(self, tokenizer, mlm: bool = True, mlm_probability: float | None = 0.15,
+                 pad_to_multiple_of: int | None = None, return_tensors: str = "pt", seed: int | None = None):
+        if mlm:
+            raise NotImplementedError("DataCollatorForLanguageModeling(mlm=True): masked language modelling is for "
+                                      "encoder models and gpuformers trains causal LMs; pass mlm=False")
+        if return_tensors != "pt":
+            raise ValueError(f'return_tensors="{return_tensors}" is not supported: gpuformers returns torch tensors '
+                             '("pt")')
+        if tokenizer is None or tokenizer.pad_token_id is None:
+            raise ValueError("DataCollatorForLanguageModeling needs a tokenizer with a pad token to pad the rows; "
+                             "set one, e.g. tokenizer.pad_token = tokenizer.eos_token")
+        super().__init__(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                         padding_side=getattr(tokenizer, "padding_side", "right"))
+        self.tokenizer, self.mlm = tokenizer, mlm
+
+    def __call__(self, rows: Sequence[dict[str, Any]] | Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        rows = [row if isinstance(row, dict) else {"input_ids": row} for row in rows]
+        batch = super().__call__([{"input_ids": row["input_ids"]} for row in rows] if rows else rows)
+        batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == self.pad_token_id, IGNORE_INDEX)
         return batch
 
 
