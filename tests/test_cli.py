@@ -157,6 +157,6 @@ def test_env_text_shows_the_gpu_table():
     text = cli.format_env(report)
     assert "CUDA_VISIBLE_DEVICES='3'   CUDA_DEVICE_ORDER=PCI_BUS_ID   (set by --gpus '3')" in text
     row = next(line for line in text.splitlines() if line.startswith("cuda:0"))
-    assert row.split() == ["cuda:0", "3", "NVIDIA", "H100", "80GB", "HBM3", "9.0", "80.0", "GiB", "?", "yes",
+    assert row.split() == ["cuda:0", "3", "NVIDIA", "H100", "80GB", "HBM3", "9.0", "80.00", "GiB", "?", "yes",
                            "00000000:AF:00.0"]
     assert "triton        not installed" in text and "NVIDIA driver 550.54.15" in text

@@ -18,7 +18,7 @@ from torch import nn
 from gpuformers.loading import save as save_module
 from gpuformers.loading import weights as weights_module
 from gpuformers.loading.safetensors import SafetensorsError, SafetensorsFile, write_file
-from gpuformers.loading.save import parse_size, save_checkpoint
+from gpuformers.loading.save import save_checkpoint
 from gpuformers.loading.weights import CheckpointFiles, assign_tensor, load_weights
 
 TIE = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -404,18 +404,6 @@ def test_resave_replaces_stale_shards_and_a_crash_keeps_the_old_checkpoint(tmp_p
     assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / "model.safetensors").exists()
     model, _ = load(tmp_path)
     assert_matches(model, new_state)
-
-
-def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9
-    assert parse_size("500MB") == 500 * 10**6
-    assert parse_size("2GiB") == 2 * 2**30
-    assert parse_size(" 1.5 kb ") == 1500
-    assert parse_size(1234) == 1234
-    with pytest.raises(ValueError, match=r"size '5 gigs' is not a size: .* '5GB'"):
-        parse_size("5 gigs")
-    with pytest.raises(ValueError, match="more than 0"):
-        parse_size(0)
 
 
 def test_writer_streams_gpu_style_tensors_and_rejects_meta(tmp_path):

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any, Callable, NamedTuple
 
+from gpuformers.sizes import format_size
+
 
 class Verb(NamedTuple):
     summary: str  # one line for `gpuformers --help`
@@ -122,10 +124,6 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for machines instead of text")
 
 
-def _gib(size: int | None) -> str:
-    return "?" if size is None else f"{size / 2**30:.1f} GiB"
-
-
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
@@ -148,13 +146,15 @@ def format_env(report: dict[str, Any]) -> str:
               + (f"   (set by --gpus {report['gpus_flag']!r})" if report["gpus_flag"] is not None else ""), ""]
     if report["gpus"]:
         rows = [[f"cuda:{g['index']}", "?" if g["nvidia_smi_index"] is None else str(g["nvidia_smi_index"]), g["name"],
-                 "{}.{}".format(*g["capability"]), _gib(g["total_memory"]), _gib(g["free_memory"]),
-                 "yes" if g["bf16"] else "no", g["pci_bus_id"] or "?"] for g in report["gpus"]]
+                 "{}.{}".format(*g["capability"]), format_size(g["total_memory"]),
+                 format_size(g["free_memory"]), "yes" if g["bf16"] else "no", g["pci_bus_id"] or "?"]
+                for g in report["gpus"]]
         lines.append(_table(["device", "nvidia-smi", "name", "capability", "total", "free", "bf16", "PCI bus id"], rows))
     else:
         lines.append("No CUDA GPU is visible: gpuformers runs on the CPU.")
     if report["nvidia"] and not report["gpus"]:
-        rows = [[str(g["index"]), g["name"], _gib(g["total_memory"]), _gib(g["free_memory"]), g["pci_bus_id"]]
+        rows = [[str(g["index"]), g["name"], format_size(g["total_memory"]), format_size(g["free_memory"]),
+                 g["pci_bus_id"]]
                 for g in report["nvidia"]["gpus"]]
         lines += ["", f"GPUs {report['nvidia']['source']} lists:",
                   _table(["nvidia-smi", "name", "total", "free", "PCI bus id"], rows)]

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from gpuformers.sizes import format_size
+
 HEADROOM = 0.05
 MIN_HEADROOM = 512 * 2**20
 # Bytes per weight and per group for quantized Linear layers (decoder layers only; embeddings and lm_head stay):
@@ -202,24 +204,20 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
 # ------------------------------------------------------------------------------------------------------- CLI
 
 
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"
-
-
 def format_report(report: FitReport) -> str:
     lines = [f"{report.model}: {report.parameters / 1e9:.2f} B parameters in {report.dtype}",
-             f"  weights            {_gib(report.weights_bytes)}",
+             f"  weights            {format_size(report.weights_bytes)}",
              f"  KV cache           {report.kv_bytes_per_token / 2**10:.1f} KiB per token "
-             f"({_gib(report.kv_bytes_per_token * report.context * report.batch)} for {report.context} tokens x "
-             f"batch {report.batch})",
+             f"({format_size(report.kv_bytes_per_token * report.context * report.batch)} for {report.context} "
+             f"tokens x batch {report.batch})",
              f"  activations        {report.activation_bytes_per_token / 2**10:.1f} KiB per prompt token "
-             f"({_gib(report.activation_bytes_per_token * report.context * report.batch)} for a "
+             f"({format_size(report.activation_bytes_per_token * report.context * report.batch)} for a "
              f"{report.context}-token prefill x batch {report.batch})",
-             "  devices            " + ", ".join(f"{k} {_gib(v)}" for k, v in report.devices.items()), ""]
+             "  devices            " + ", ".join(f"{k} {format_size(v)}" for k, v in report.devices.items()), ""]
     rows = [["option", "device_map", "weights", "fits", f"max context (batch {report.batch})",
              f"max batch ({report.context} tokens)", "note"]]
     for o in report.options:
-        rows.append([o.name, o.device_map, _gib(o.weights_bytes), "yes" if o.fits else "no",
+        rows.append([o.name, o.device_map, format_size(o.weights_bytes), "yes" if o.fits else "no",
                      str(o.max_context) if o.fits else "-", str(o.max_batch) if o.fits else "-", o.note])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

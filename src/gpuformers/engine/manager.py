@@ -35,6 +35,7 @@ from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.model_runner import LaunchedStep, ModelRunner, kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES, ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, SamplingParams, Sequence
+from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,6 @@ def _free_memory(device: torch.device, cap: bool = True) -> int:
     except (ValueError, OSError):
         available = _CPU_CACHE_CAP
     return min(available, _CPU_CACHE_CAP) if cap else available
-
-
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 @dataclass
@@ -206,9 +203,9 @@ class ContinuousBatchingManager:
         weights = sum(t.numel() * t.element_size() for t in tensors)
         cache = sum(t.numel() * t.element_size() for t in self.runner.key_caches + self.runner.value_caches)
         cfg = self.config
-        return (f"weights {_size(weights)}, KV cache {_size(cache)} ({cfg.num_blocks} blocks of {cfg.block_size} "
-                f"tokens = {cfg.num_blocks * cfg.block_size} tokens), "
-                f"{_size(_free_memory(self.model.device, cap=False))} free on {self.model.device}")
+        return (f"weights {format_size(weights)}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks of "
+                f"{cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
+                f"{format_size(_free_memory(self.model.device, cap=False))} free on {self.model.device}")
 
     # --- the engine -------------------------------------------------------------------------------------------
 

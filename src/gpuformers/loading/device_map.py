@@ -36,9 +36,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from gpuformers.sizes import parse_size
+
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 Device = int | str  # a GPU index, "cpu" or "disk": the values of a plan
 
@@ -120,15 +120,6 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 # ---------------------------------------------------------------------------------------------- device limits
 
 
-def _size_to_int(value: int | float | str, key: Any) -> int:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return int(value)
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]I?B|B)?\s*", str(value), re.IGNORECASE)
-    if match is None:
-        raise ValueError(f"max_memory[{key!r}] = {value!r} is not a size; write bytes (int) or e.g. \"20GiB\", \"500MB\"")
-    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
-
-
 def parse_max_memory(max_memory: dict) -> dict[Device, int]:
     """{0: "20GiB", "cuda:1": 10**10, "cpu": "64GB", "disk": ...} -> bytes, GPUs first by index, then cpu, disk."""
     gpus, others = {}, {}
@@ -138,9 +129,9 @@ def parse_max_memory(max_memory: dict) -> dict[Device, int]:
         if isinstance(key, str) and (m := re.fullmatch(r"cuda:(\d+)", key.strip())):
             key = int(m[1])
         if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
-            gpus[key] = _size_to_int(value, key)
+            gpus[key] = parse_size(value, name=f"max_memory[{key!r}]", allow_zero=True)
         elif key in ("cpu", "disk"):
-            others[key] = _size_to_int(value, key)
+            others[key] = parse_size(value, name=f"max_memory[{key!r}]", allow_zero=True)
         else:
             raise ValueError(f"max_memory key {key!r} is not a device; use GPU indices (0, 1, ...), \"cpu\" or \"disk\"")
     return {**dict(sorted(gpus.items())), **{k: others[k] for k in ("cpu", "disk") if k in others}}

@@ -12,7 +12,7 @@ are removed only once the new ones are complete: a crash mid-save leaves either 
 new one, never a half-written file under a real name. Tied targets (lm_head.weight when tied to the
 embeddings) are not written, as transformers does.
 
-Offers: save_checkpoint, parse_size.
+Offers: save_checkpoint.
 """
 
 from __future__ import annotations
@@ -30,27 +30,9 @@ from torch import nn
 
 from gpuformers.loading.safetensors import write_file
 from gpuformers.loading.weights import SAFE_INDEX, SAFE_WEIGHTS
+from gpuformers.sizes import parse_size
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string such as "5GB" (10^9), "500MB", "2GiB" (2^30)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
-        unit = match.group(2).upper() if match else None
-        if unit not in _UNITS:
-            raise ValueError(
-                f"size {size!r} is not a size: pass an int of bytes or a string like '5GB', '500MB' or '2GiB'"
-            )
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size {size!r} must be more than 0 bytes")
-    return value
 
 
 def save_checkpoint(
@@ -71,7 +53,7 @@ def save_checkpoint(
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"save_directory {folder} is a file; pass a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, name="max_shard_size")
     state = _tensors_to_save(model_or_state_dict, tied or {})
     for leftover in folder.glob(".model*.tmp"):  # from a save that crashed
         leftover.unlink()
