@@ -23,8 +23,8 @@ On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed
 `torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
 Elsewhere it runs eagerly and attends over the written slots only, which makes it no slower than the dynamic cache.
 
-Offers: GenerationMixin, GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL, greedy_tokens (and, from beam_search.py,
-GenerateBeamDecoderOnlyOutput).
+Offers: GenerationMixin (generate, compute_transition_scores), GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL,
+greedy_tokens (and, from beam_search.py, GenerateBeamDecoderOnlyOutput).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from gpuformers.generation.beam_search import GenerateBeamDecoderOnlyOutput, beam_search  # noqa: F401
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
 from gpuformers.generation.config import CompileConfig, GenerationConfig
+from gpuformers.generation.transition_scores import compute_transition_scores
 from gpuformers.models.outputs import ModelOutput
 
 # On an accelerator, ask "have all rows finished?" (a host sync) once per this many decode steps.
@@ -137,6 +138,7 @@ class GenerationMixin:
         attention_mask: torch.Tensor | None = None,
         tokenizer=None,
         assistant_model=None,
+        prefix_allowed_tokens_fn=None,
         **kwargs,
     ):
         """Continue each prompt row of `inputs` (batch, seq); returns (rows, seq + new) token ids, or a
@@ -147,6 +149,8 @@ class GenerationMixin:
         `tokenizer=` is needed for stop_strings. Pass the attention_mask of left-padded batches.
         `assistant_model=` (a smaller model with the same tokenizer) or `prompt_lookup_num_tokens=` turns on
         assisted generation (speculative decoding, one prompt at a time; generation/assisted.py).
+        `prefix_allowed_tokens_fn(batch_id, input_ids) -> allowed token ids` constrains each next token
+        (generation/prefix_constrained.py).
         """
         from gpuformers.generation.logits import LogitsProcessorList, build_logits_processors
         from gpuformers.generation.stopping import StoppingCriteriaList, build_stopping_criteria
@@ -190,7 +194,8 @@ class GenerationMixin:
         rows = input_ids.shape[0]
 
         processors = build_logits_processors(config, prompt_length, device=input_ids.device,
-                                             attention_mask=attention_mask)
+                                             attention_mask=attention_mask,
+                                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         processors = LogitsProcessorList([*processors, *(logits_processor or [])])
         criteria = build_stopping_criteria(config, prompt_length, tokenizer=tokenizer)
         criteria = StoppingCriteriaList([*criteria, *(stopping_criteria or [])])
@@ -214,6 +219,14 @@ class GenerationMixin:
                 out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
         return out.clone() if private else out
 
+    def compute_transition_scores(self, sequences: torch.Tensor, scores: tuple[torch.Tensor, ...],
+                                  beam_indices: torch.Tensor | None = None,
+                                  normalize_logits: bool = False) -> torch.Tensor:
+        """(rows, new tokens) score of each generated token, from generate(return_dict_in_generate=True)'s
+        sequences, scores (or logits) and, after beam search, beam_indices; see generation/transition_scores.py."""
+        return compute_transition_scores(sequences, scores, beam_indices=beam_indices,
+                                         normalize_logits=normalize_logits)
+
     # --- preparation ------------------------------------------------------------------------------------------
 
     def _prepare_generation_config(self, generation_config, kwargs: dict) -> GenerationConfig:
@@ -231,7 +244,7 @@ class GenerationMixin:
             raise TypeError(
                 f"generate() got arguments that are neither GenerationConfig fields nor inputs: {', '.join(hints)}; "
                 f"inputs are inputs/input_ids, attention_mask, past_key_values, streamer, tokenizer, "
-                f"logits_processor, stopping_criteria"
+                f"logits_processor, stopping_criteria, prefix_allowed_tokens_fn"
             )
         return config
 

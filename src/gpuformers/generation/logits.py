@@ -9,6 +9,9 @@ the host already knows, choose a branch, so no processor waits on the GPU.
 order: penalties and constraints first, then (only with do_sample=True) the sampling warpers
 temperature -> top_k -> top_p -> min_p -> typical_p -> epsilon -> eta, then renormalisation.
 
+PrefixConstrainedLogitsProcessor (generate(prefix_allowed_tokens_fn=...)) lives in generation/prefix_constrained.py;
+it calls the user's Python function per row, so it is the one processor that waits for the device.
+
 Offers: LogitsProcessor, LogitsProcessorList, build_logits_processors, and the processors:
 RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor, MinLengthLogitsProcessor,
 MinNewTokensLengthLogitsProcessor, ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor,
@@ -419,12 +422,15 @@ def build_logits_processors(
     prompt_length: int,
     device: torch.device | str | None = None,
     attention_mask: torch.Tensor | None = None,
+    prefix_allowed_tokens_fn=None,
 ) -> LogitsProcessorList:
     """The processors `generation_config` asks for, in transformers' order.
 
     prompt_length: tokens per row before generation (padding included). attention_mask: the prompt's (batch, seq)
     mask; with left padding it keeps the pad tokens out of the repetition penalty, as transformers does. device is
     accepted for symmetry with transformers; the processors follow the device of the scores they get.
+    prefix_allowed_tokens_fn: generate()'s `fn(batch_id, input_ids) -> allowed token ids`, which adds a
+    PrefixConstrainedLogitsProcessor (generation/prefix_constrained.py).
     """
     gc = generation_config
     eos = gc.eos_token_ids
@@ -444,6 +450,12 @@ def build_logits_processors(
         processors.append(MinLengthLogitsProcessor(min_length, eos))
     if eos and gc.min_new_tokens is not None and gc.min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, gc.min_new_tokens, eos))
+    if prefix_allowed_tokens_fn is not None:
+        # imported here: that module imports LogitsProcessor from this one
+        from gpuformers.generation.prefix_constrained import PrefixConstrainedLogitsProcessor
+
+        rows_per_prompt = max(gc.num_beams, gc.num_return_sequences)
+        processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, rows_per_prompt))
     if gc.forced_bos_token_id is not None:
         processors.append(ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id))
     if gc.forced_eos_token_id is not None:
