@@ -131,10 +131,56 @@ class GenerationOutput:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
 
+# GenerationConfig fields that change generate()'s tokens and that the engine does not implement, each with the test
+# of "set so that it matters" (generate()'s own: build_logits_processors, beam search, stopping criteria). Fields
+# left out are honoured (SamplingParams), inert here (beam-only length_penalty and early_stopping, assistant
+# settings, pad and bos ids, return_dict_in_generate) or change speed only (use_cache, cache_implementation,
+# compile_config, prompt_lookup_num_tokens, which gives the same tokens).
+_UNHONOURED = {
+    "num_beams": lambda c: c.num_beams > 1,
+    "num_return_sequences": lambda c: c.num_return_sequences > 1,
+    "no_repeat_ngram_size": lambda c: c.no_repeat_ngram_size > 0,
+    "bad_words_ids": lambda c: c.bad_words_ids is not None,
+    "forced_bos_token_id": lambda c: c.forced_bos_token_id is not None,
+    "forced_eos_token_id": lambda c: c.forced_eos_token_id is not None,
+    "suppress_tokens": lambda c: c.suppress_tokens is not None,
+    "begin_suppress_tokens": lambda c: c.begin_suppress_tokens is not None,
+    "remove_invalid_values": lambda c: c.remove_invalid_values,
+    "typical_p": lambda c: c.do_sample and c.typical_p < 1.0,
+    "epsilon_cutoff": lambda c: c.do_sample and 0.0 < c.epsilon_cutoff < 1.0,
+    "eta_cutoff": lambda c: c.do_sample and 0.0 < c.eta_cutoff < 1.0,
+    "stop_strings": lambda c: c.stop_strings is not None,
+    "max_time": lambda c: c.max_time is not None,
+    "output_scores": lambda c: c.output_scores,
+    "output_logits": lambda c: c.output_logits,
+    "output_attentions": lambda c: c.output_attentions,
+    "output_hidden_states": lambda c: c.output_hidden_states,
+}
+
+
+def unhonoured_fields(generation_config) -> list[str]:
+    """The fields of `generation_config` that would change generate()'s tokens and that the engine does not
+    implement (see _UNHONOURED)."""
+    return [name for name, matters in _UNHONOURED.items() if matters(generation_config)]
+
+
+def check_honoured(generation_config) -> None:
+    """Raise NotImplementedError naming each field of `generation_config` the engine would not honour."""
+    unhonoured = [f"{name}={getattr(generation_config, name)!r}" for name in unhonoured_fields(generation_config)]
+    if unhonoured:
+        raise NotImplementedError(
+            f"the continuous batching engine does not implement generation config field(s) {', '.join(unhonoured)}; "
+            f"leave them at their defaults, or use model.generate() (per-token scores: return_logprobs=True; "
+            f"stop strings: stop=[token ids])")
+
+
 def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig, prompt_length: int,
                          **overrides) -> SamplingParams:
-    """Per-request SamplingParams: the generation config's values, then this request's overrides."""
+    """Per-request SamplingParams: the generation config's values, then this request's overrides. Raises
+    NotImplementedError naming the generation config's fields that would change the tokens and that the engine
+    does not implement (check_honoured)."""
     config = generation_config
+    check_honoured(config)
     max_new = overrides.pop("max_new_tokens", None)
     if max_new is None:
         max_new = config.max_length_for(prompt_length) - prompt_length
@@ -144,6 +190,9 @@ def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig,
         temperature=config.temperature,
         top_k=config.top_k or 0,
         top_p=config.top_p,
+        min_p=config.min_p or 0.0,
+        repetition_penalty=config.repetition_penalty,
+        min_new_tokens=max(0, config.min_length_for(prompt_length) - prompt_length),  # min_length counts the prompt
         eos_token_ids=tuple(config.eos_token_ids),
         seed=cb_config.seed,
         return_logprobs=cb_config.return_logprobs,
@@ -162,6 +211,7 @@ class ContinuousBatchingManager:
 
         base = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
         self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
+        check_honoured(self.generation_config)  # here, not at the first request
         self.config = (continuous_batching_config or ContinuousBatchingConfig()).resolve(model)
         self.model = model.eval()
         if not model.attn_implementation.startswith("paged|"):
@@ -392,8 +442,9 @@ class ContinuousBatchingManager:
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
-        temperature, top_p, top_k, do_sample, stop, seed, ignore_eos, return_logprobs, top_logprobs,
-        prompt_logprobs (see SamplingParams; such a request takes no prefix-cache hits)."""
+        temperature, top_p, top_k, min_p, do_sample, stop, seed, ignore_eos, repetition_penalty, frequency_penalty,
+        presence_penalty, min_new_tokens, logit_bias, return_logprobs, top_logprobs, prompt_logprobs (see
+        SamplingParams; a prompt_logprobs request takes no prefix-cache hits)."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         if request_id is None:

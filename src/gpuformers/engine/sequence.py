@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 
@@ -41,6 +42,16 @@ class SamplingParams:
     """Per-request sampling settings. temperature 0 or do_sample=False is greedy decoding.
 
     stop: token ids (ints) or token-id sequences (lists) that end generation when the output ends with them.
+    Logit adjustments, applied to greedy and sampled requests alike (model_runner.py gives the order):
+        logit_bias: {token_id: bias} added to the logits (OpenAI's; a token id past the LM head is ignored).
+        repetition_penalty: transformers' rule over prompt and output tokens: a seen token's logit is divided by
+            it when positive, multiplied when negative (1.0 is off).
+        frequency_penalty, presence_penalty: OpenAI's rule over the output tokens only, in [-2, 2]:
+            logit -= frequency_penalty * count + presence_penalty * (count > 0).
+        min_new_tokens: eos (unless ignore_eos) and the one-token stops are masked until that many tokens exist,
+            and no longer stop sequence ends the request before then.
+    min_p: sampled requests keep the tokens whose probability is at least min_p times the top one's (transformers'
+        MinPLogitsWarper, after top-k and top-p; 0 is off).
     seed: a per-request generator seed, so a sampled request gives the same tokens whatever it is batched with.
     prompt_logprobs: None (off), or k in [0, 20]: the logprob of every prompt token given the tokens before it
         (the first token has none: None), plus its k most likely alternatives, from the model's raw logits (no
@@ -60,6 +71,12 @@ class SamplingParams:
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: also the k most likely tokens at each step (at most 20)
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -76,14 +93,54 @@ class SamplingParams:
                                                  or not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be None (off) or an int in [0, 20]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p!r} must be a number in [0, 1] (0 turns it off)")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0 (1.0 turns it "
+                             f"off; above 1 discourages repeats)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2] (0 turns it off)")
+        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an int >= 0")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias={self.logit_bias!r} must be a dict {{token_id: bias}}")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias key {token!r} must be a token id (an int >= 0)")
+            if not _is_number(bias):
+                raise ValueError(f"logit_bias[{token}]={bias!r} must be a finite number")
         if self.top_logprobs:
             self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         self.stop = [[s] if isinstance(s, int) else [int(t) for t in s] for s in self.stop]
+        self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts (model_runner.TokenCounts)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def ending_tokens(self) -> list[int]:
+        """The tokens min_new_tokens masks: those that end the request on their own."""
+        ends = [] if self.ignore_eos else list(self.eos_token_ids)
+        return ends + [s[0] for s in self.stop if len(s) == 1]
+
+    def adjusts_logits(self, num_generated: int) -> bool:
+        """Whether the logits of this request's next token (after `num_generated` tokens) need any adjustment
+        before the greedy choice or the sampling warpers."""
+        masks = num_generated < self.min_new_tokens and bool(self.ending_tokens)
+        return self.uses_penalties or bool(self.logit_bias) or masks
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 _arrivals = itertools.count()
@@ -134,10 +191,15 @@ class Sequence:
         return len(self.prompt_ids) + len(self.generated_ids) + self.num_pending_tokens
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far, counting those still in flight (known without waiting for their values)."""
+        return len(self.generated_ids) + self.num_pending_tokens
+
+    @property
     def out_of_new_tokens(self) -> bool:
-        """Whether the sampled tokens, counting those still in flight, reach max_new_tokens: known without waiting
-        for their values, so such a sequence is never scheduled again."""
-        return len(self.generated_ids) + self.num_pending_tokens >= self.params.max_new_tokens
+        """Whether the sampled tokens, counting those still in flight, reach max_new_tokens: such a sequence is
+        never scheduled again."""
+        return self.num_output_tokens >= self.params.max_new_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -183,7 +245,8 @@ class Sequence:
         params = self.params
         done = len(self.generated_ids) >= params.max_new_tokens
         done = done or (not params.ignore_eos and token_id in params.eos_token_ids)
-        done = done or any(self.generated_ids[-len(s):] == s for s in params.stop)
+        stops = len(self.generated_ids) >= params.min_new_tokens
+        done = done or (stops and any(self.generated_ids[-len(s):] == s for s in params.stop))
         if done:
             self.status = RequestStatus.FINISHED
             self.num_pending_tokens = 0  # a token sampled after the end (async lookahead) is dropped
