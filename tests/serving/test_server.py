@@ -348,7 +348,7 @@ BAD_REQUESTS = [
      "response_format"),
     ("/chat/completions", {"model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/chat/completions", {"model": M, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("/chat/completions", {"model": M, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/chat/completions", {"model": M, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ("/chat/completions", {"model": M, "messages": USER, "max_completion_tokens": -3}, 400,
      "max_completion_tokens"),
     ("/nowhere", {"model": M}, 404, None),

@@ -8,6 +8,10 @@ torchrun, uses its processes): each loads its slices of the model (tp_plan="auto
 engines of all the processes step in lockstep (engine/lockstep.py). The others ignore SIGTERM and Ctrl-C: they end
 when process 0's engine stops, after its graceful shutdown.
 
+The checkpoint's generation_config.json gives the requests' defaults (temperature, top_p, ...); a field in it that
+the engine does not implement (no_repeat_ngram_size, say) is dropped with a warning rather than failing every
+request, since no request can set it anyway.
+
 Offers: add_serve_arguments, run_serve.
 """
 
@@ -55,6 +59,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over this many processes, one per GPU (started with torchrun; "
                              "default: the number of torchrun processes, else 1)")
+    from gpuformers.serving.tool_calls import TOOL_CALL_PARSERS
+
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help="the format of the model's tool calls, parsed out of chat answers to requests with tools "
+                             "(default: detected from the chat template; hermes for Qwen2.5, Qwen3, Hermes)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -89,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                       max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_num_seqs,
                                       max_memory_percent=args.gpu_memory_utilization)
+    _drop_unhonoured_defaults(model)
     manager = model.init_continuous_batching(continuous_batching_config=config)
     if processes > 1:
         manager.run_in_lockstep()
@@ -101,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                    max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
-                   shutdown_timeout=args.shutdown_timeout)
+                   shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser)
         code = 0
     except SystemExit as stop:  # the graceful shutdown on SIGTERM / Ctrl-C ends with sys.exit(0)
         code = stop.code if isinstance(stop.code, int) else 0
@@ -139,3 +149,20 @@ def _follow(manager) -> NoReturn:
         signal.signal(number, signal.SIG_IGN)
     manager.follow()
     exit_process(0)
+
+
+def _drop_unhonoured_defaults(model) -> None:
+    """Reset the fields of the model's generation config that the engine cannot honour, saying which."""
+    from gpuformers.engine.manager import unhonoured_fields
+    from gpuformers.generation.config import GenerationConfig
+
+    config = model.generation_config
+    dropped = unhonoured_fields(config) if config is not None else []
+    if dropped:
+        defaults, config = GenerationConfig(), config.copy()
+        for name in dropped:
+            setattr(config, name, getattr(defaults, name))
+        model.generation_config = config
+        print(f"gpuformers serve: warning: the model's generation_config.json sets {', '.join(dropped)}, which the "
+              f"continuous batching engine does not implement; serving without {'them' if len(dropped) > 1 else 'it'}",
+              file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """One HTTP request's way through the engine: Engine (submit engine requests, carry their outputs into the event
 loop), ChoiceText (one choice's text, decoded incrementally and cut at stop strings) and Job (a request's n
-choices and the response they make, whole or streamed, for /v1/completions and /v1/chat/completions).
+choices and the response they make, whole or streamed, for /v1/completions and /v1/chat/completions; a chat request
+with tools has each choice's tool calls parsed out of its text by the model's parser, tool_calls.py).
 
 Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
 carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
@@ -169,10 +170,22 @@ class Job:
         self.last_token_time: list[float | None] = [None] * parsed.n
         self.last_check = time.monotonic()  # when the client was last seen connected
         self.closed = False
+        # A chat request with tools and tool_choice "auto": each choice's text goes through the model's tool-call
+        # parser (the server checked that it has one)
+        self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None
 
     def start(self, sampling_of) -> None:
-        for index in range(self.parsed.n):
-            sampling = sampling_of(self.parsed, index, self.max_tokens)
+        parsed = self.parsed
+        outside = [token for token in parsed.logit_bias or {} if token >= self.state.vocab_size]
+        if outside:
+            raise APIError(400, f"logit_bias key {outside[0]} is outside the vocabulary [0, {self.state.vocab_size})",
+                           "logit_bias")
+        # The logit adjustments under the engine's names; one not sent (None) leaves it to the generation config
+        adjustments = dict(frequency_penalty=parsed.frequency_penalty, presence_penalty=parsed.presence_penalty,
+                           logit_bias=parsed.logit_bias, repetition_penalty=parsed.repetition_penalty,
+                           min_p=parsed.min_p, min_new_tokens=parsed.min_tokens)
+        for index in range(parsed.n):
+            sampling = {**sampling_of(parsed, index, self.max_tokens), **adjustments}
             self.request_ids.append(self.state.engine.submit(self.prompt_ids, sampling, index, self.queue, self.loop))
 
     def close(self) -> None:
@@ -301,8 +314,15 @@ class Job:
         choices = []
         for index, choice in enumerate(self.choices):
             if self.parsed.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                                "logprobs": self._logprobs(choice), "finish_reason": choice.finish_reason})
+                message, finish_reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
+                if self.tool_parser is not None:
+                    content, calls = self.tool_parser.parse(choice.text)
+                    message["content"] = content or None
+                    if calls:
+                        message["tool_calls"] = [call.to_dict() for call in calls]
+                        finish_reason = "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": self._logprobs(choice),
+                                "finish_reason": finish_reason})
             else:
                 prefix = self._echo_text() if self.parsed.echo else ""
                 logprobs = self._logprobs(choice, offset=len(prefix))
@@ -314,9 +334,11 @@ class Job:
                 "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
 
     def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None) -> str:
+               logprobs: dict | None = None, tool_call: dict | None = None) -> str:
         if self.parsed.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if tool_call is not None:
+                delta = {"tool_calls": [tool_call]}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
@@ -329,9 +351,11 @@ class Job:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self, request) -> AsyncIterator[str]:
-        """Server-sent events: a role chunk per choice (chat), text deltas, a finish chunk per choice, the usage
+        """Server-sent events: a role chunk per choice (chat), text deltas (with tools: a delta per complete tool
+        call, {"tool_calls": [{index, id, type, function: {name, arguments}}]}), a finish chunk per choice, the usage
         chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are too."""
         reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
+        parsers = [self.tool_parser() for _ in range(self.parsed.n)] if self.tool_parser is not None else None
         try:
             if self.parsed.chat:
                 for index in range(self.parsed.n):
@@ -349,12 +373,25 @@ class Job:
                     break
                 # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
                 end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
+                calls = []
+                if parsers is not None:  # the calls come out of the text; text that may open a call waits
+                    text, calls = parsers[index].feed(text)
+                    if choice.finished:
+                        rest, more = parsers[index].finish()
+                        text, calls = text + rest, calls + more
                 if text:
                     offset = choice.sent - len(text)
                     yield self._chunk(index, text, None, logprobs=self._logprobs(choice, reported[index], end, offset))
                     reported[index] = max(reported[index], end)
+                first = len(parsers[index].calls) - len(calls) if calls else 0  # the first new call's index
+                for position, call in enumerate(calls, first):
+                    yield self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
+                                      tool_call={"index": position, **call.to_dict()})
+                    reported[index] = max(reported[index], end)
                 if choice.finished:
-                    yield self._chunk(index, None if self.parsed.chat else "", choice.finish_reason,
+                    called = parsers is not None and parsers[index].calls
+                    yield self._chunk(index, None if self.parsed.chat else "",
+                                      "tool_calls" if called else choice.finish_reason,
                                       logprobs=self._logprobs(choice, reported[index], end, choice.sent))
                     reported[index] = max(reported[index], end)
             if self.parsed.include_usage:

@@ -12,6 +12,7 @@ Offers: APIError, error_body, CompletionRequest, parse_completion, parse_chat, p
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,8 @@ class CompletionRequest:
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # chat: the function tools, as the client sent them (rendered by the template)
+    tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,6 +72,13 @@ class CompletionRequest:
     top_logprobs: int = 0
     echo: bool = False
     ignore_eos: bool = False
+    # Logit adjustments (OpenAI's, then vLLM's extensions); None: not sent (the model's generation config decides)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     # The request fields a Response object repeats (instructions, max_output_tokens, metadata, ...); responses only
     response_fields: dict = field(default_factory=dict)
 
@@ -84,10 +94,10 @@ class CompletionRequest:
 
 
 # Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce).
-_IGNORED = {"user", "frequency_penalty", "presence_penalty", "logit_bias", "parallel_tool_calls", "store",
-            "metadata", "service_tier", "best_of", "suffix"}
+_IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", "best_of", "suffix"}
+_ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-           "logprobs", "ignore_eos"}
+           "logprobs", "ignore_eos"} | _ADJUSTMENTS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                           "tool_choice"}
@@ -109,7 +119,8 @@ def _int(body: dict, name: str, low: int | None = None, high: int | None = None,
     return value
 
 
-def _float(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
+def _float(body: dict, name: str, low: float, high: float, default: float | None,
+           low_open: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return default
@@ -175,7 +186,7 @@ def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
         include_usage = _bool(stream_options, "include_usage")
     return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=_int(body, "n", 1, MAX_N, 1),
                              stop=_stop(body), stream=_bool(body, "stream"), include_usage=include_usage,
-                             **_sampling(body))
+                             **_sampling(body), **_adjustments(body, max_tokens))
 
 
 def _sampling(body: dict) -> dict:
@@ -186,9 +197,42 @@ def _sampling(body: dict) -> dict:
                 seed=_int(body, "seed", default=None), ignore_eos=_bool(body, "ignore_eos"))
 
 
-def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...]) -> dict:
-    """One {role, content} message as the chat template takes it: text parts joined, developer as system.
-    `where` names the message in errors (`messages[2]`)."""
+def _adjustments(body: dict, max_tokens: int | None) -> dict:
+    """The logit adjustments of completions and chat: OpenAI's frequency_penalty, presence_penalty (in [-2, 2])
+    and logit_bias ({"token id": bias in [-100, 100]}), and vLLM's repetition_penalty (in (0, 2]), min_p and
+    min_tokens (at most max_tokens). Each is None when not sent."""
+    min_tokens = _int(body, "min_tokens", 0)
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens={min_tokens} must be at most max_tokens ({max_tokens})", "min_tokens")
+    return dict(frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, None),
+                presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, None), logit_bias=_logit_bias(body),
+                repetition_penalty=_float(body, "repetition_penalty", 0.0, 2.0, None, low_open=True),
+                min_p=_float(body, "min_p", 0.0, 1.0, None), min_tokens=min_tokens)
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, f'logit_bias must be an object of {{"token id": bias}}, got {_type_name(value)}',
+                       "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} must be a token id (a string of digits)"[:300], "logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise APIError(400, f"logit_bias[{key!r}]={amount!r} must be a number in [-100, 100]"[:300],
+                           "logit_bias")
+        bias[int(key)] = float(amount)
+    return bias
+
+
+def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...],
+             tool_fields: bool = False) -> dict:
+    """One {role, content} message as the chat template takes it: text parts joined, developer as system; with
+    `tool_fields` also an assistant's tool_calls and a tool message's tool_call_id (and name). `where` names the
+    message in errors (`messages[2]`)."""
     if not isinstance(message, dict):
         raise APIError(400, f"{where} must be an object, got {_type_name(message)}", where)
     role = message.get("role")
@@ -204,7 +248,46 @@ def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str) and not (content is None and role == "assistant"):
         raise APIError(400, f"{where}.content must be a string, got {_type_name(content)}", f"{where}.content")
-    return {"role": "system" if role == "developer" else role, "content": content or ""}
+    normalised = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if tool_fields and role == "assistant" and message.get("tool_calls") is not None:
+        normalised["tool_calls"] = _message_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if tool_fields and role == "tool":
+        call_id, name = message.get("tool_call_id"), message.get("name")
+        if not isinstance(call_id, str) or not call_id:
+            raise APIError(400, f"{where}.tool_call_id must be the id of the call this message answers, got "
+                                f"{_type_name(call_id)} {call_id!r}"[:300], f"{where}.tool_call_id")
+        normalised["tool_call_id"] = call_id
+        if name is not None:  # the called function's name, which some templates print
+            if not isinstance(name, str):
+                raise APIError(400, f"{where}.name must be a string, got {_type_name(name)}", f"{where}.name")
+            normalised["name"] = name
+    return normalised
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template. Arguments that are a JSON object are
+    given to it as a dict, as vLLM does: some templates iterate over them (others print a string as it is)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of {{id, type, function}} objects, got {_type_name(calls)}",
+                       where)
+    normalised = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+            raise APIError(400, f'{where}[{i}] must be {{"id": ..., "type": "function", "function": {{"name": '
+                                f'string, "arguments": JSON string}}}}, got {call!r}'[:300], f"{where}[{i}]")
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = function["arguments"]
+        entry = {"type": "function", "function": {"name": function["name"],
+                                                  "arguments": arguments if isinstance(arguments, dict)
+                                                  else function["arguments"]}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        normalised.append(entry)
+    return normalised
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -242,7 +325,8 @@ def parse_chat(body: Any) -> CompletionRequest:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}"[:300],
                        "messages")
-    request.messages = [_message(m, f"messages[{i}]", ROLES, ("text",)) for i, m in enumerate(messages)]
+    request.messages = [_message(m, f"messages[{i}]", ROLES, ("text",), tool_fields=True)
+                        for i, m in enumerate(messages)]
     request.logprobs = _bool(body, "logprobs")
     request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if request.top_logprobs and not request.logprobs:
@@ -250,8 +334,69 @@ def parse_chat(body: Any) -> CompletionRequest:
     response_format = body.get("response_format")
     if response_format is not None:
         _text_only(response_format, "response_format", "response_format", "the prompt")
-    _no_tools(body)
+    request.tools = _tools(body.get("tools"))
+    request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
     return request
+
+
+_FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    """Chat's `tools`: function tools {"type": "function", "function": {name, description?, parameters?, strict?}},
+    kept as sent (the chat template renders them). `strict` is accepted but not enforced: no constrained decoding."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, got "
+                            f"{_type_name(tools)}", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise APIError(400, f"{where} must be an object, got {_type_name(tool)}", where)
+        if tool.get("type") != "function":
+            raise APIError(400, f"{where}.type {tool.get('type')!r} is not supported: only \"function\" tools are",
+                           f"{where}.type")
+        unknown = sorted(set(tool) - {"type", "function"})
+        if unknown:
+            raise APIError(400, f"{where} has unknown field(s): {', '.join(unknown)}; known: function, type",
+                           f"{where}.{unknown[0]}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise APIError(400, f"{where}.function must be an object with name (and description, parameters), got "
+                                f"{_type_name(function)}", f"{where}.function")
+        unknown = sorted(set(function) - set(_FUNCTION_FIELDS))
+        if unknown:
+            raise APIError(400, f"{where}.function has unknown field(s): {', '.join(unknown)}; known: "
+                                f"{', '.join(sorted(_FUNCTION_FIELDS))}", f"{where}.function.{unknown[0]}")
+        for name, kind in _FUNCTION_FIELDS.items():
+            value = function.get(name)
+            if (value is not None or name == "name") and not isinstance(value, kind):
+                raise APIError(400, f"{where}.function.{name} must be {'an object' if kind is dict else kind.__name__}"
+                                    f", got {_type_name(value)} {value!r}"[:300], f"{where}.function.{name}")
+        if not function["name"] or function["name"] in names:
+            raise APIError(400, f"{where}.function.name {function['name']!r} must be non-empty and unique among "
+                                "the tools", f"{where}.function.name")
+        names.add(function["name"])
+    return tools
+
+
+def _tool_choice(choice: Any, tools: list[dict] | None) -> str:
+    """"auto" (the default with tools) or "none"; "none" still shows the tools to the model, as vLLM does, so that a
+    conversation holding earlier calls renders the same. Forcing calls needs constrained decoding: refused."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none"):
+        return choice if tools else "none"
+    forced = (choice == "required" or isinstance(choice, dict) and choice.get("type") == "function")
+    if forced:
+        what = '"required"' if choice == "required" else f"naming a function {choice!r}"[:200]
+        raise APIError(400, f"tool_choice {what} is not supported: forcing a tool call needs constrained decoding, "
+                            "which this server does not have; use tool_choice \"auto\" and ask for the call in the "
+                            "prompt", "tool_choice")
+    raise APIError(400, f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
+                        f'{{"name": ...}}}}, got {choice!r}'[:300], "tool_choice")
 
 
 def _text_only(spec, name: str, param: str, where: str) -> None:

@@ -26,6 +26,8 @@ from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
                                          parse_response)
 from gpuformers.serving.responses import ResponseJob
+from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
+                                           template_renders_tools)
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class _State:
     """What the route handlers share: the model's facts, the engine, the metrics."""
 
     def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, api_key: str | None,
-                 max_pending: int):
+                 max_pending: int, tool_call_parser: str | None = None):
         self.engine = Engine(manager, max_pending)
         self.manager = manager
         self.tokenizer = tokenizer
@@ -50,14 +52,21 @@ class _State:
         blocks = manager.block_manager
         self.cache_tokens = blocks.num_blocks * blocks.block_size
         self.shutting_down = False
+        # Tool calls: the parser named on the command line, else the one whose format the chat template shows
+        template = getattr(tokenizer, "chat_template", None)
+        name = tool_call_parser or detect_tool_call_parser(template)
+        self.tool_call_parser = get_tool_call_parser(name) if name else None
+        self.template_renders_tools = bool(template) and template_renders_tools(tokenizer)
 
 
 def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
-              max_pending: int = 256):
-    """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan)."""
+              max_pending: int = 256, tool_call_parser: str | None = None):
+    """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan).
+    `tool_call_parser` names the format of the model's tool calls (None: detected from the chat template)."""
     config = manager.model.config
     context = getattr(config, "max_position_embeddings", None) or 2048
-    state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending)
+    state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending,
+                   tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -153,8 +162,10 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         if parsed.chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise APIError(400, f"model {state.model_name!r} has no chat template; use /v1/completions")
+            tools = tools_of(parsed)
             try:
-                ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, return_dict=False)
+                ids = tokenizer.apply_chat_template(parsed.messages, tools=tools, add_generation_prompt=True,
+                                                    return_dict=False)
             except Exception as error:  # the template's own checks (role order, ...) raise template errors
                 raise APIError(400, f"the chat template rejected these messages: {error}",
                                parsed.prompt_field) from None
@@ -166,6 +177,19 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                                "prompt")
             return parsed.prompt_ids
         return tokenizer.encode(parsed.prompt_text, add_special_tokens=True)
+
+    def tools_of(parsed: CompletionRequest) -> list[dict] | None:
+        """The tools the template renders; with tool_choice "auto" the answer's calls must be parseable too."""
+        if parsed.tools and parsed.tool_choice == "auto":
+            if state.tool_call_parser is None:
+                raise APIError(400, f"model {state.model_name!r} has no tool-call parser (its chat template shows no "
+                                    f"known call format); restart the server with --tool-call-parser NAME (one of: "
+                                    f"{', '.join(sorted(TOOL_CALL_PARSERS))}), or send tool_choice \"none\"", "tools")
+            if not state.template_renders_tools:
+                raise APIError(400, f"the chat template of model {state.model_name!r} does not render tools, so the "
+                                    "model would never see them; serve a model whose chat template takes tools "
+                                    "(Qwen2.5, Qwen3, Hermes), or leave tools out", "tools")
+        return parsed.tools
 
     def check_lengths(parsed: CompletionRequest, prompt_len: int) -> int:
         prompt, limit = parsed.prompt_field, parsed.max_tokens_field
@@ -233,7 +257,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
 
 def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_model_len: int | None = None, max_pending: int = 256,
-               log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
+               log_level: str = "info", shutdown_timeout: float = 30.0, tool_call_parser: str | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
     up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
     import signal
@@ -245,7 +269,7 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
     # with a plain exit (0) instead of a death by signal or a KeyboardInterrupt traceback.
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: sys.exit(0))
-    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending)
+    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
     uvicorn.Server(config).run()
