@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from gpuformers.engine import model_runner
+from gpuformers.engine import sampler
 from gpuformers.engine.manager import ContinuousBatchingConfig, sampling_params_from
 from gpuformers.engine.sequence import RequestStatus, SamplingParams
 from tests.engine.test_engine import make_prompts, tiny_model
@@ -165,7 +165,7 @@ def test_filter_order_matches_transformers_warpers():
             if on:
                 expected = warper(None, expected)
         for row in range(logits.shape[0]):
-            kept = model_runner._filter_row(logits[row], top_k, top_p, min_p).isfinite()
+            kept = sampler._filter_row(logits[row], top_k, top_p, min_p).isfinite()
             assert torch.equal(kept, expected[row].isfinite()), (top_k, top_p, min_p, row)
 
 
@@ -174,8 +174,8 @@ def test_unused_adjustments_cost_nothing(setup, monkeypatch):
     counts; a request with one does."""
     model, prompts = setup
     calls = []
-    original = model_runner._adjust_logits
-    monkeypatch.setattr(model_runner, "_adjust_logits", lambda *args: calls.append(args) or original(*args))
+    original = sampler._adjust_logits
+    monkeypatch.setattr(sampler, "_adjust_logits", lambda *args: calls.append(args) or original(*args))
     manager = model.init_continuous_batching(eos_token_id=EOS, block_size=8, num_blocks=64)
     manager.add_request(prompts[0], max_new_tokens=6)
     manager.add_request(prompts[1], max_new_tokens=6, do_sample=True, seed=1, top_logprobs=2, stop=[3, [4, 5]])
@@ -290,14 +290,14 @@ def test_adjustments_on_gpu_without_host_sync():
     params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.1, logit_bias={3: 2.0},
                             min_new_tokens=4, eos_token_ids=(2,))
     sequences = [Sequence(f"s{i}", list(range(i, i + 30)), params) for i in range(8)]
-    counts = model_runner.TokenCounts(torch.device("cuda"))
+    counts = sampler.TokenCounts(torch.device("cuda"))
     logits = torch.randn(8, 128, device="cuda")
-    model_runner.sample_on_device(logits, sequences, counts)  # the first step allocates the tables
+    sampler.sample_on_device(logits, sequences, counts)  # the first step allocates the tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            model_runner.sample_on_device(logits, sequences, counts)
+            sampler.sample_on_device(logits, sequences, counts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(counts.output.sum()) == 4 * 8

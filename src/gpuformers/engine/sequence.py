@@ -42,7 +42,7 @@ class SamplingParams:
     """Per-request sampling settings. temperature 0 or do_sample=False is greedy decoding.
 
     stop: token ids (ints) or token-id sequences (lists) that end generation when the output ends with them.
-    Logit adjustments, applied to greedy and sampled requests alike (model_runner.py gives the order):
+    Logit adjustments, applied to greedy and sampled requests alike (sampler.py gives the order):
         logit_bias: {token_id: bias} added to the logits (OpenAI's; a token id past the LM head is ignored).
         repetition_penalty: transformers' rule over prompt and output tokens: a seen token's logit is divided by
             it when positive, multiplied when negative (1.0 is off).
@@ -123,7 +123,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """Whether sampling needs the request's token counts (model_runner.TokenCounts)."""
+        """Whether sampling needs the request's token counts (sampler.TokenCounts)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
