@@ -263,7 +263,8 @@ def test_trainer_resumes_a_lora_run(checkpoint, tmp_path):
     (dict(bias="all"), NotImplementedError, ["bias='all'", 'bias="none"']),
     (dict(lora_dropout=1.5), ValueError, ["lora_dropout=1.5"]),
     (dict(use_dora=True), NotImplementedError, ["DoRA"]),
-    (dict(modules_to_save=["lm_head"]), NotImplementedError, ["modules_to_save"]),
+    (dict(fan_in_fan_out=True), NotImplementedError, ["fan_in_fan_out=True"]),
+    (dict(modules_to_save="lm_head"), ValueError, ["modules_to_save='lm_head'", '["lm_head", "embed_tokens"]']),
 ])
 def test_bad_config_names_the_value_and_the_fix(kwargs, error, words):
     with pytest.raises(error) as info:

@@ -16,15 +16,22 @@ fields peft reads. PeftModel passes forward, generate and any attribute it lacks
 generate_batch() and the Trainer take it as they take the model. prepare_model_for_kbit_training readies a
 quantized model for QLoRA as peft's does; adapters trained over quantized layers are the same files.
 
-Not here yet (each raises NotImplementedError naming it): bias other than "none", modules_to_save, DoRA, several
-adapters on one model, rank/alpha patterns and the other peft extras.
+modules_to_save (e.g. ["lm_head", "embed_tokens"], matched as peft matches them) wraps each named module in a
+ModulesToSaveWrapper: the module stays frozen as `original_module`, and a trainable full copy, `modules_to_save`,
+runs in its place. The copy is saved under the module's own name (`base_model.model.lm_head.weight`, peft's key)
+and is what merge_and_unload() and unload() leave in the model. On a model whose head is tied to its embeddings,
+each copy trains apart (peft warns), unless ensure_weight_tying=True makes the head's copy the embedding's.
 
-Offers: LoraConfig, LoraLinear, LoraModel, PeftModel (alias PeftModelForCausalLM), get_peft_model,
-get_peft_model_state_dict, set_peft_model_state_dict, prepare_model_for_kbit_training.
+Not here yet (each raises NotImplementedError naming it): bias other than "none", DoRA, LoRA on embedding layers
+(so ensure_weight_tying with a tied layer in target_modules), nested modules_to_save, several adapters on one
+model, rank/alpha patterns and the other peft extras.
+
+Offers: LoraConfig, LoraLinear, ModulesToSaveWrapper, LoraModel, PeftModel (alias PeftModelForCausalLM),
+get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict, prepare_model_for_kbit_training.
 """
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLinear, LoraModel
+from gpuformers.lora.layers import LoraLinear, LoraModel, ModulesToSaveWrapper
 from gpuformers.lora.peft_model import (
     PeftModel,
     PeftModelForCausalLM,
@@ -34,5 +41,5 @@ from gpuformers.lora.peft_model import (
     set_peft_model_state_dict,
 )
 
-__all__ = ["LoraConfig", "LoraLinear", "LoraModel", "PeftModel", "PeftModelForCausalLM", "get_peft_model",
-           "get_peft_model_state_dict", "prepare_model_for_kbit_training", "set_peft_model_state_dict"]
+__all__ = ["LoraConfig", "LoraLinear", "LoraModel", "ModulesToSaveWrapper", "PeftModel", "PeftModelForCausalLM",
+           "get_peft_model", "get_peft_model_state_dict", "prepare_model_for_kbit_training", "set_peft_model_state_dict"]

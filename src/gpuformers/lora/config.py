@@ -1,6 +1,6 @@
 """LoraConfig: the settings of a LoRA adapter, read and written as peft's adapter_config.json.
 
-Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR.
+Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR, EMBEDDING_LAYER_NAMES.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what peft wrote with safe_serialization=False
 ALL_LINEAR = "all-linear"
 _LORA_PARTS = (".lora_A.", ".lora_B.")
+# peft's names for the layers tied in language models (peft.utils.constants.EMBEDDING_LAYER_NAMES): a
+# modules_to_save or target_modules entry ending in one of them asks about weight tying.
+EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 # peft's default targets when target_modules is None, for the model types gpuformers runs.
 _DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")}
@@ -37,7 +40,7 @@ _UNSUPPORTED_DEFAULTS = {
     "trainable_token_indices": None,
 }
 # Fields peft writes that change nothing in the forward.
-_IGNORED_FIELDS = {"peft_version", "auto_mapping", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+_IGNORED_FIELDS = {"peft_version", "auto_mapping", "megatron_core", "qalora_group_size"}
 
 
 @dataclass
@@ -59,6 +62,7 @@ class LoraConfig:
     base_model_name_or_path: str | None = None
     revision: str | None = None
     peft_type: str = "LORA"
+    ensure_weight_tying: bool = False
 
     def __post_init__(self):
         self.task_type = getattr(self.task_type, "value", self.task_type)  # peft.TaskType is a str enum
@@ -79,9 +83,12 @@ class LoraConfig:
         if self.task_type not in (None, "CAUSAL_LM"):
             raise NotImplementedError(f"task_type={self.task_type!r} is not supported: gpuformers has causal "
                                       f"language models only; use task_type=\"CAUSAL_LM\" (or None)")
-        if self.modules_to_save:
-            raise NotImplementedError(f"modules_to_save={self.modules_to_save!r} is not supported yet: train "
-                                      f"those modules fully without LoRA, or leave modules_to_save=None")
+        if isinstance(self.modules_to_save, tuple):
+            self.modules_to_save = list(self.modules_to_save)
+        if self.modules_to_save is not None and not (
+                isinstance(self.modules_to_save, list) and all(isinstance(m, str) and m for m in self.modules_to_save)):
+            raise ValueError(f"modules_to_save={self.modules_to_save!r} must be a list of module names, e.g. "
+                             f"[\"lm_head\", \"embed_tokens\"]")
         if self.init_lora_weights not in (True, False, "gaussian"):
             raise NotImplementedError(f"init_lora_weights={self.init_lora_weights!r} is not supported; use True "
                                       f"(peft's default), False or \"gaussian\"")

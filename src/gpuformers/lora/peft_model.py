@@ -11,14 +11,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, _LORA_PARTS, LoraConfig
-from gpuformers.lora.layers import LoraModel, quantized_linear_types
+from gpuformers.lora.config import (ALL_LINEAR, CONFIG_NAME, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME,
+                                    _LORA_PARTS, LoraConfig)
+from gpuformers.lora.layers import LoraModel, ModulesToSaveWrapper, quantized_linear_types
 
 class PeftModel(nn.Module):
     """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
@@ -95,8 +99,9 @@ class PeftModel(nn.Module):
 
     @contextlib.contextmanager
     def disable_adapter(self):
-        """Inside the block the model runs without its adapters (the base model's outputs)."""
-        layers = [layer for _, layer in self.base_model.lora_layers()]
+        """Inside the block the model runs without its adapters (the base model's outputs): LoRA layers off,
+        modules_to_save back to their originals."""
+        layers = [m for _, m in self.base_model.lora_layers() + self.base_model.modules_to_save_wrappers()]
         previous = [layer.disabled for layer in layers]
         for layer in layers:
             layer.disabled = True
@@ -116,21 +121,25 @@ class PeftModel(nn.Module):
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
                          adapter_names: list[str] | None = None) -> nn.Module:
-        """Add each B @ A * scaling to its base weight and return the plain model (LoRA layers gone)."""
+        """Add each B @ A * scaling to its base weight and return the plain model (LoRA layers gone); each
+        modules_to_save module is its trained copy."""
         _check_adapter_names(self, adapter_names)
         return self.base_model._restore(merge=True, safe_merge=safe_merge)
 
     def unload(self) -> nn.Module:
-        """Remove the LoRA layers without merging them and return the plain model, as it was before."""
+        """Remove the LoRA layers without merging them and return the plain model. As in peft, each
+        modules_to_save module stays its trained copy (the frozen original is dropped)."""
         return self.base_model._restore(merge=False)
 
     # --- files -----------------------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | os.PathLike, safe_serialization: bool = True,
                         selected_adapters: list[str] | None = None, state_dict: dict | None = None,
-                        is_main_process: bool = True, **kwargs) -> None:
+                        is_main_process: bool = True, save_embedding_layers: bool | str = "auto",
+                        **kwargs) -> None:
         """Write adapter_config.json and adapter_model.safetensors, in peft's layout. `state_dict` replaces the
-        model's own (e.g. gathered from FSDP2 shards; its LoRA entries are saved); only the main process writes."""
+        model's own (e.g. gathered from FSDP2 shards; its adapter entries are saved); only the main process writes.
+        save_embedding_layers: see get_peft_model_state_dict."""
         from gpuformers.loading.safetensors import write_file
 
         if not safe_serialization:
@@ -147,7 +156,7 @@ class PeftModel(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         config = dataclasses.replace(self.peft_config[self.active_adapter], inference_mode=True)
         config.save_pretrained(path)
-        state = get_peft_model_state_dict(self, state_dict)
+        state = get_peft_model_state_dict(self, state_dict, save_embedding_layers=save_embedding_layers)
         state = {k: v.detach() for k, v in state.items()}
         write_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
 
@@ -167,7 +176,7 @@ class PeftModel(nn.Module):
         try:
             set_peft_model_state_dict(peft_model, _read_adapter_weights(folder))
         except Exception:
-            peft_model.unload()  # the caller's model back without LoRA layers
+            peft_model.base_model._restore(merge=False, keep_trained_copies=False)  # the caller's model as it was
             raise
         if not is_trainable:
             peft_model.eval()  # dropout off, as peft does
@@ -199,32 +208,135 @@ def _check_adapter_names(model: PeftModel, names: list[str] | None) -> None:
 
 def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",
                    autocast_adapter_dtype: bool = True) -> PeftModel:
-    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B train."""
+    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B and the copies of the
+    modules_to_save train."""
     return PeftModel(model, peft_config, adapter_name, autocast_adapter_dtype)
 
 
-def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under the keys peft saves: base_model.model.<module>.lora_A.weight, ...
-    (taken from `state_dict` when given, a state dict of the whole PeftModel)."""
+def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
+                              save_embedding_layers: bool | str = "auto") -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the keys peft saves (taken from `state_dict` when given, a state dict of the
+    whole PeftModel):
+
+        base_model.model.<module>.lora_A.weight, ...lora_B.weight      each LoRA layer
+        base_model.model.<module>.weight (and .bias, ...)             each modules_to_save copy, under the
+                                                                       module's own name, as peft saves it
+        base_model.model.<embedding module>.<its state>                the input and output embeddings whole,
+                                                                       with save_embedding_layers
+
+    save_embedding_layers, peft's rule: True adds the embeddings, False does not, "auto" adds them when
+    target_modules names an embedding layer, or when the model's vocab_size differs from its base checkpoint's
+    (the tokens were resized; the base is read from base_model_name_or_path, a folder or the local HF cache)."""
     state = model.state_dict() if state_dict is None else state_dict
-    return {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
+    adapter = {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
+    for name, wrapper in model.named_modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            copy_prefix = f"{name}.modules_to_save."
+            adapter.update({f"{name}.{k.removeprefix(copy_prefix)}": v for k, v in state.items()
+                            if k.startswith(copy_prefix)})
+    targeted = _embedding_is_targeted(model)
+    if _saves_embedding_layers(model, save_embedding_layers, targeted):
+        prefixes = tuple(f"{name}." for name in _embedding_layer_names(model, targeted))
+        adapter.update({k: v for k, v in state.items() if prefixes and k.startswith(prefixes)})
+    return adapter
 
 
 def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy adapter tensors (peft's saved keys) into the model's LoRA layers; every key must match exactly."""
-    own = get_peft_model_state_dict(model)
+    """Copy adapter tensors (peft's saved keys) into the model's LoRA layers and modules_to_save copies; every
+    such key must match exactly. Embedding weights saved with save_embedding_layers go into the model's
+    embeddings, as peft loads them."""
+    own = get_peft_model_state_dict(model, save_embedding_layers=False)
     missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+    extra = sorted(set(state) - set(own))
+    embeddings = _embedding_layer_state(model) if extra else {}
+    unexpected = [k for k in extra if k not in embeddings]
     if missing or unexpected:
         raise ValueError(f"the adapter weights do not match this model's LoRA layers: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); load the "
                          f"adapter onto the base model it was trained on")
+    targets = {**embeddings, **own}
+    for key, tensor in state.items():
+        if tensor.shape != targets[key].shape:
+            resized = "" if ".lora_" in key else (f"; if it was trained after resizing the token embeddings, resize "
+                                                  f"the model's to {tensor.shape[0]} tokens first")
+            raise ValueError(f"adapter weight {key} has shape {tuple(tensor.shape)}, the model's "
+                             f"{tuple(targets[key].shape)}; load the adapter onto the base model it was trained on"
+                             f"{resized}")
     with torch.no_grad():
-        for key, tensor in state.items():
-            if tensor.shape != own[key].shape:
-                raise ValueError(f"adapter weight {key} has shape {tuple(tensor.shape)}, the model's LoRA layer "
-                                 f"{tuple(own[key].shape)}; load the adapter onto the base model it was trained on")
-            own[key].copy_(tensor)
+        for key in extra:  # first: a copy's own key wins over the embedding state peft saves beside it
+            embeddings[key].copy_(state[key])
+        for key in own:
+            own[key].copy_(state[key])
+
+
+def _single_config(model: nn.Module) -> LoraConfig | None:
+    configs = getattr(model, "peft_config", None)
+    return next(iter(configs.values())) if isinstance(configs, dict) and len(configs) == 1 else None
+
+
+def _embedding_is_targeted(model: nn.Module) -> bool:
+    """peft's test (get_peft_model_state_dict): target_modules names an embedding layer."""
+    config = _single_config(model)
+    targets = config.target_modules if config is not None else None
+    if isinstance(targets, str):
+        if targets == ALL_LINEAR:
+            return False
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return any(re.fullmatch(targets, n) for n, _ in base.named_modules()
+                   if any(re.match(rf"(.*\.)?{e}$", n) for e in EMBEDDING_LAYER_NAMES))
+    return any(e in (targets or []) for e in EMBEDDING_LAYER_NAMES)
+
+
+def _embedding_layer_names(model: nn.Module, targeted: bool) -> list[str]:
+    """Full names of the modules whose state peft saves for the input and output embeddings
+    (get_embedding_layer_name): each module (a modules_to_save wrapper whole, original and copy); when an
+    embedding layer is a LoRA target, only the LoRA layers' base_layer."""
+    names = []
+    for getter in (getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)):
+        layer = getter() if callable(getter) else None
+        if layer is not None and targeted:
+            layer = getattr(layer, "base_layer", None)
+            layer = layer if isinstance(layer, (nn.Linear, nn.Embedding)) else None
+        if layer is not None:
+            names += [n for n, m in model.named_modules() if m is layer][:1]
+    return names
+
+
+def _embedding_layer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under every name peft may save embedding weights under."""
+    prefixes = tuple(f"{n}." for n in _embedding_layer_names(model, False) + _embedding_layer_names(model, True))
+    return {k: v for k, v in model.state_dict().items() if prefixes and k.startswith(prefixes)}
+
+
+def _saves_embedding_layers(model: nn.Module, save_embedding_layers: bool | str, targeted: bool) -> bool:
+    if save_embedding_layers != "auto":
+        return bool(save_embedding_layers)
+    if targeted:
+        warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`.")
+        return True
+    config = _single_config(model)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    base_vocab_size = _base_vocab_size(config.base_model_name_or_path) if config is not None and vocab_size else None
+    if base_vocab_size and vocab_size != base_vocab_size:
+        warnings.warn("Setting `save_embedding_layers` to `True` as the embedding layer has been resized during "
+                      "finetuning.")
+        return True
+    return False
+
+
+def _base_vocab_size(name_or_path: str | None) -> int | None:
+    """vocab_size in the base checkpoint's config.json: a folder, or a Hub id already in the local cache (no
+    download: peft asks the Hub, but a base that is not at hand is taken as unchanged, as peft takes one it
+    cannot reach)."""
+    if not name_or_path:
+        return None
+    from gpuformers.hub import HubKwargs, resolve_model_dir
+
+    try:
+        path = resolve_model_dir(name_or_path, ["config.json"], HubKwargs(local_files_only=True)) / "config.json"
+        return json.loads(path.read_text()).get("vocab_size")
+    except (OSError, ValueError, ImportError):
+        return None
 
 
 def _read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
