@@ -129,6 +129,17 @@ def test_loss_matches_transformers(checkpoints):
     assert ours.model.layers[0].self_attn.q_norm.weight.grad is not None
 
 
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-mha-tied"])
+def test_memory_footprint_matches_transformers(checkpoints, case):
+    folder, hf = checkpoints[case]
+    ours = AutoModelForCausalLM.from_pretrained(folder, progress=False)
+    assert ours.get_memory_footprint(return_buffers=False) == hf.get_memory_footprint(return_buffers=False)
+    buffers = sum(b.numel() * b.element_size() for b in ours.buffers())
+    assert ours.get_memory_footprint() == ours.get_memory_footprint(return_buffers=False) + buffers
+    half = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, progress=False)
+    assert half.get_memory_footprint(return_buffers=False) * 2 == ours.get_memory_footprint(return_buffers=False)
+
+
 @pytest.mark.parametrize("case", ["llama-mha-tied", "qwen2", "qwen3"])
 def test_transformers_loads_what_we_save(checkpoints, tmp_path, case):
     import transformers

@@ -3,7 +3,8 @@
 `from_pretrained` follows transformers' order: resolve files -> config -> model class -> dtype -> build on the
 meta device (no memory, no random init) -> stream each tensor from disk straight into its final dtype and
 device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config -> Triton kernels
-(use_kernels=True, kernels/mapping.py).
+(use_kernels=True, kernels/mapping.py). A LoRA adapter folder (adapter_config.json) loads the base model it names,
+then the adapter onto it (model.load_adapter), as transformers does.
 
 Offers: AutoConfig, AutoModelForCausalLM, AutoTokenizer, load_pretrained.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
+from gpuformers.lora.config import CONFIG_NAME as ADAPTER_CONFIG_NAME, LoraConfig
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.modeling import skip_init
 from gpuformers.models.registry import model_class_for
@@ -137,6 +139,7 @@ def load_pretrained(
     quantization_config=None,
     tp_plan=None,
     tp_size: int | None = None,
+    adapter_name: str = "default",
     **kwargs,
 ):
     from gpuformers.device import parse_dtype, resolve_dtype
@@ -165,7 +168,13 @@ def load_pretrained(
             model.quantization_config = _quantize(model, model.config, quantization_config, model.dtype, loaded=True)
         return _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
 
-    folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
+    folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS + [ADAPTER_CONFIG_NAME], hub)
+    adapter_folder = None
+    if (folder / ADAPTER_CONFIG_NAME).is_file():  # a LoRA adapter: load its base model, then the adapter onto it
+        adapter_folder = folder
+        if not (folder / "config.json").is_file():  # else the folder holds its base model too (transformers' rule)
+            name_or_path = _adapter_base_model(folder)
+            folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
     if config is None:
         config = ModelConfig.from_file(folder / "config.json")
     cls = _pick_class(model_class, config)
@@ -200,7 +209,19 @@ def load_pretrained(
         apply_tensor_parallel(model, tp_plan, tp_size, device=tp_device)
         model.hf_device_map = {"": str(tp_device)}
     _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
+    if adapter_folder is not None:
+        model.load_adapter(adapter_folder, adapter_name=adapter_name)
     return (model, info) if output_loading_info else model
+
+
+def _adapter_base_model(adapter_folder: Path) -> str:
+    """The base model an adapter folder names: adapter_config.json's base_model_name_or_path."""
+    base = LoraConfig.from_pretrained(adapter_folder).base_model_name_or_path
+    if not base:
+        raise ValueError(f"{adapter_folder / ADAPTER_CONFIG_NAME} names no base model (base_model_name_or_path is "
+                         f"{base!r}); load the base model with from_pretrained(base), then call "
+                         f"model.load_adapter({str(adapter_folder)!r})")
+    return base
 
 
 def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:

@@ -1,7 +1,8 @@
 """PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice,
 and, through its mixins, generate() and continuous batching.
 
-Offers: PreTrainedModel, skip_init, plain_calls.
+Offers: PreTrainedModel, skip_init, plain_calls, decoder_layers, checkpoint_decoder_layers,
+uncheckpoint_decoder_layers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch.nn.modules import module as torch_module
 from gpuformers.engine.mixin import ContinuousBatchingMixin
 from gpuformers.generation.generate import GenerationMixin
 from gpuformers.layers.attention import AttentionInterface
+from gpuformers.lora.integration import PeftAdapterMixin
 from gpuformers.models.config import ModelConfig
+from gpuformers.models.embeddings import TokenEmbeddingsMixin
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
                    "trunc_normal_", "zeros_", "ones_", "constant_")
@@ -82,27 +85,50 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def checkpoint_decoder_layers(model: nn.Module, setting: str, **checkpoint_kwargs) -> None:
-    """Recompute each decoder layer's activations in the backward pass instead of keeping them
-    (torch.utils.checkpoint with `checkpoint_kwargs`); a layer already wrapped is left as it is. `setting` names
-    the option that asked for it, for the error on a model without decoder layers."""
+def checkpoint_decoder_layers(model: nn.Module, setting: str, every_n_layers: int = 1, offload: bool = False,
+                              **checkpoint_kwargs) -> None:
+    """Recompute decoder layers' activations in the backward pass instead of keeping them (torch.utils.checkpoint
+    with `checkpoint_kwargs`): every `every_n_layers`-th layer from the first, and with `offload` the inputs a layer
+    keeps for its recompute in (pinned) host memory. A layer already wrapped is left as it is. `setting` names the
+    option that asked for it, for the error on a model without decoder layers."""
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{setting}=True but {type(model).__name__} names no decoder layer class "
                          f"(no_split_modules); turn {setting} off for this model")
-    for layer in layers:
-        if getattr(layer, "_checkpointed", False):
+    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers={every_n_layers!r} must be an int >= 1 (1 checkpoints every layer)")
+    for index, layer in enumerate(layers):
+        if getattr(layer, "_checkpointed", False) or index % every_n_layers:
             continue
-        layer.forward = functools.partial(_checkpointed_call, layer.forward, checkpoint_kwargs)
+        layer._forward_before_checkpoint = layer.__dict__.get("forward")
+        layer.forward = functools.partial(_checkpointed_call, layer.forward, offload, checkpoint_kwargs)
         layer._checkpointed = True
 
 
-def _checkpointed_call(forward, checkpoint_kwargs: dict, *args, **kwargs):
+def uncheckpoint_decoder_layers(model: nn.Module) -> None:
+    """Undo checkpoint_decoder_layers: each layer keeps its activations again."""
+    for layer in decoder_layers(model):
+        if getattr(layer, "_checkpointed", False):
+            before = layer.__dict__.pop("_forward_before_checkpoint", None)
+            if before is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = before
+            layer._checkpointed = False
+
+
+def _checkpointed_call(forward, offload: bool, checkpoint_kwargs: dict, *args, **kwargs):
     # Keyword arguments go in through partial: reentrant checkpointing takes positional ones only.
-    return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
+    run = functools.partial(torch.utils.checkpoint.checkpoint, functools.partial(forward, **kwargs), *args,
+                            **checkpoint_kwargs)
+    if not offload:
+        return run()
+    device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+    with torch.autograd.graph.save_on_cpu(pin_memory=device == "cuda"):
+        return run()
 
 
-class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
+class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin, TokenEmbeddingsMixin, PeftAdapterMixin):
     config_class = ModelConfig
     no_split_modules: tuple[str, ...] = ()
 
@@ -132,7 +158,10 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
         """Write config.json, safetensors weights (sharded with an index above max_shard_size) and
         generation_config.json in the format transformers reads. `state_dict` replaces the model's own (e.g. the
         gathered weights of a model sharded by FSDP2). A tensor-parallel model gathers its slices into whole
-        weights (every process must call this: a collective) and process 0 writes them."""
+        weights (every process must call this: a collective) and process 0 writes them. A model with an adapter
+        (add_adapter / load_adapter) writes the adapter alone, in peft's format, as transformers does."""
+        if self._hf_peft_config_loaded:
+            return self._save_adapter(save_directory, state_dict)
         from gpuformers.distributed import full_model_state_dict, is_main_process
         from gpuformers.loading.save import save_checkpoint
         from gpuformers.tensor_parallel import is_tensor_parallel
@@ -185,6 +214,40 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
                 module.attention_fn = fn
         self.attn_implementation = name
 
+    # --- activation checkpointing -------------------------------------------------------------------------
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them, as transformers'
+        activation_checkpointing_enable: torch.utils.checkpoint with `activation_checkpointing_kwargs` (default
+        use_reentrant=False), every `every_n_layers`-th layer, `offload` keeping the saved inputs in host memory.
+        Also makes the input embeddings' output require grad (enable_input_require_grads), so that a model whose
+        embeddings are frozen (LoRA) still gets gradients through reentrant checkpointing."""
+        kwargs = activation_checkpointing_kwargs
+        kwargs = {"use_reentrant": False} if kwargs is None else kwargs
+        checkpoint_decoder_layers(self, "activation_checkpointing", every_n_layers=every_n_layers, offload=offload,
+                                  **kwargs)
+        self.enable_input_require_grads()
+
+    def activation_checkpointing_disable(self) -> None:
+        uncheckpoint_decoder_layers(self)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(layer, "_checkpointed", False) for layer in decoder_layers(self))
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """transformers' older name for activation_checkpointing_enable."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """transformers' older name for activation_checkpointing_disable."""
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
+
     # --- facts ----------------------------------------------------------------------------------------------
 
     @property
@@ -206,6 +269,12 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin):
                 seen.add(id(p))
                 total += p.numel()
         return total
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes held by the model's parameters (each shared tensor once) and, with return_buffers, its buffers,
+        as transformers counts them: a quantized weight counts its packed bytes."""
+        tensors = list(self.parameters()) + (list(self.buffers()) if return_buffers else [])
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
     def get_input_embeddings(self) -> nn.Module:
         raise NotImplementedError

@@ -1,0 +1,302 @@
+"""LoRA adapters on the model itself (gpuformers.lora.integration) against transformers' PEFT integration: the same
+adapter folder loaded by model.load_adapter gives the same logits and greedy tokens; an adapter added, trained and
+saved by us loads in transformers; from_pretrained(adapter_folder) loads the base then the adapter; disable /
+enable; one adapter per model; and the errors users meet.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from gpuformers import AutoModelForCausalLM
+from gpuformers.lora import LoraConfig, LoraLinear
+from tests.fixtures.checkpoints import make_checkpoint
+
+ATOL = 1e-4
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen3 and a LoRA adapter for it saved by peft (random B, so the adapter changes the logits)."""
+    import peft
+
+    folder = tmp_path_factory.mktemp("peft-integration-qwen3")
+    hf_model = make_checkpoint(folder, "qwen3", head_dim=16)
+    with_adapter = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                                 target_modules=TARGETS))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for name, param in with_adapter.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    adapter = tmp_path_factory.mktemp("peft-adapter")
+    with_adapter.save_pretrained(adapter)
+    return folder, adapter
+
+
+@pytest.fixture
+def transformers_peft(monkeypatch):
+    """transformers' load_adapter / add_adapter, the parity oracle. transformers 5.24 asks for peft >= 0.22.0,
+    which is not published yet; its integration runs on peft 0.21.2 once that version check is skipped."""
+    import peft
+    import transformers
+    import transformers.integrations.peft as integration
+    from packaging.version import Version
+
+    if Version(peft.__version__) < Version("0.22.0"):
+        monkeypatch.setattr(integration, "check_peft_version", lambda **kwargs: None)
+    return transformers
+
+
+def _load(folder, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs).eval()
+
+
+def _hf_load(transformers, folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0  # left padding in the last row
+    return ids, mask
+
+
+def _logits(model):
+    ids, mask = _inputs()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _greedy(model, **kwargs):
+    ids = _inputs()[0][:1]
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          **kwargs)[0].tolist()
+
+
+def _trainable(model) -> set[str]:
+    return {n.replace(".default.", ".") for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _randomize_adapter(model, seed=11):
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+
+
+def test_load_adapter_matches_transformers(checkpoint, transformers_peft):
+    folder, adapter = checkpoint
+    theirs = _hf_load(transformers_peft, folder)
+    theirs.load_adapter(str(adapter))
+    ours = _load(folder)
+    cls = type(ours)
+    ours.load_adapter(adapter)
+
+    assert type(ours) is cls and ours._hf_peft_config_loaded and list(ours.peft_config) == ["default"]
+    assert ours.active_adapters() == theirs.active_adapters() == ["default"]
+    assert not ours.training and _trainable(ours) == _trainable(theirs) == set()
+    got = _logits(ours)
+    assert (got - _logits(_load(folder))).abs().max() > 1e-2  # the adapter really is in the forward
+    torch.testing.assert_close(got, _logits(theirs), atol=ATOL, rtol=0)
+    assert _greedy(ours) == _greedy(theirs, pad_token_id=0)
+
+    mine, reference = ours.get_adapter_state_dict(), theirs.get_adapter_state_dict()
+    assert sorted(mine) == sorted(reference) and all(torch.equal(mine[k], reference[k]) for k in mine)
+
+    # the same adapter given as a config and a state dict (transformers' keys, without peft's prefix)
+    from_state = _load(folder)
+    from_state.load_adapter(peft_config=LoraConfig.from_pretrained(adapter), adapter_state_dict=reference)
+    torch.testing.assert_close(_logits(from_state), got, atol=0, rtol=0)
+
+
+def test_added_trained_and_saved_adapter_loads_in_transformers(checkpoint, transformers_peft, tmp_path):
+    import peft
+    from safetensors.torch import load_file
+
+    folder, _ = checkpoint
+    model = _load(folder)
+    base = _logits(model)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    reference = _hf_load(transformers_peft, folder)
+    reference.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    assert _trainable(model) == _trainable(reference)  # base frozen, only the adapter trains, as transformers
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)  # B starts at zero
+
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask = _inputs()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    trained = _logits(model)
+    assert (trained - base).abs().max() > 1e-3
+
+    model.save_pretrained(tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "theirs")
+    files = {p.name for p in (tmp_path / "ours").iterdir()}
+    assert files == {p.name for p in (tmp_path / "theirs").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", "generation_config.json"}
+    assert not (tmp_path / "ours" / "config.json").exists()
+    saved = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    assert sorted(saved) == sorted(load_file(tmp_path / "theirs" / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folder) and config["inference_mode"] is False
+
+    loaded = _hf_load(transformers_peft, folder)
+    loaded.load_adapter(str(tmp_path / "ours"))
+    torch.testing.assert_close(_logits(loaded), trained, atol=ATOL, rtol=0)
+
+
+def test_from_pretrained_on_an_adapter_folder_loads_its_base_then_the_adapter(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    model = _load(folder)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj", "up_proj"]))
+    _randomize_adapter(model)
+    model.save_pretrained(tmp_path / "adapter")
+
+    loaded = _load(tmp_path / "adapter", adapter_name="mine")
+    assert type(loaded) is type(model) and loaded.name_or_path == str(folder)
+    assert list(loaded.peft_config) == ["mine"] and not loaded.training
+    torch.testing.assert_close(_logits(loaded), _logits(model), atol=0, rtol=0)
+
+    both = tmp_path / "base-and-adapter"  # transformers' rule: a folder with config.json is its own base
+    shutil.copytree(folder, both)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(tmp_path / "adapter" / name, both / name)
+    embedded = _load(both)
+    assert embedded.name_or_path == str(both) and embedded.active_adapters() == ["default"]
+    torch.testing.assert_close(_logits(embedded), _logits(model), atol=0, rtol=0)
+
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match="names no base model.*load_adapter"):
+        _load(tmp_path / "adapter")
+
+
+def test_disable_and_enable_switch_the_adapter_off_and_on(checkpoint, transformers_peft):
+    import peft
+
+    folder, adapter = checkpoint
+    base = _logits(_load(folder))
+    model = _load(folder)
+    model.load_adapter(adapter, is_trainable=True)
+    reference = _hf_load(transformers_peft, folder)
+    reference.load_adapter(str(adapter), is_trainable=True)
+    with_adapter = _logits(model)
+    assert _trainable(model) == _trainable(reference) != set()
+
+    model.disable_adapters()
+    reference.disable_adapters()
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)
+    assert _trainable(model) == _trainable(reference) == set()  # peft freezes a disabled adapter
+    model.enable_adapters()
+    reference.enable_adapters()
+    torch.testing.assert_close(_logits(model), with_adapter, atol=0, rtol=0)
+    assert _trainable(model) == _trainable(reference) != set()
+
+    fresh = _load(folder)
+    fresh.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS))  # peft's own config is taken too
+    assert fresh.peft_config["default"].target_modules == sorted(TARGETS)
+
+
+def test_one_adapter_per_model(checkpoint):
+    folder, adapter = checkpoint
+    model = _load(folder)
+    base = _logits(model)
+    model.load_adapter(adapter)
+    layers = sum(isinstance(m, LoraLinear) for m in model.modules())
+    with pytest.raises(NotImplementedError, match="'second'.*already has the adapter 'default'.*delete_adapter"):
+        model.add_adapter(LoraConfig(r=4, target_modules=TARGETS), adapter_name="second")
+    with pytest.raises(NotImplementedError, match="'second'"):
+        model.load_adapter(adapter, adapter_name="second")
+    with pytest.raises(ValueError, match="'default' already exists"):
+        model.load_adapter(adapter)
+    with pytest.raises(ValueError, match="'second' not found"):
+        model.set_adapter("second")
+    assert sum(isinstance(m, LoraLinear) for m in model.modules()) == layers and list(model.peft_config) == ["default"]
+
+    model.delete_adapter("default")
+    assert not model._hf_peft_config_loaded and not hasattr(model, "peft_config")
+    assert not any(isinstance(m, LoraLinear) for m in model.modules())
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)
+    model.load_adapter(adapter, adapter_name="second")  # a new adapter once the first is gone
+    assert model.active_adapters() == ["second"]
+
+
+def test_missing_folder_or_file_gives_a_clear_error(checkpoint, tmp_path):
+    folder, adapter = checkpoint
+    model = _load(folder)
+    with pytest.raises(ValueError, match="no adapter.*add_adapter"):
+        model.active_adapters()
+    with pytest.raises(FileNotFoundError, match="no folder at"):
+        model.load_adapter(tmp_path / "missing")
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no adapter_model.safetensors in"):
+        model.load_adapter(config_only)
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json in"):
+        model.load_adapter(tmp_path)
+    assert not model._hf_peft_config_loaded and not any(isinstance(m, LoraLinear) for m in model.modules())
+    model.load_adapter(adapter)  # a failed load leaves the model ready for the next one
+    assert model.active_adapters() == ["default"]
+
+
+def test_trainer_trains_the_adapter_and_saves_it_alone(checkpoint, tmp_path):
+    from gpuformers import Trainer
+    from tests.training.helpers import make_rows, tiny_args
+
+    folder, _ = checkpoint
+    model = _load(folder)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    Trainer(model=model, args=tiny_args(tmp_path, max_steps=2), train_dataset=make_rows(8)).train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed == {n for n, p in model.named_parameters() if p.requires_grad}
+
+    model.save_pretrained(tmp_path / "final")
+    loaded = _load(tmp_path / "final")
+    torch.testing.assert_close(_logits(loaded), _logits(model.eval()), atol=0, rtol=0)
+
+
+def test_modules_to_save_train_save_and_switch_like_transformers(checkpoint, transformers_peft, tmp_path):
+    import peft
+
+    folder, _ = checkpoint
+    model = _load(folder)
+    base = _logits(model)
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    reference = _hf_load(transformers_peft, folder)
+    reference.add_adapter(peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert _trainable(model) == _trainable(reference)
+
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask = _inputs()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    trained = _logits(model)
+    model.save_pretrained(tmp_path)
+    loaded = _hf_load(transformers_peft, folder)
+    loaded.load_adapter(str(tmp_path))
+    torch.testing.assert_close(_logits(loaded), trained, atol=ATOL, rtol=0)
+
+    # transformers' enable_adapters leaves a modules_to_save wrapper on its original module; ours switches it back
+    model.disable_adapters()
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)
+    model.enable_adapters()
+    torch.testing.assert_close(_logits(model), trained, atol=0, rtol=0)
+    model.delete_adapter("default")
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)  # the original head back, not the copy
