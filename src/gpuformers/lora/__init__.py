@@ -1,4 +1,5 @@
-"""LoRA adapters in the PEFT format (config.py, layers.py, peft_model.py): the `peft` library's names, config file and weight keys, without peft.
+"""LoRA adapters in the PEFT format (config.py, layers.py, modules_to_save.py, peft_model.py, and integration.py for
+the adapter methods on the model itself): the `peft` library's names, config file and weight keys, without peft.
 
 Each target linear layer (an nn.Linear, or for QLoRA a quantized one: bitsandbytes 4-bit / 8-bit,
 WeightOnlyLinear) is wrapped in a LoraLinear that adds a low-rank update to its output:
@@ -31,7 +32,8 @@ get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict, prepare_mo
 """
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLinear, LoraModel, ModulesToSaveWrapper
+from gpuformers.lora.layers import LoraLinear, LoraModel
+from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import (
     PeftModel,
     PeftModelForCausalLM,

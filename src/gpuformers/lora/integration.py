@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
-from gpuformers.lora.layers import LoraLinear, ModulesToSaveWrapper
+from gpuformers.lora.layers import LoraLinear
+from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 _PEFT_PREFIX = "base_model.model."  # peft's saved keys: the model's parameter names under PeftModel's

@@ -1,5 +1,5 @@
-"""The LoRA layer (a frozen linear layer plus a low-rank update), ModulesToSaveWrapper (a frozen module plus a
-trainable full copy, peft's modules_to_save) and LoraModel, which puts them in place of a model's layers.
+"""The LoRA layer (a frozen linear layer plus a low-rank update) and LoraModel, which puts it (and, for
+modules_to_save, modules_to_save.py's ModulesToSaveWrapper) in place of a model's layers.
 
 The frozen layer is an nn.Linear or, for QLoRA, a quantized linear layer (bitsandbytes 4-bit / 8-bit,
 WeightOnlyLinear). Over a quantized layer the LoRA layer does what peft's bitsandbytes LoRA layers do:
@@ -9,12 +9,11 @@ WeightOnlyLinear). Over a quantized layer the LoRA layer does what peft's bitsan
     forward           base_layer(x) + (B(A(dropout(x in the adapters' dtype))) * scaling in the output's dtype)
     merge / unmerge   dequantize, add (subtract) B @ A * scaling, quantize again: lossy, as peft's
 
-Offers: LoraLinear, ModulesToSaveWrapper, LoraModel, quantized_linear_types.
+Offers: LoraLinear, LoraModel, quantized_linear_types.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 import sys
@@ -23,7 +22,9 @@ import warnings
 import torch
 from torch import nn
 
-from gpuformers.lora.config import ALL_LINEAR, EMBEDDING_LAYER_NAMES, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
+from gpuformers.lora.config import ALL_LINEAR, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
+from gpuformers.lora.modules_to_save import (ModulesToSaveWrapper, check_tied_modules, find_modules_to_save,
+                                           in_modules_to_save)
 
 
 def quantized_linear_types() -> tuple[type, ...]:
@@ -163,37 +164,6 @@ def _broken_adapter() -> ValueError:
                       "training), so it was not merged")
 
 
-class ModulesToSaveWrapper(nn.Module):
-    """peft's modules_to_save: the model's module, frozen, as `original_module`, and a trainable full copy of it as
-    `modules_to_save`, which the forward uses (the original again inside disable_adapter()).
-
-        x ──> modules_to_save (trainable copy) ──> y          original_module (frozen, unchanged)
-
-    The copy is what is saved, under the module's own name (`base_model.model.lm_head.weight`), and what
-    merge_and_unload() and unload() leave in the model. Attributes the wrapper lacks (`weight`, `num_embeddings`)
-    are read from the module the forward uses. `tied_to` (ensure_weight_tying on a tied model): the copy uses that
-    module's weight (the embedding's copy) instead of a weight of its own, so the two stay one tensor."""
-
-    def __init__(self, original_module: nn.Module, tied_to: nn.Module | None = None):
-        super().__init__()
-        self.original_module = original_module
-        # the memo hands the copy the tied weight itself instead of copying the original's (vocab, hidden) weight
-        memo = {} if tied_to is None else {id(original_module.weight): tied_to.weight}
-        self.modules_to_save = copy.deepcopy(original_module, memo)
-        self.disabled = False
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("original_module", "modules_to_save", "disabled"):  # not set yet: __init__ is running
-                raise
-            return getattr(self.original_module if self.disabled else self.modules_to_save, name)
-
-    def forward(self, *args, **kwargs):
-        return (self.original_module if self.disabled else self.modules_to_save)(*args, **kwargs)
-
-
 class LoraModel(nn.Module):
     """peft's tuner layer: holds the user's model as `.model` and swaps its target layers for LoraLinear and its
     modules_to_save for ModulesToSaveWrapper."""
@@ -209,10 +179,10 @@ class LoraModel(nn.Module):
         self.active_adapter = adapter_name
         _check_placement(model)
         config.modules_to_save = list(config.modules_to_save) if config.modules_to_save is not None else None
-        modules_to_tie = _check_tied_modules(model, config)  # may add the embedding to config.modules_to_save
+        modules_to_tie = check_tied_modules(model, config)  # may add the embedding to config.modules_to_save
         names = _find_targets(model, config, strict)
-        to_save = _find_modules_to_save(model, config.modules_to_save or [], names, strict)
-        to_tie = _find_modules_to_save(model, modules_to_tie, names, strict) if modules_to_tie else []
+        to_save = find_modules_to_save(model, config.modules_to_save or [], names, strict)
+        to_tie = find_modules_to_save(model, modules_to_tie, names, strict) if modules_to_tie else []
         supported = (nn.Linear, *quantized_linear_types())
         for name in names:  # every target checked before the first is replaced: an error leaves the model as it was
             module = model.get_submodule(name)
@@ -364,7 +334,7 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
         targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         head = _output_head(model)
-        names = [n for n, m in modules if _is_linear(m) and m is not head and not _in_modules_to_save(n, config)]
+        names = [n for n, m in modules if _is_linear(m) and m is not head and not in_modules_to_save(n, config)]
         config.target_modules = sorted(names)
         return names
     if isinstance(targets, str):
@@ -377,103 +347,9 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
         raise ValueError(f"target_modules entry {', '.join(map(repr, unmatched))} matches no layer of "
                          f"{type(model).__name__}; its linear layers are named {', '.join(linear_suffixes)} "
                          f"(pass some of those, or \"all-linear\")")
-    kept = [n for n in names if not _in_modules_to_save(n, config)]
+    kept = [n for n in names if not in_modules_to_save(n, config)]
     if not kept:
         raise ValueError(f"target_modules={targets!r} selects only layers inside modules_to_save="
                          f"{config.modules_to_save!r} ({', '.join(names[:4])}), which are trained fully and get no "
                          f"LoRA; target other layers, or drop them from modules_to_save")
     return kept
-
-
-def _in_modules_to_save(name: str, config: LoraConfig) -> bool:
-    """peft's rule (check_target_module_exists): no LoRA on a modules_to_save module or anything inside it. The
-    entries are regular expressions there, as here."""
-    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.modules_to_save or [])
-
-
-def _find_modules_to_save(model: nn.Module, entries: list[str], lora_names: list[str], strict: bool) -> list[str]:
-    """The modules `entries` select, by peft's rule for modules_to_save (utils.other._set_trainable): a module
-    whose full name ends with an entry, as text ("embed_tokens" selects model.embed_tokens)."""
-    names, matched = [], set()
-    for key, module in model.named_modules(remove_duplicate=False):
-        hits = {e for e in entries if key and key.endswith(e)}
-        if not hits or key in names:
-            continue
-        matched |= hits
-        inside = [n for n in names if key.startswith(n + ".")]
-        if inside:
-            raise NotImplementedError(f"modules_to_save selects {key} inside {inside[0]}, which it also selects; "
-                                      f"nested modules_to_save are not supported: name only the outer module")
-        if key in lora_names:
-            raise ValueError(f"{key} is both a LoRA target and in modules_to_save={entries!r}; a module is either "
-                             f"trained fully (modules_to_save) or with LoRA (target_modules): drop it from one")
-        if isinstance(module, (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)):
-            raise TypeError(f"modules_to_save cannot be applied to {key} ({type(module).__name__}), a container "
-                            f"with no forward; name the modules inside it")
-        names.append(key)
-    unmatched = [e for e in entries if e not in matched]
-    if strict and unmatched:
-        raise ValueError(f"modules_to_save entry {', '.join(map(repr, unmatched))} matches no module of "
-                         f"{type(model).__name__} (e.g. \"lm_head\", \"embed_tokens\"); check the name")
-    return names
-
-
-def _module_names_tied_with_embedding(model: nn.Module) -> list[str]:
-    """The modules whose weight is the input embeddings' (peft's _get_module_names_tied_with_embedding), from the
-    model's tied_weights ({"lm_head.weight": "model.embed_tokens.weight"} when tie_word_embeddings is set)."""
-    tied = getattr(model, "tied_weights", None) or {}
-    getter = getattr(model, "get_input_embeddings", None)
-    if not tied or not callable(getter):
-        return []
-    embedding = getter()
-    embedding_names = {n for n, m in model.named_modules() if m is embedding}
-    return sorted({target.rpartition(".")[0] for target, source in tied.items()
-                   if source.rpartition(".")[0] in embedding_names})
-
-
-def _check_tied_modules(model: nn.Module, config: LoraConfig) -> list[str]:
-    """peft 0.21's handling of a tied embedding and LM head (BaseTuner._check_tied_modules and
-    LoraModel._add_modules_to_save_to_tie); returns the modules to tie to the embedding's trainable copy.
-
-    Without ensure_weight_tying (peft's default), an embedding layer in modules_to_save or target_modules of a tied
-    model gets a warning, and each modules_to_save entry its own copy: the trained embedding and head diverge. With
-    it, the embedding is put in modules_to_save (its full name appended, as peft writes it in the config), the tied
-    modules are taken out, and their copies share the embedding copy's weight."""
-    to_save = config.modules_to_save or []
-    embedding_to_save = any(m.split(".")[-1] in EMBEDDING_LAYER_NAMES for m in to_save)
-    targets = config.target_modules
-    if isinstance(targets, str):
-        embedding_in_target = any(re.fullmatch(targets, m) for m in EMBEDDING_LAYER_NAMES)
-    else:
-        embedding_in_target = any(t.split(".")[-1] in EMBEDDING_LAYER_NAMES for t in targets or [])
-    tied = _module_names_tied_with_embedding(model)
-    if not config.ensure_weight_tying:
-        if tied and (embedding_to_save or embedding_in_target):
-            warnings.warn("Model has `tie_word_embeddings=True` and a tied layer is part of the adapter, but "
-                          "`ensure_weight_tying` is not set to True. This can lead to complications, for example "
-                          "when merging the adapter or converting your model to formats other than safetensors. "
-                          "Check the discussion here: https://github.com/huggingface/peft/issues/2777")
-        return []
-    if not tied:
-        warnings.warn("You have requested `ensure_weight_tying`, but no tied modules were found in the model")
-        return []
-    if embedding_to_save:
-        embedding = model.get_input_embeddings()
-        embedding_name = next(n for n, m in model.named_modules() if m is embedding)
-        if embedding_name not in to_save:
-            to_save.append(embedding_name)
-        for key in tied:  # the tied modules come from the embedding's copy, not from an entry of their own
-            for m in to_save:
-                if re.match(rf"(^|.*\.){m}($|\..*)", key):
-                    to_save.remove(m)
-                    break
-        config.modules_to_save = to_save
-        return tied
-    if embedding_in_target:
-        raise NotImplementedError(f"ensure_weight_tying=True with a tied layer in target_modules={targets!r} needs "
-                                  f"LoRA on the embedding layer, which gpuformers does not have yet; put the "
-                                  f"embedding in modules_to_save instead, or set ensure_weight_tying=False")
-    warnings.warn("You have requested `ensure_weight_tying`, but no tied modules are added in either "
-                  "`modules_to_save` or `target_modules`")
-    return []
-

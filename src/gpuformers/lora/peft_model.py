@@ -22,7 +22,8 @@ from torch import nn
 
 from gpuformers.lora.config import (ALL_LINEAR, CONFIG_NAME, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME,
                                     _LORA_PARTS, LoraConfig)
-from gpuformers.lora.layers import LoraModel, ModulesToSaveWrapper, quantized_linear_types
+from gpuformers.lora.layers import LoraModel, quantized_linear_types
+from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 
 class PeftModel(nn.Module):
     """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
