@@ -178,17 +178,9 @@ def _positive_int(name: str, value, meaning: str) -> int:
 
 def _resize_embedding(embeddings: nn.Embedding, new_num_tokens: int, mean_resizing: bool, std: float) -> None:
     old = embeddings.weight
-    old_num_tokens, dim = old.shape
     # Built as transformers builds it: the constructor's N(0, 1) draw, then the added rows drawn again.
-    new = nn.Embedding(new_num_tokens, dim, device=old.device, dtype=old.dtype).weight
-    if new_num_tokens > old_num_tokens:
-        if mean_resizing:
-            new[old_num_tokens:] = _rows_around_mean(old, new_num_tokens - old_num_tokens)
-        else:
-            nn.init.normal_(new, std=std)
-    keep = min(old_num_tokens, new_num_tokens)
-    new[:keep] = old[:keep]
-    embeddings.weight = new.requires_grad_(old.requires_grad)
+    new = nn.Embedding(new_num_tokens, old.shape[1], device=old.device, dtype=old.dtype).weight
+    embeddings.weight = _fill_resized(new, old, mean_resizing, std)
     embeddings.num_embeddings = new_num_tokens
     if embeddings.padding_idx is not None and embeddings.padding_idx >= new_num_tokens:
         embeddings.padding_idx = None  # the padding row was cut off
@@ -196,9 +188,16 @@ def _resize_embedding(embeddings: nn.Embedding, new_num_tokens: int, mean_resizi
 
 def _resize_head(head: nn.Linear, new_num_tokens: int, mean_resizing: bool, std: float) -> None:
     old = head.weight
-    old_num_tokens, dim = old.shape
     # Built as transformers builds it: the constructor's kaiming draw, then the added rows drawn again.
-    new = nn.Linear(dim, new_num_tokens, bias=False, device=old.device, dtype=old.dtype).weight
+    new = nn.Linear(old.shape[1], new_num_tokens, bias=False, device=old.device, dtype=old.dtype).weight
+    head.weight = _fill_resized(new, old, mean_resizing, std)
+    head.out_features = new_num_tokens
+
+
+def _fill_resized(new: nn.Parameter, old: torch.Tensor, mean_resizing: bool, std: float) -> nn.Parameter:
+    """`new` (new tokens, dim), as its module's constructor drew it, with the added rows drawn again
+    (transformers' way) and the old rows copied in; it requires grad as `old` did."""
+    old_num_tokens, new_num_tokens = old.shape[0], new.shape[0]
     if new_num_tokens > old_num_tokens:
         if mean_resizing:
             new[old_num_tokens:] = _rows_around_mean(old, new_num_tokens - old_num_tokens)
@@ -206,8 +205,7 @@ def _resize_head(head: nn.Linear, new_num_tokens: int, mean_resizing: bool, std:
             nn.init.normal_(new, std=std)
     keep = min(old_num_tokens, new_num_tokens)
     new[:keep] = old[:keep]
-    head.weight = new.requires_grad_(old.requires_grad)
-    head.out_features = new_num_tokens
+    return new.requires_grad_(old.requires_grad)
 
 
 def _rows_around_mean(weight: torch.Tensor, count: int) -> torch.Tensor:
