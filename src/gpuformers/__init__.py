@@ -36,6 +36,7 @@ _LAZY = {
     "kernelize": "gpuformers.kernels.mapping",
     "TrainingArguments": "gpuformers.training.arguments",
     "Trainer": "gpuformers.training.trainer",
+    "EarlyStoppingCallback": "gpuformers.training.callbacks",
     "DataCollatorForCausalLM": "gpuformers.training.data",
     "DataCollatorForLanguageModeling": "gpuformers.training.data",
     "LoraConfig": "gpuformers.lora",

@@ -49,10 +49,10 @@ _PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat
                "float16": "float16", "float32": "float32"}
 
 
-def _strategy(name: str, value: Any) -> str:
+def _strategy(name: str, value: Any, choices: tuple[str, ...] = STRATEGIES) -> str:
     value = getattr(value, "value", value)  # transformers' IntervalStrategy enums
-    if value not in STRATEGIES:
-        raise ValueError(f'{name} "{value}" is not one of: {", ".join(STRATEGIES)}')
+    if value not in choices:
+        raise ValueError(f'{name} "{value}" is not one of: {", ".join(choices)}')
     return value
 
 
@@ -78,10 +78,16 @@ class TrainingArguments:
     gradient_accumulation_steps: int = 1
     average_tokens_across_devices: bool = True
     max_grad_norm: float = 1.0
+    label_smoothing_factor: float = 0.0
     bf16: bool | str = False  # True, False or "auto"
     fp16: bool | str = False  # True, False or "auto"
     tf32: bool | None = None
+    # transformers 5 names them activation_checkpointing(_kwargs), the gradient_ names being its older aliases
     gradient_checkpointing: bool | None = None
+    gradient_checkpointing_kwargs: dict | str | None = None  # e.g. {"use_reentrant": False} (see _checkpoint_kwargs)
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_kwargs: dict | str | None = None
+    neftune_noise_alpha: float | None = None
     torch_compile: bool = False
     torch_compile_mode: str | None = None
     logging_strategy: str = "steps"
@@ -89,12 +95,17 @@ class TrainingArguments:
     logging_first_step: bool = False
     disable_tqdm: bool | None = None
     report_to: str | list[str] = "none"
+    logging_dir: str | None = None  # transformers 4.x name: TensorBoard's folder (default output_dir/runs)
+    include_num_input_tokens_seen: str | bool = "no"  # "all" (True), "non_padding" or "no" (False)
     eval_strategy: str = "no"
     eval_steps: float | None = None
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
     save_only_model: bool = False
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None  # an evaluate() key, "eval_" optional; "loss" with load_best_model_at_end
+    greater_is_better: bool | None = None  # default: False for a metric ending in "loss", True otherwise
     ignore_data_skip: bool = False
     seed: int = 42
     data_seed: int | None = None
@@ -139,9 +150,14 @@ class TrainingArguments:
                              "random, sequential")
         self.logging_strategy = _strategy("logging_strategy", self.logging_strategy)
         self.eval_strategy = _strategy("eval_strategy", self.eval_strategy)
-        self.save_strategy = _strategy("save_strategy", self.save_strategy)
+        # "best": a checkpoint after each evaluation that beats the best metric so far
+        self.save_strategy = _strategy("save_strategy", self.save_strategy, STRATEGIES + ("best",))
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.logging_steps  # transformers' fallback
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            raise ValueError(f'eval_strategy "steps" needs eval_steps > 0 (or logging_steps > 0, its default), not '
+                             f"{self.eval_steps}")
+        self._check_best_model()
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit {self.save_total_limit} must be >= 1 "
                              "(or None to keep every checkpoint)")
@@ -157,10 +173,63 @@ class TrainingArguments:
                 raise ValueError(f'{name}={value!r} is not one of: True, False, "auto"')
         if self.bf16 is True and self.fp16 is True:
             raise ValueError("bf16=True and fp16=True were both set; pick one (or bf16='auto' to let the GPU decide)")
+        self._check_training_extras()
         if self.deepspeed:
             raise NotImplementedError("deepspeed is not supported by gpuformers' Trainer; use a single GPU for now")
         self._fsdp_options = self._parse_fsdp()
         self._check_precision()
+
+    def _check_best_model(self) -> None:
+        """metric_for_best_model and greater_is_better defaults, and transformers' checks for load_best_model_at_end:
+        a checkpoint must be written at every step whose evaluation may be the best."""
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if not self.load_best_model_at_end or self.save_strategy == "best":
+            return
+        if self.eval_strategy != self.save_strategy:
+            raise ValueError(f'load_best_model_at_end needs save_strategy equal to eval_strategy (a checkpoint at each '
+                             f'evaluation) or "best", but eval_strategy is "{self.eval_strategy}" and save_strategy '
+                             f'is "{self.save_strategy}"; set both to "steps" or both to "epoch"')
+        if self.eval_strategy != "steps":
+            return
+        save, evaluate = self.save_steps, self.eval_steps
+        if not save % evaluate:
+            return
+        if (save < 1) != (evaluate < 1):
+            raise ValueError(f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, which a ratio "
+                             f"and a step count cannot guarantee (save_steps={save}, eval_steps={evaluate}); give "
+                             "both as step counts or both as ratios of the training steps")
+        # ratios compared in millionths, as transformers does, so that 0.3 is a multiple of 0.1
+        if save >= 1 or round(save * 1_000_000) % round(evaluate * 1_000_000):
+            raise ValueError(f"load_best_model_at_end needs save_steps to be a multiple of eval_steps (a checkpoint "
+                             f"at each evaluation that may be the best), but save_steps={save} is not a multiple of "
+                             f"eval_steps={evaluate}; set save_steps={evaluate} or a multiple of it")
+
+    def _check_training_extras(self) -> None:
+        """label_smoothing_factor, neftune_noise_alpha, (gradient|activation)_checkpointing(_kwargs),
+        include_num_input_tokens_seen."""
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            # transformers' rule: the new name wins when set, and the old one then mirrors it
+            if getattr(self, new) is None:
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if not 0 <= self.label_smoothing_factor <= 1:
+            raise ValueError(f"label_smoothing_factor {self.label_smoothing_factor} must be in [0, 1] (0: no "
+                             "smoothing; typical: 0.1)")
+        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha < 0:
+            raise ValueError(f"neftune_noise_alpha {self.neftune_noise_alpha} is negative; pass a noise scale >= 0 "
+                             "(the NEFTune paper uses 5 to 15) or None for no noise")
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if self.include_num_input_tokens_seen not in ("all", "non_padding", "no"):
+            raise ValueError(f"include_num_input_tokens_seen {self.include_num_input_tokens_seen!r} is not one of: "
+                             "'all' (or True), 'non_padding', 'no' (or False)")
+        if self.gradient_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs = _checkpoint_kwargs(
+                self.gradient_checkpointing_kwargs)
 
     # --- where and how precisely to train -------------------------------------------------------------------
 
@@ -242,7 +311,8 @@ class TrainingArguments:
         config = self._read_fsdp_config()
         _refuse_unsupported(config)
         if _flag("activation_checkpointing", config.get("activation_checkpointing", False)):
-            self.gradient_checkpointing = True  # transformers' FSDP name for it: each decoder layer recomputed
+            # transformers' FSDP name for it: each decoder layer recomputed
+            self.gradient_checkpointing = self.activation_checkpointing = True
         reshard, hybrid, dp_shard_size = _sharding(options, config)
         return FSDPOptions(reshard_after_forward=reshard, hybrid_shard=hybrid, dp_shard_size=dp_shard_size,
                            cpu_offload=_offload(options, config), layer_classes=_layer_classes(config),
@@ -300,6 +370,21 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+# transformers' own keys (every n-th decoder layer, inputs kept in host memory), then torch.utils.checkpoint's
+_CHECKPOINT_KWARGS = ("every_n_layers", "offload", "use_reentrant", "preserve_rng_state", "context_fn",
+                      "determinism_check", "debug", "early_stop")
+
+
+def _checkpoint_kwargs(kwargs: dict | str) -> dict:
+    """gradient_checkpointing_kwargs (a dict, or its JSON from a command line) with its keys checked."""
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    if unknown := [k for k in kwargs if k not in _CHECKPOINT_KWARGS]:
+        raise ValueError(f"gradient_checkpointing_kwargs {unknown} are not among: {', '.join(_CHECKPOINT_KWARGS)} "
+                         "(every_n_layers and offload, then torch.utils.checkpoint's arguments)")
+    return dict(kwargs)
 
 
 def _sharding(options: list[str], config: dict[str, Any]) -> tuple[bool, bool, int | None]:

@@ -5,17 +5,20 @@ A callback subclasses TrainerCallback and overrides any of the hooks below; each
 processing_class, and `logs` (on_log) or `metrics` (on_evaluate / on_predict). A hook may return a
 TrainerControl (or set fields of the one it got) to ask for a log, save, evaluation or stop.
 
-Offers: TrainerState, TrainerControl, TrainerCallback, CallbackHandler, ProgressCallback, JSONLLoggerCallback,
-TensorBoardCallback, PrinterCallback.
+Offers: TrainerState, TrainerControl, TrainerCallback, CallbackHandler, EarlyStoppingCallback, ProgressCallback,
+JSONLLoggerCallback, TensorBoardCallback, PrinterCallback.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 HOOKS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
          "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate",
@@ -38,6 +41,7 @@ class TrainerState:
     total_flos: float = 0.0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
+    best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
@@ -111,6 +115,47 @@ class CallbackHandler:
         return control
 
 
+class EarlyStoppingCallback(TrainerCallback):
+    """Stops training once `metric_for_best_model` has failed `early_stopping_patience` evaluations in a row to beat
+    the best so far by more than `early_stopping_threshold` (transformers' callback, the same rule).
+
+    It compares each evaluation with state.best_metric before the Trainer updates it, so it needs
+    metric_for_best_model (load_best_model_at_end=True sets it to "loss"). Its patience count starts at 0 again
+    when a run resumes from a checkpoint."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0):
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0  # evaluations in a row without improvement
+
+    def check_metric_value(self, args, state, control, metric_value: float) -> None:
+        best = state.best_metric
+        improved = best is None or (
+            (metric_value > best if args.greater_is_better else metric_value < best)
+            and abs(metric_value - best) > self.early_stopping_threshold)
+        self.early_stopping_patience_counter = 0 if improved else self.early_stopping_patience_counter + 1
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.metric_for_best_model is None:
+            raise ValueError("EarlyStoppingCallback needs metric_for_best_model (e.g. 'loss'), or "
+                             "load_best_model_at_end=True, which sets it to 'loss'")
+        if args.eval_strategy == "no":
+            raise ValueError('EarlyStoppingCallback needs evaluations: set eval_strategy to "steps" or "epoch" '
+                             "(and pass an eval_dataset)")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        value = (metrics or {}).get(key)
+        if value is None:  # evaluate() called on another set (metric_key_prefix="test"): not a training evaluation
+            logger.warning("EarlyStoppingCallback watches %r (metric_for_best_model), which this evaluation did not "
+                           "return (it returned %s): not counted", key, sorted(metrics or {}))
+            return
+        self.check_metric_value(args, state, control, value)
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+
 class ProgressCallback(TrainerCallback):
     """A tqdm bar over optimizer steps on the console; logs are written above it."""
 
@@ -159,7 +204,8 @@ class JSONLLoggerCallback(TrainerCallback):
 
 
 class TensorBoardCallback(TrainerCallback):
-    """Scalars to TensorBoard under `output_dir/runs` (report_to="tensorboard"; needs the tensorboard package)."""
+    """Scalars to TensorBoard (report_to="tensorboard"; needs the tensorboard package) in logging_dir, else in
+    $TENSORBOARD_LOGGING_DIR (transformers 5's setting), else in output_dir/runs."""
 
     def __init__(self):
         try:
@@ -171,7 +217,8 @@ class TensorBoardCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.writer is None:
-            self.writer = self._writer_class(log_dir=os.path.join(args.output_dir, "runs"))
+            folder = args.logging_dir or os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs")
+            self.writer = self._writer_class(log_dir=os.path.expanduser(folder))
         for key, value in (logs or {}).items():
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key if "/" in key else f"train/{key}", value, state.global_step)

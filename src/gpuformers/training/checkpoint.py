@@ -151,16 +151,22 @@ def get_last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, keep: Path | None = None) -> None:
-    """Delete the oldest checkpoints beyond save_total_limit (never `keep`, e.g. the best one)."""
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,
+                       keep: tuple[str | os.PathLike | None, ...] = ()) -> None:
+    """Delete the oldest checkpoints beyond save_total_limit, never the newest one nor those in `keep` (the one just
+    written, the best one): with save_total_limit=1 and a best checkpoint older than the newest, both stay, as in
+    transformers."""
     if not save_total_limit:
         return
     checkpoints = sorted_checkpoints(output_dir)
+    if len(checkpoints) <= save_total_limit:
+        return
+    protected = {checkpoints[-1].resolve()} | {Path(p).resolve() for p in keep if p is not None}
     excess = len(checkpoints) - save_total_limit
     for path in checkpoints:
         if excess <= 0:
             break
-        if keep is not None and path.resolve() == Path(keep).resolve():
+        if path.resolve() in protected:
             continue
         shutil.rmtree(path, ignore_errors=True)
         excess -= 1

@@ -12,17 +12,23 @@ global RNG, so a resumed run replays the same batches; the global RNG state is s
 The forward runs inside logits_not_needed() (compute_loss reads only the loss): a causal LM then fuses its LM head
 and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, with the same loss and gradients.
 
-Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
-clip_grad_norm).
+Beyond the loop, as transformers does them: label_smoothing_factor (label_smoothed_loss), neftune_noise_alpha (noise
+on the input embeddings while training), and load_best_model_at_end / metric_for_best_model (state.best_metric and
+best_model_checkpoint tracked at each evaluation, the best checkpoint kept by the rotation and loaded at the end).
+
+Offers: Trainer, TrainOutput, label_smoothed_loss (and, from evaluation.py and optim.py: PredictionOutput,
+EvalPrediction, clip_grad_norm).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -39,6 +45,8 @@ from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
 from gpuformers.training.evaluation import EvalPrediction, PredictionOutput, RowCollector, eval_batches
 from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
+
+logger = logging.getLogger(__name__)
 
 
 class TrainOutput(NamedTuple):
@@ -94,8 +102,10 @@ class Trainer:
                              "without quantization_config")
         self.model = model.to(self.args.device)
         if self.args.gradient_checkpointing:
-            _enable_gradient_checkpointing(self.model)
+            _enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        if self.args.load_best_model_at_end or self.args.save_strategy == "best":
+            self._check_best_model_setup()
         self.processing_class = processing_class
         self.data_collator = data_collator or DataCollatorForCausalLM(processing_class)
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
@@ -117,7 +127,9 @@ class Trainer:
         self._model_counts_items = "num_items_in_batch" in forward
         # compute_loss as written here reads only the loss: the model may then skip the (tokens, vocab) logits
         # (layers/loss.py's chunked linear + cross-entropy); not under torch.compile, which reads no ContextVar
-        self._skip_logits = type(self).compute_loss is Trainer.compute_loss and not self.args.torch_compile
+        # (label smoothing reads the logits)
+        self._skip_logits = (type(self).compute_loss is Trainer.compute_loss and not self.args.torch_compile
+                             and not self.args.label_smoothing_factor)
         self.control = self._call("on_init_end")
 
     # --- hooks ----------------------------------------------------------------------------------------------
@@ -194,11 +206,12 @@ class Trainer:
 
     def compute_loss(self, model, inputs: dict[str, Any], num_items_in_batch: int | None = None,
                      return_outputs: bool = False):
-        """The model's loss on one micro-batch; packed rows (position_ids, no attention_mask) get the
-        block-diagonal attention of their examples."""
+        """The model's loss on one micro-batch (label-smoothed with label_smoothing_factor); packed rows
+        (position_ids, no attention_mask) get the block-diagonal attention of their examples."""
         packed = "position_ids" in inputs and "attention_mask" not in inputs
         kwargs = dict(inputs)
-        if self.compute_loss_func is not None:
+        smoothing = self.compute_loss_func is None and self.args.label_smoothing_factor and "labels" in kwargs
+        if self.compute_loss_func is not None or smoothing:
             labels = kwargs.pop("labels")
         elif num_items_in_batch is not None and self._model_counts_items:
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -206,6 +219,11 @@ class Trainer:
             outputs = model(**kwargs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif smoothing:
+            # as transformers: over the step's target tokens where the model itself would count them, else a mean
+            logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+            loss = label_smoothed_loss(logits, labels, self.args.label_smoothing_factor,
+                                       num_items_in_batch if self._model_counts_items else None)
         else:
             loss = outputs.loss if hasattr(outputs, "loss") else outputs[0]
         return (loss, outputs) if return_outputs else loss
@@ -258,8 +276,13 @@ class Trainer:
         items = sum(self._count_targets(b) for b in micro)
         tokens = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None else b["input_ids"].numel()
                      for b in micro)
+        padded = sum(b["input_ids"].numel() for b in micro)
         if self._data_parallel[0] > 1:  # ... over every process's share of the step
-            items, tokens = (int(v) for v in distributed.all_reduce_sum([items, tokens], self.args.device).tolist())
+            items, tokens, padded = (int(v) for v in distributed.all_reduce_sum([items, tokens, padded],
+                                                                                 self.args.device).tolist())
+        # include_num_input_tokens_seen: "all" counts the padding too, as transformers does
+        self.state.num_input_tokens_seen += {"all": padded, "non_padding": tokens}.get(
+            self.args.include_num_input_tokens_seen, 0)
         num_items = max(1, items) if self._model_counts_items or self.compute_loss_func else None
         loss = 0.0
         for i, batch in enumerate(micro):
@@ -330,12 +353,19 @@ class Trainer:
             saved = cb.TrainerState.load_from_json(loaded["state_path"])
             self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
             self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
+            self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
+            self.state.best_model_checkpoint = saved.best_model_checkpoint
+            if saved.best_model_checkpoint is not None and not os.path.isdir(saved.best_model_checkpoint):
+                logger.warning("the best checkpoint %s recorded in %s is gone: it is not the best one in this run",
+                               saved.best_model_checkpoint, resume_from_checkpoint)
+                self.state.best_model_checkpoint = None
             rng = loaded["rng"]
         start_epoch, start_update = divmod(self.state.global_step, updates_per_epoch)
 
         model = self.model_wrapped
         model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
         self.model.train()
+        neftune = _add_neftune_noise(self.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
         self.control = self._call("on_train_begin")
         since_log = {"loss": 0.0, "steps": 0}
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
@@ -360,7 +390,6 @@ class Trainer:
                 loss, step_tokens, grad_norm, learning_rate = self._update(model, micro)
                 self.state.global_step += 1
                 self.state.epoch = epoch + (update + 1) / updates_per_epoch
-                self.state.num_input_tokens_seen += step_tokens
                 tokens += step_tokens
                 since_log["loss"] += loss  # a tensor on the device: no sync until it is logged
                 since_log["steps"] += 1
@@ -383,7 +412,13 @@ class Trainer:
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
+        if args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
+            self._keep_only_best_checkpoint()
         self.control = self._call("on_train_end")
+        if neftune is not None:
+            neftune.remove()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _log_save_evaluate(self, since_log: dict, grad_norm, learning_rate: float, epoch_end: bool) -> None:
@@ -408,7 +443,10 @@ class Trainer:
             since_log["loss"], since_log["steps"] = 0.0, 0
             self.log(logs)
         if self.control.should_evaluate and self.eval_dataset is not None:
-            self.evaluate()
+            # after evaluate()'s on_evaluate: EarlyStoppingCallback compares with the best before this evaluation
+            new_best = self._update_best_metric(self.evaluate())
+            if args.save_strategy == "best":
+                self.control.should_save = new_best
             self.model.train()
         if self.control.should_save:
             self._save_checkpoint()
@@ -431,6 +469,8 @@ class Trainer:
         optimizer_state = (distributed.full_optimizer_state_dict(self.model, self.optimizer)
                            if gathered and not args.save_only_model else None)
         path = Path(args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
+        if self.state.best_global_step == self.state.global_step:  # recorded in this checkpoint's own state
+            self.state.best_model_checkpoint = os.path.join(args.output_dir, path.name)
         if distributed.is_main_process():
             path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
                                                  state=self.state, args=args, optimizer=self.optimizer,
@@ -439,13 +479,74 @@ class Trainer:
                                                  optimizer_state_dict=optimizer_state)
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(path)
-            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=path)
+            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit,
+                                    keep=(path, self.state.best_model_checkpoint))
         distributed.barrier()  # no process goes on (or resumes) before the checkpoint is complete
         self.control = self._call("on_save")
         return path
 
+    # --- the best checkpoint (metric_for_best_model) ----------------------------------------------------------
+
+    def _check_best_model_setup(self) -> None:
+        """load_best_model_at_end / save_strategy="best": what they need."""
+        asked = "load_best_model_at_end" if self.args.load_best_model_at_end else 'save_strategy="best"'
+        if self.args.eval_strategy != "no" and self.eval_dataset is None:
+            raise ValueError(f'{asked} with eval_strategy "{self.args.eval_strategy}" needs an eval_dataset to '
+                             "compare the checkpoints on; pass eval_dataset to the Trainer")
+        if self.args.save_strategy == "best" and (self.args.metric_for_best_model is None
+                                                  or self.args.eval_strategy == "no"):
+            raise ValueError('save_strategy="best" saves when an evaluation beats the best metric: it needs '
+                             'metric_for_best_model (e.g. "loss") and an eval_strategy ("steps" or "epoch")')
+        if self.args.load_best_model_at_end and self._gathers_states and hasattr(self.model, "peft_config"):
+            kind = "FSDP2" if self.args.distributed_strategy == "fsdp" else "tensor parallelism"
+            raise NotImplementedError(f"load_best_model_at_end with LoRA under {kind} is not supported (the "
+                                      "checkpoints hold the adapter alone, which is not loaded back into split "
+                                      "weights); drop load_best_model_at_end and load the best checkpoint's adapter "
+                                      "after training, or train with DDP or one process")
+
+    def _update_best_metric(self, metrics: dict[str, float]) -> bool:
+        """transformers' rule: metric_for_best_model ("eval_" added) beats state.best_metric -> a new best (True);
+        its step is the best checkpoint's when a checkpoint is written at that step."""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model {name!r} ({key}) is not among the evaluation's metrics "
+                           f"{sorted(metrics)}; pass one of them (the 'eval_' prefix is optional)")
+        value, greater = float(metrics[key]), self.args.greater_is_better
+        if self.state.best_metric is None:  # a NaN is never the best, as in transformers
+            self.state.best_metric = -math.inf if greater else math.inf
+        if not ((value > self.state.best_metric) if greater else (value < self.state.best_metric)):
+            return False
+        self.state.best_metric = value
+        if self.args.save_strategy != "no":
+            self.state.best_global_step = self.state.global_step
+        return True
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's weights into the model, in place (the optimizer keeps its tensors); every process
+        reads the whole weights, a sharded or split model keeping its part."""
+        best = Path(self.state.best_model_checkpoint)
+        if self._gathers_states:
+            distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(best))
+        else:
+            ckpt.load_model_weights_in_place(self.model, best)
+
+    def _keep_only_best_checkpoint(self) -> None:
+        """save_total_limit=1: the newest checkpoint, kept while training for a resume, goes when it is not the best
+        (as in transformers)."""
+        if distributed.is_main_process():
+            best = Path(self.state.best_model_checkpoint).resolve()
+            for path in ckpt.sorted_checkpoints(self.args.output_dir):
+                if path.resolve() != best:
+                    shutil.rmtree(path, ignore_errors=True)
+        distributed.barrier()
+
     def log(self, logs: dict[str, float]) -> None:
         logs = {**logs, "epoch": self.state.epoch} if "epoch" not in logs else dict(logs)
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._call("on_log", logs=logs)
 
@@ -537,14 +638,58 @@ class Trainer:
         distributed.barrier()
 
 
-def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable()
-        return
-    from gpuformers.models.modeling import checkpoint_decoder_layers
+def _enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dict | None) -> None:
+    """Recompute decoder layers' activations in the backward pass instead of keeping them, as transformers' Trainer
+    asks the model: gradient_checkpointing_kwargs' every_n_layers and offload go to activation_checkpointing_enable,
+    the rest to torch.utils.checkpoint (use_reentrant=False unless said)."""
+    kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
+    layers = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
+    if hasattr(model, "activation_checkpointing_enable"):  # gpuformers' models (and LoRA's), transformers 5's
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
+    elif hasattr(model, "gradient_checkpointing_enable"):  # older transformers models
+        if layers != {"every_n_layers": 1, "offload": False}:
+            raise NotImplementedError(f"gradient_checkpointing_kwargs {layers} need a model with "
+                                      f"activation_checkpointing_enable, which {type(model).__name__} lacks; drop them")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        from gpuformers.models.modeling import checkpoint_decoder_layers
 
-    checkpoint_decoder_layers(model, "gradient_checkpointing", use_reentrant=False)
+        checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
+
+
+def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, epsilon: float,
+                        num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' LabelSmoother for a causal LM: logits (batch, seq, vocab), labels (batch, seq) -> scalar.
+
+    Position t is scored against labels[t+1] (-100 ignored) with the target (1 - epsilon) on the label and
+    epsilon / vocab on every token: (1 - epsilon) * NLL + epsilon * mean over the vocabulary of -log p, summed
+    over the targets and divided by num_items_in_batch (the step's targets, all micro-batches), or averaged over
+    this batch's targets without it. torch's cross_entropy(label_smoothing=) is that very sum."""
+    logits = logits[..., :-1, :].float()
+    targets = labels[..., 1:].to(logits.device)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=epsilon)
+    if num_items_in_batch is None:
+        num_items_in_batch = (targets != IGNORE_INDEX).sum()
+    elif torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _add_neftune_noise(model: torch.nn.Module, alpha: float):
+    """NEFTune (arXiv 2310.05914), transformers' hook: the input embeddings (batch, seq, hidden) get uniform noise in
+    [-s, s], s = alpha / sqrt(seq * hidden), while the model is in train() mode (never in evaluation). Returns the
+    hook's handle; .remove() takes the noise off."""
+    embeddings = distributed.unwrap(model).get_input_embeddings()
+
+    def add_noise(module, inputs, output):
+        if not module.training:
+            return None
+        # the scale in float32, as transformers computes it, so that a seed draws the very same noise
+        scale = float(alpha / torch.tensor(output.size(1) * output.size(2)).sqrt())
+        return output + torch.zeros_like(output).uniform_(-scale, scale)
+
+    return embeddings.register_forward_hook(add_noise)
 
 
 def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
