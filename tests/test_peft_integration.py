@@ -270,6 +270,29 @@ def test_trainer_trains_the_adapter_and_saves_it_alone(checkpoint, tmp_path):
     torch.testing.assert_close(_logits(loaded), _logits(model.eval()), atol=0, rtol=0)
 
 
+def test_trainer_resumes_an_adapter_added_to_the_model(checkpoint, tmp_path):
+    # The checkpoint holds the adapter under peft's keys ("base_model.model. ..."): resuming puts them back into
+    # the adapter on the model itself and ends where an uninterrupted run ends.
+    from gpuformers import Trainer
+    from tests.training.helpers import make_rows, tiny_args
+
+    folder, _ = checkpoint
+
+    def run(output_dir, resume=None):
+        torch.manual_seed(0)
+        model = _load(folder)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, modules_to_save=["lm_head"]))
+        args = tiny_args(output_dir, max_steps=4, save_strategy="steps", save_steps=2)
+        Trainer(model=model, args=args, train_dataset=make_rows(16)).train(resume_from_checkpoint=resume)
+        return model.get_adapter_state_dict()
+
+    whole = run(tmp_path / "whole")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert whole.keys() == resumed.keys()
+    for key in whole:
+        torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
+
+
 def test_modules_to_save_train_save_and_switch_like_transformers(checkpoint, transformers_peft, tmp_path):
     import peft
 

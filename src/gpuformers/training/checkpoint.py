@@ -196,8 +196,10 @@ def load_model_weights_in_place(model, folder: Path) -> None:
     tensors, so they must not be replaced)."""
     state = read_model_weights(folder)
     if hasattr(model, "peft_config"):  # a LoRA model's checkpoint holds its adapter weights only
-        from gpuformers.lora import set_peft_model_state_dict
+        from gpuformers.lora import PeftModel, set_peft_model_state_dict
 
+        if not isinstance(model, PeftModel):  # an adapter on the model itself (add_adapter): its own names
+            state = {key.removeprefix("base_model.model."): tensor for key, tensor in state.items()}
         set_peft_model_state_dict(model, state)
         return
     result = model.load_state_dict(state, strict=False)
