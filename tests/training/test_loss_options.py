@@ -12,7 +12,7 @@ import torch
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import DataCollatorForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from gpuformers.training.callbacks import TensorBoardCallback
-from gpuformers.training.trainer import label_smoothed_loss
+from gpuformers.training.regularizers import label_smoothed_loss
 from tests.training.helpers import GradientRecorder, make_rows, tiny_args
 
 COLLATOR = DataCollatorForCausalLM(pad_token_id=0)  # the same batches for both trainers

@@ -12,12 +12,12 @@ global RNG, so a resumed run replays the same batches; the global RNG state is s
 The forward runs inside logits_not_needed() (compute_loss reads only the loss): a causal LM then fuses its LM head
 and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, with the same loss and gradients.
 
-Beyond the loop, as transformers does them: label_smoothing_factor (label_smoothed_loss), neftune_noise_alpha (noise
-on the input embeddings while training), and load_best_model_at_end / metric_for_best_model (state.best_metric and
-best_model_checkpoint tracked at each evaluation, the best checkpoint kept by the rotation and loaded at the end).
+Beyond the loop, as transformers does them: label_smoothing_factor and neftune_noise_alpha (regularizers.py), and
+load_best_model_at_end / metric_for_best_model (best_model.py: state.best_metric and best_model_checkpoint tracked
+at each evaluation, the best checkpoint kept by the rotation and loaded at the end).
 
-Offers: Trainer, TrainOutput, label_smoothed_loss (and, from evaluation.py and optim.py: PredictionOutput,
-EvalPrediction, clip_grad_norm).
+Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
+clip_grad_norm).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -41,10 +40,13 @@ from gpuformers import distributed
 from gpuformers.training import callbacks as cb
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
+from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
+                                           update_best_metric)
 from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
 from gpuformers.training.evaluation import EvalPrediction, PredictionOutput, RowCollector, eval_batches
 from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
+from gpuformers.training.regularizers import add_neftune_noise, label_smoothed_loss
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class Trainer:
             _enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         if self.args.load_best_model_at_end or self.args.save_strategy == "best":
-            self._check_best_model_setup()
+            check_best_model_setup(self.args, self.eval_dataset, self.model, self._gathers_states)
         self.processing_class = processing_class
         self.data_collator = data_collator or DataCollatorForCausalLM(processing_class)
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
@@ -324,7 +326,6 @@ class Trainer:
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
         fsdp = args.distributed_strategy == "fsdp"
-        gathered = self._gathers_states
         if self.model_wrapped is None:
             if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
                 ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
@@ -340,32 +341,13 @@ class Trainer:
                                      eval_steps=args.eval_steps, save_steps=args.save_steps,
                                      is_local_process_zero=args.local_rank <= 0,
                                      is_world_process_zero=distributed.is_main_process())
-        rng = None
-        if resume_from_checkpoint:
-            loaded = ckpt.load_training_state(resume_from_checkpoint, model=None if gathered else self.model,
-                                              optimizer=None if gathered else self.optimizer,
-                                              scheduler=self.lr_scheduler, scaler=self.scaler)
-            if self._tensor_parallel:  # every process reads the whole weights and keeps its slices
-                distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(resume_from_checkpoint))
-            if gathered and (state := ckpt.load_optimizer_state(resume_from_checkpoint)) is not None:
-                # every process reads the whole state and keeps its shard
-                distributed.load_full_optimizer_state_dict(self.model, self.optimizer, state)
-            saved = cb.TrainerState.load_from_json(loaded["state_path"])
-            self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
-            self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
-            self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
-            self.state.best_model_checkpoint = saved.best_model_checkpoint
-            if saved.best_model_checkpoint is not None and not os.path.isdir(saved.best_model_checkpoint):
-                logger.warning("the best checkpoint %s recorded in %s is gone: it is not the best one in this run",
-                               saved.best_model_checkpoint, resume_from_checkpoint)
-                self.state.best_model_checkpoint = None
-            rng = loaded["rng"]
+        rng = self._resume(resume_from_checkpoint) if resume_from_checkpoint else None
         start_epoch, start_update = divmod(self.state.global_step, updates_per_epoch)
 
         model = self.model_wrapped
         model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
         self.model.train()
-        neftune = _add_neftune_noise(self.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
+        neftune = add_neftune_noise(self.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
         self.control = self._call("on_train_begin")
         since_log = {"loss": 0.0, "steps": 0}
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
@@ -413,13 +395,36 @@ class Trainer:
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_model()
+            load_best_model(self.model, self.state, self._gathers_states)
         if args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
-            self._keep_only_best_checkpoint()
+            keep_only_best_checkpoint(args.output_dir, self.state)
         self.control = self._call("on_train_end")
         if neftune is not None:
             neftune.remove()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _resume(self, checkpoint: str | os.PathLike) -> Any:
+        """The model's weights, the optimizer, scheduler and scaler states and the trainer state from `checkpoint`;
+        returns its RNG state, which the loop restores just before the next batch."""
+        gathered = self._gathers_states
+        loaded = ckpt.load_training_state(checkpoint, model=None if gathered else self.model,
+                                          optimizer=None if gathered else self.optimizer,
+                                          scheduler=self.lr_scheduler, scaler=self.scaler)
+        if self._tensor_parallel:  # every process reads the whole weights and keeps its slices
+            distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(checkpoint))
+        if gathered and (state := ckpt.load_optimizer_state(checkpoint)) is not None:
+            # every process reads the whole state and keeps its shard
+            distributed.load_full_optimizer_state_dict(self.model, self.optimizer, state)
+        saved = cb.TrainerState.load_from_json(loaded["state_path"])
+        self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
+        self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
+        self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
+        self.state.best_model_checkpoint = saved.best_model_checkpoint
+        if saved.best_model_checkpoint is not None and not os.path.isdir(saved.best_model_checkpoint):
+            logger.warning("the best checkpoint %s recorded in %s is gone: it is not the best one in this run",
+                           saved.best_model_checkpoint, checkpoint)
+            self.state.best_model_checkpoint = None
+        return loaded["rng"]
 
     def _log_save_evaluate(self, since_log: dict, grad_norm, learning_rate: float, epoch_end: bool) -> None:
         args, step = self.args, self.state.global_step
@@ -444,7 +449,7 @@ class Trainer:
             self.log(logs)
         if self.control.should_evaluate and self.eval_dataset is not None:
             # after evaluate()'s on_evaluate: EarlyStoppingCallback compares with the best before this evaluation
-            new_best = self._update_best_metric(self.evaluate())
+            new_best = update_best_metric(args, self.state, self.evaluate())
             if args.save_strategy == "best":
                 self.control.should_save = new_best
             self.model.train()
@@ -484,64 +489,6 @@ class Trainer:
         distributed.barrier()  # no process goes on (or resumes) before the checkpoint is complete
         self.control = self._call("on_save")
         return path
-
-    # --- the best checkpoint (metric_for_best_model) ----------------------------------------------------------
-
-    def _check_best_model_setup(self) -> None:
-        """load_best_model_at_end / save_strategy="best": what they need."""
-        asked = "load_best_model_at_end" if self.args.load_best_model_at_end else 'save_strategy="best"'
-        if self.args.eval_strategy != "no" and self.eval_dataset is None:
-            raise ValueError(f'{asked} with eval_strategy "{self.args.eval_strategy}" needs an eval_dataset to '
-                             "compare the checkpoints on; pass eval_dataset to the Trainer")
-        if self.args.save_strategy == "best" and (self.args.metric_for_best_model is None
-                                                  or self.args.eval_strategy == "no"):
-            raise ValueError('save_strategy="best" saves when an evaluation beats the best metric: it needs '
-                             'metric_for_best_model (e.g. "loss") and an eval_strategy ("steps" or "epoch")')
-        if self.args.load_best_model_at_end and self._gathers_states and hasattr(self.model, "peft_config"):
-            kind = "FSDP2" if self.args.distributed_strategy == "fsdp" else "tensor parallelism"
-            raise NotImplementedError(f"load_best_model_at_end with LoRA under {kind} is not supported (the "
-                                      "checkpoints hold the adapter alone, which is not loaded back into split "
-                                      "weights); drop load_best_model_at_end and load the best checkpoint's adapter "
-                                      "after training, or train with DDP or one process")
-
-    def _update_best_metric(self, metrics: dict[str, float]) -> bool:
-        """transformers' rule: metric_for_best_model ("eval_" added) beats state.best_metric -> a new best (True);
-        its step is the best checkpoint's when a checkpoint is written at that step."""
-        name = self.args.metric_for_best_model
-        if name is None:
-            return False
-        key = name if name.startswith("eval_") else f"eval_{name}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model {name!r} ({key}) is not among the evaluation's metrics "
-                           f"{sorted(metrics)}; pass one of them (the 'eval_' prefix is optional)")
-        value, greater = float(metrics[key]), self.args.greater_is_better
-        if self.state.best_metric is None:  # a NaN is never the best, as in transformers
-            self.state.best_metric = -math.inf if greater else math.inf
-        if not ((value > self.state.best_metric) if greater else (value < self.state.best_metric)):
-            return False
-        self.state.best_metric = value
-        if self.args.save_strategy != "no":
-            self.state.best_global_step = self.state.global_step
-        return True
-
-    def _load_best_model(self) -> None:
-        """The best checkpoint's weights into the model, in place (the optimizer keeps its tensors); every process
-        reads the whole weights, a sharded or split model keeping its part."""
-        best = Path(self.state.best_model_checkpoint)
-        if self._gathers_states:
-            distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(best))
-        else:
-            ckpt.load_model_weights_in_place(self.model, best)
-
-    def _keep_only_best_checkpoint(self) -> None:
-        """save_total_limit=1: the newest checkpoint, kept while training for a resume, goes when it is not the best
-        (as in transformers)."""
-        if distributed.is_main_process():
-            best = Path(self.state.best_model_checkpoint).resolve()
-            for path in ckpt.sorted_checkpoints(self.args.output_dir):
-                if path.resolve() != best:
-                    shutil.rmtree(path, ignore_errors=True)
-        distributed.barrier()
 
     def log(self, logs: dict[str, float]) -> None:
         logs = {**logs, "epoch": self.state.epoch} if "epoch" not in logs else dict(logs)
@@ -655,41 +602,6 @@ def _enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: di
         from gpuformers.models.modeling import checkpoint_decoder_layers
 
         checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
-
-
-def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, epsilon: float,
-                        num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' LabelSmoother for a causal LM: logits (batch, seq, vocab), labels (batch, seq) -> scalar.
-
-    Position t is scored against labels[t+1] (-100 ignored) with the target (1 - epsilon) on the label and
-    epsilon / vocab on every token: (1 - epsilon) * NLL + epsilon * mean over the vocabulary of -log p, summed
-    over the targets and divided by num_items_in_batch (the step's targets, all micro-batches), or averaged over
-    this batch's targets without it. torch's cross_entropy(label_smoothing=) is that very sum."""
-    logits = logits[..., :-1, :].float()
-    targets = labels[..., 1:].to(logits.device)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=epsilon)
-    if num_items_in_batch is None:
-        num_items_in_batch = (targets != IGNORE_INDEX).sum()
-    elif torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
-
-
-def _add_neftune_noise(model: torch.nn.Module, alpha: float):
-    """NEFTune (arXiv 2310.05914), transformers' hook: the input embeddings (batch, seq, hidden) get uniform noise in
-    [-s, s], s = alpha / sqrt(seq * hidden), while the model is in train() mode (never in evaluation). Returns the
-    hook's handle; .remove() takes the noise off."""
-    embeddings = distributed.unwrap(model).get_input_embeddings()
-
-    def add_noise(module, inputs, output):
-        if not module.training:
-            return None
-        # the scale in float32, as transformers computes it, so that a seed draws the very same noise
-        scale = float(alpha / torch.tensor(output.size(1) * output.size(2)).sqrt())
-        return output + torch.zeros_like(output).uniform_(-scale, scale)
-
-    return embeddings.register_forward_hook(add_noise)
 
 
 def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
