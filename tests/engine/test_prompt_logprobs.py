@@ -68,8 +68,8 @@ def test_only_requests_that_ask_pay_for_prompt_logits(model):
     prompts = make_prompts(6, seed=4)
     manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64, max_batch_tokens=512)
     rows = []
-    lm_head = manager.runner.lm_head
-    manager.runner.lm_head = lambda hidden: (rows.append(hidden.shape[0]), lm_head(hidden))[1]
+    compute_logits = manager.runner.compute_logits
+    manager.runner.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), compute_logits(hidden))[1]
     for p in prompts:
         manager.add_request(p, max_new_tokens=1)
     manager.run_until_done()

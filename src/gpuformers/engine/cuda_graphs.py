@@ -86,7 +86,7 @@ class DecodeGraphs:
         with paged_context(context):
             hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
                                        past_key_values=PagedKVCache(context))
-        return runner.lm_head(hidden[0])
+        return runner.compute_logits(hidden[0])
 
     def _capture(self, rows: int, length: int):
         logger.info("capturing a CUDA graph for %d decode rows, context %d", rows, length)
@@ -131,7 +131,7 @@ class DecodeGraphs:
                 with paged_context(context):
                     hidden, _ = self.runner.decoder(input_ids=input_ids, position_ids=position_ids,
                                                     past_key_values=PagedKVCache(context))
-                return self.runner.lm_head(hidden[0])
+                return self.runner.compute_logits(hidden[0])
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]

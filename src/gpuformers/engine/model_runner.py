@@ -87,7 +87,7 @@ class ModelRunner:
         self.value_caches = [alloc(shape, dtype=self.dtype, device=self.device)
                              for _ in range(config.num_hidden_layers)]
         self.decoder = model.model  # the stack without the LM head: we need logits only where we sample
-        self.lm_head = model.get_output_embeddings()
+        self.compute_logits = model.compute_logits  # the LM head (and a family's logit transform)
         self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
 
@@ -169,7 +169,7 @@ class ModelRunner:
                 hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
                                          past_key_values=PagedKVCache(context))
             # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
-            logits = self.lm_head(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
+            logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
             for seq, first, rows in prompt_rows:
                 self._record_prompt_logprobs(hidden[0], seq, first, rows)
         sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
@@ -218,7 +218,7 @@ class ModelRunner:
         for offset in range(0, len(rows), PROMPT_LOGITS_ROWS):
             piece = rows[offset:offset + PROMPT_LOGITS_ROWS]
             # (piece, vocab) in float32, as sample_on_device computes the logprobs of generated tokens
-            log_probs = torch.log_softmax(self.lm_head(hidden[piece.start:piece.stop]).float(), -1)
+            log_probs = torch.log_softmax(self.compute_logits(hidden[piece.start:piece.stop]).float(), -1)
             targets = seq.prompt_ids[first + offset:first + offset + len(piece)]
             chosen = log_probs.gather(1, torch.tensor(targets, device=log_probs.device)[:, None])[:, 0]
             top = None

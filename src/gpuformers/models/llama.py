@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed(input_ids)
         batch, seq, _ = inputs_embeds.shape
         if cache_position is not None:
             # The compiled decode path: positions arrive as a tensor, nothing here reads a length from the cache.
@@ -138,6 +138,11 @@ class LlamaModel(nn.Module):
         device = inputs_embeds.device
         masks = {w: build_attention_mask(attention_mask, seq, kv_len, past_len, w, device) for w in self._windows}
         return self._run_layers(inputs_embeds, position_ids, masks, past_key_values, None, output_hidden_states)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids -> the first layer's input (batch, seq, hidden); a family that scales its embeddings
+        overrides this (every caller of the stack, the engine's included, goes through it)."""
+        return self.embed_tokens(input_ids)
 
     def _forward_at(self, inputs_embeds, attention_mask, position_ids, past_key_values, cache_position,
                     output_hidden_states):
@@ -195,6 +200,11 @@ class LlamaForCausalLM(PreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (..., hidden) -> logits (..., vocab): the LM head, and in a family that transforms
+        its logits (scaling, soft-capping) that too; the engine computes its logits through this."""
+        return self.lm_head(hidden_states)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -227,7 +237,9 @@ class LlamaForCausalLM(PreTrainedModel):
             input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
             output_hidden_states, cache_position,
         )
-        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None  # not quantized, not a LoRA
+        # not quantized, not a LoRA, and logits that are the head's output as they are
+        plain_head = (type(self.lm_head) is nn.Linear and self.lm_head.bias is None
+                      and type(self).compute_logits is LlamaForCausalLM.compute_logits)
         if labels is not None and self.training and (_fused_loss_active() or (plain_head and not logits_needed())):
             # The LM head and the loss fused, the (tokens, vocab) logits never exist: the Triton kernel with
             # use_kernels=True in training, else the chunked torch version when the caller reads no logits (the
@@ -237,7 +249,7 @@ class LlamaForCausalLM(PreTrainedModel):
                                   hidden_states=tuple(all_hidden) if output_hidden_states else None)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
+        logits = self.compute_logits(hidden_states)
         loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
         return CausalLMOutput(
             loss=loss,
