@@ -111,6 +111,11 @@ def test_plan_errors_name_the_pattern(tmp_path):
         _resolve_plan(model, "sequence")
     with pytest.raises(RuntimeError, match="start the script with torchrun"):
         apply_tensor_parallel(model)  # one process, no group
+    # A family whose layers the llama plan does not fit says so instead of splitting them wrongly.
+    unplanned = type("UnplannedForCausalLM", (type(model),), {"tp_plan_auto": None})
+    model.__class__ = unplanned
+    with pytest.raises(NotImplementedError, match='tp_plan="auto" for UnplannedForCausalLM is not supported'):
+        _resolve_plan(model, "auto")
 
 
 def test_from_pretrained_arguments_are_checked(tmp_path, monkeypatch):

@@ -198,7 +198,11 @@ def _resolve_plan(model: nn.Module, tp_plan) -> dict[str, str]:
     partial outputs are what it sums); in "auto", the matches that hold none (a dense MLP) are dropped."""
     auto = tp_plan == "auto"
     if auto:
-        tp_plan = LLAMA_TP_PLAN
+        # a model class names its own plan (tp_plan_auto), None when none is written for it yet
+        tp_plan = getattr(type(model), "tp_plan_auto", LLAMA_TP_PLAN)
+        if tp_plan is None:
+            raise NotImplementedError(f'tp_plan="auto" for {type(model).__name__} is not supported yet (no tensor-'
+                                      f'parallel plan is written for its layers); load it without tp_plan')
     if not isinstance(tp_plan, dict):
         raise ValueError(f'tp_plan={tp_plan!r}: pass "auto" or a dict of module-name patterns -> "colwise" / '
                          f'"rowwise"')
