@@ -64,6 +64,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="the format of the model's tool calls, parsed out of chat answers to requests with tools "
                              "(default: detected from the chat template; hermes for Qwen2.5, Qwen3, Hermes)")
+    from gpuformers.serving.reasoning import REASONING_PARSERS
+
+    parser.add_argument("--reasoning-parser", default=None, choices=[*sorted(REASONING_PARSERS), "none"],
+                        help="split chat answers into message.reasoning_content (the <think> block) and content, e.g. "
+                             "--reasoning-parser qwen3 (default: detected from the chat template: qwen3 for Qwen3, "
+                             "deepseek_r1 when the template opens the think block; none: the text as generated)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -111,7 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                    max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
-                   shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser)
+                   shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                   reasoning_parser=args.reasoning_parser)
         code = 0
     except SystemExit as stop:  # the graceful shutdown on SIGTERM / Ctrl-C ends with sys.exit(0)
         code = stop.code if isinstance(stop.code, int) else 0

@@ -1,14 +1,17 @@
 """One HTTP request's way through the engine: Engine (submit engine requests, carry their outputs into the event
 loop), ChoiceText (one choice's text, decoded incrementally and cut at stop strings) and Job (a request's n
 choices and the response they make, whole or streamed, for /v1/completions and /v1/chat/completions; a chat request
-with tools has each choice's tool calls parsed out of its text by the model's parser, tool_calls.py).
+with tools has each choice's tool calls parsed out of its text by the model's parser, tool_calls.py; with a reasoning
+parser, reasoning.py, a chat answer's think block becomes its reasoning_content and the tool calls come out of the
+rest).
 
 Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
 carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
 incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
 which frees its KV blocks. A client that disconnects cancels its requests the same way.
 
-    token ids -> Engine.submit (n engine requests) -> ChoiceText -> Job.whole (JSON) or Job.sse (SSE)
+    token ids -> Engine.submit (n engine requests) -> ChoiceText -> [reasoning parser] -> [tool-call parser]
+              -> Job.whole (JSON) or Job.sse (SSE)
 
 Offers: Engine, ChoiceText, Job, now.
 """
@@ -173,6 +176,9 @@ class Job:
         # A chat request with tools and tool_choice "auto": each choice's text goes through the model's tool-call
         # parser (the server checked that it has one)
         self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None
+        # A chat answer goes through the model's reasoning parser, if it has one: one parser per choice
+        reasoning_parser = state.reasoning_parser if parsed.chat else None
+        self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
 
     def start(self, sampling_of) -> None:
         parsed = self.parsed
@@ -239,8 +245,19 @@ class Job:
 
     def _usage(self) -> dict:
         completion = sum(c.num_tokens_kept() for c in self.choices)
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(self.prompt_ids) + completion}
+        usage = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                 "total_tokens": len(self.prompt_ids) + completion}
+        if self.reasoners is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self._reasoning_tokens()}
+        return usage
+
+    def _reasoning_tokens(self) -> int:
+        """The generated tokens of the choices' think blocks, tags included (once their parsers finished)."""
+        count = 0
+        for choice, reasoner in zip(self.choices, self.reasoners):
+            if reasoner.reasoning_end is not None:
+                count += min(choice.detokenizer.num_tokens_for(reasoner.reasoning_end), choice.num_tokens_kept())
+        return count
 
     def _logprobs(self, choice: ChoiceText, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
         """The logprobs object of generated tokens [start, end) (end: all the answer covers); `offset` is the
@@ -315,8 +332,10 @@ class Job:
         for index, choice in enumerate(self.choices):
             if self.parsed.chat:
                 message, finish_reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
+                if self.reasoners is not None:
+                    message["reasoning_content"], message["content"] = self.reasoners[index].split(choice.text)
                 if self.tool_parser is not None:
-                    content, calls = self.tool_parser.parse(choice.text)
+                    content, calls = self.tool_parser.parse(message["content"] or "")
                     message["content"] = content or None
                     if calls:
                         message["tool_calls"] = [call.to_dict() for call in calls]
@@ -334,11 +353,13 @@ class Job:
                 "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
 
     def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None, tool_call: dict | None = None) -> str:
+               logprobs: dict | None = None, tool_call: dict | None = None, reasoning: str | None = None) -> str:
         if self.parsed.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             if tool_call is not None:
                 delta = {"tool_calls": [tool_call]}
+            if reasoning is not None:
+                delta = {"reasoning_content": reasoning}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
@@ -351,9 +372,11 @@ class Job:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self, request) -> AsyncIterator[str]:
-        """Server-sent events: a role chunk per choice (chat), text deltas (with tools: a delta per complete tool
-        call, {"tool_calls": [{index, id, type, function: {name, arguments}}]}), a finish chunk per choice, the usage
-        chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are too."""
+        """Server-sent events: a role chunk per choice (chat), text deltas (with a reasoning parser: first
+        {"reasoning_content": ...} deltas while the answer is inside its think block; with tools: a delta per complete
+        tool call, {"tool_calls": [{index, id, type, function: {name, arguments}}]}), a finish chunk per choice, the
+        usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are
+        too."""
         reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
         parsers = [self.tool_parser() for _ in range(self.parsed.n)] if self.tool_parser is not None else None
         try:
@@ -373,6 +396,15 @@ class Job:
                     break
                 # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
                 end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
+                if self.reasoners is not None:  # the think block's text goes out as reasoning; a possible tag waits
+                    reasoning, text = self.reasoners[index].feed(text)
+                    if choice.finished:
+                        more_reasoning, more_text = self.reasoners[index].finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    if reasoning:
+                        yield self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
+                                          reasoning=reasoning)
+                        reported[index] = max(reported[index], end)
                 calls = []
                 if parsers is not None:  # the calls come out of the text; text that may open a call waits
                     text, calls = parsers[index].feed(text)

@@ -59,6 +59,8 @@ class CompletionRequest:
     messages: list[dict] | None = None
     tools: list[dict] | None = None  # chat: the function tools, as the client sent them (rendered by the template)
     tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
+    # chat: extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": False} for Qwen3
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -100,7 +102,13 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", 
            "logprobs", "ignore_eos"} | _ADJUSTMENTS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                          "tool_choice"}
+                          "tool_choice", "chat_template_kwargs"}
+# What the server itself gives apply_chat_template (or the template sees under these names): a request's
+# chat_template_kwargs may not set them
+_SERVER_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "chat_template", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs", "sanitize_control_tokens"}
 
 
 def _type_name(value: Any) -> str:
@@ -336,7 +344,26 @@ def parse_chat(body: Any) -> CompletionRequest:
         _text_only(response_format, "response_format", "response_format", "the prompt")
     request.tools = _tools(body.get("tools"))
     request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
+    request.chat_template_kwargs = _chat_template_kwargs(body.get("chat_template_kwargs"))
     return request
+
+
+def _chat_template_kwargs(value: Any) -> dict:
+    """vLLM's chat_template_kwargs: an object of extra chat template variables ({"enable_thinking": false} for
+    Qwen3), none of them one the server sets itself."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(400, 'chat_template_kwargs must be an object of template variables (e.g. '
+                            f'{{"enable_thinking": false}}), got {_type_name(value)} {value!r}'[:300],
+                       "chat_template_kwargs")
+    clashes = sorted(set(value) & _SERVER_TEMPLATE_ARGUMENTS)
+    if clashes:
+        them = "them" if len(clashes) > 1 else "it"
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clashes)}: the server sets {them} from the "
+                            f"request itself (messages, tools, ...); leave {them} out",
+                       f"chat_template_kwargs.{clashes[0]}")
+    return value
 
 
 _FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}

@@ -25,6 +25,7 @@ from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
                                          parse_response)
+from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_parser
 from gpuformers.serving.responses import ResponseJob
 from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
                                            template_renders_tools)
@@ -38,7 +39,7 @@ class _State:
     """What the route handlers share: the model's facts, the engine, the metrics."""
 
     def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, api_key: str | None,
-                 max_pending: int, tool_call_parser: str | None = None):
+                 max_pending: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine = Engine(manager, max_pending)
         self.manager = manager
         self.tokenizer = tokenizer
@@ -57,16 +58,22 @@ class _State:
         name = tool_call_parser or detect_tool_call_parser(template)
         self.tool_call_parser = get_tool_call_parser(name) if name else None
         self.template_renders_tools = bool(template) and template_renders_tools(tokenizer)
+        # Reasoning: the parser named on the command line ("none": off), else the one the chat template implies
+        if reasoning_parser is None:
+            reasoning_parser = detect_reasoning_parser(tokenizer)
+        self.reasoning_parser = (get_reasoning_parser(reasoning_parser)
+                                 if reasoning_parser not in (None, "none") else None)
 
 
 def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
-              max_pending: int = 256, tool_call_parser: str | None = None):
+              max_pending: int = 256, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
     """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan).
-    `tool_call_parser` names the format of the model's tool calls (None: detected from the chat template)."""
+    `tool_call_parser` names the format of the model's tool calls, `reasoning_parser` that of its think block
+    ("none": the text as generated); None: detected from the chat template."""
     config = manager.model.config
     context = getattr(config, "max_position_embeddings", None) or 2048
     state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending,
-                   tool_call_parser)
+                   tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -165,7 +172,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
             tools = tools_of(parsed)
             try:
                 ids = tokenizer.apply_chat_template(parsed.messages, tools=tools, add_generation_prompt=True,
-                                                    return_dict=False)
+                                                    return_dict=False, **parsed.chat_template_kwargs)
             except Exception as error:  # the template's own checks (role order, ...) raise template errors
                 raise APIError(400, f"the chat template rejected these messages: {error}",
                                parsed.prompt_field) from None
@@ -257,7 +264,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
 
 def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_model_len: int | None = None, max_pending: int = 256,
-               log_level: str = "info", shutdown_timeout: float = 30.0, tool_call_parser: str | None = None) -> None:
+               log_level: str = "info", shutdown_timeout: float = 30.0, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
     up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
     import signal
@@ -269,7 +277,8 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
     # with a plain exit (0) instead of a death by signal or a KeyboardInterrupt traceback.
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: sys.exit(0))
-    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser)
+    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser,
+                    reasoning_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
     uvicorn.Server(config).run()
