@@ -78,7 +78,7 @@ def check_tp_size(config, tp_size: int) -> None:
     """Heads and the MLP's hidden width must split evenly over tp_size processes."""
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
-    if config.extra.get("num_experts"):
+    if config.extra.get("num_experts") and "moe_intermediate_size" in config.extra:  # Mixtral's: intermediate_size
         sizes["moe_intermediate_size"] = config.extra["moe_intermediate_size"]
     uneven = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
     if uneven:

@@ -235,6 +235,10 @@ class GenerationMixin:
         if base is None:
             base = GenerationConfig.from_model_config(self.config)
         config = generation_config.merged_with(base) if generation_config is not None else base.copy()
+        if generation_config is None and config.cache_implementation == "hybrid":
+            # Checkpoints with sliding-window layers (Gemma 2 / 3) ship "hybrid", which transformers now reads, from
+            # the model's own defaults, as the default dynamic cache (it handles the windows); so do we.
+            config.cache_implementation = None
         unknown = config.update(**kwargs)
         if unknown:
             hints = []

@@ -6,6 +6,9 @@ A backend is a function
         query (batch, heads, q_len, head_dim); key, value (batch, kv_heads, kv_len, head_dim)
         attention_mask: None (plain causal, or no mask at all when q_len == 1) or a boolean
                         (batch, 1, q_len, kv_len) tensor, True where a query may attend
+        softcap (keyword, Gemma 2): None, or scores become softcap * tanh(scores / softcap) before masking;
+                        "eager" applies it, "sdpa" hands such a call to "eager" (torch's SDPA cannot), and a model
+                        that soft-caps refuses the backends that would ignore it
         -> (output (batch, q_len, heads, head_dim), attention weights or None)
 
 registered under a name: "eager" and "sdpa" here; other backends (flash_attention_2, triton, paged) register
@@ -31,10 +34,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(batch, kv_heads, n_rep, seq, head_dim).reshape(batch, kv_heads * n_rep, seq, head_dim)
 
 
-def eager_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+def eager_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, **kwargs):
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (batch, heads, q_len, kv_len)
+    if softcap is not None:  # logit soft-capping: scores squashed into (-softcap, softcap)
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif query.shape[2] > 1:
@@ -49,7 +54,10 @@ def eager_attention(module, query, key, value, attention_mask, *, scaling, dropo
     return out.transpose(1, 2).contiguous(), weights
 
 
-def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, **kwargs):
+    if softcap is not None:  # SDPA has no hook between the scores and the softmax: eager computes the soft-cap
+        return eager_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                               softcap=softcap)
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     dropout_p = dropout if module.training else 0.0

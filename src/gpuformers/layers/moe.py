@@ -1,7 +1,8 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE: a router picks top_k experts per token, each a gated MLP.
+"""The sparse mixture-of-experts block of Qwen3-MoE and Mixtral: a router picks top_k experts per token, each a
+gated MLP.
 
     router:  probs = softmax(hidden @ gate.weight.T) in float32; top_k of them per token (renormalised to sum 1
-             when norm_topk_prob), cast back to the model dtype
+             when norm_topk_prob), cast back to the model dtype (Mixtral: kept in float32)
     experts: out[t] = sum over the token's experts e of  weight[t, e] * down_e(silu(gate_e(x_t)) * up_e(x_t))
 
 It stands where a decoder layer's `mlp` stands and takes the same (batch, seq, hidden) input. The experts are a
@@ -38,6 +39,9 @@ class TopKRouter(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        # The top-k weights in the model dtype (Qwen3-MoE), or kept in float32 (Mixtral: its experts' outputs are
+        # multiplied by them in float32 and rounded once), as each family's transformers router returns them.
+        self.float32_weights = False
         self.recorded: list[torch.Tensor] | None = None  # a list while the model records router logits
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,7 +53,7 @@ class TopKRouter(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(logits.dtype), experts
+        return logits, weights if self.float32_weights else weights.to(logits.dtype), experts
 
     def extra_repr(self) -> str:
         return f"experts={self.weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
@@ -57,11 +61,15 @@ class TopKRouter(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     kernel_layer_name = "SparseMoeBlock"
+    # An expert: a module (hidden_size, intermediate_size) whose forward is the gated MLP and whose projections
+    # read as gate_proj / up_proj / down_proj (the fused kernel stacks them by these names); a family whose
+    # checkpoint names them otherwise sets its own (Mixtral's w1 / w3 / w2).
+    expert_class = GatedMLP
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.experts = nn.ModuleList(self.expert_class(hidden_size, intermediate_size) for _ in range(num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

@@ -4,7 +4,7 @@ Rope types (config.rope_parameters["rope_type"]): default, linear, dynamic (NTK,
 grows past max_position_embeddings), yarn, llama3, longrope (long or short factors by sequence length). The
 formulas are the published ones, written to give the same numbers as transformers.
 
-Offers: RotaryEmbedding, rope_inv_freq, apply_rotary_pos_emb, apply_rotary_pos_emb_to, rotate_half.
+Offers: RotaryEmbedding, rope_inv_freq, rotary_dim, apply_rotary_pos_emb, apply_rotary_pos_emb_to, rotate_half.
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    """How many dims of each head rotary turns: int(head_dim * partial_rotary_factor), as transformers rounds (all of
+    them but in Phi-3-style partial rotary)."""
+    return int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
 def rope_inv_freq(config: ModelConfig, device=None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq of shape (head_dim/2,), attention_scaling applied to cos and sin)."""
+    """(inv_freq of shape (rotary_dim/2,), attention_scaling applied to cos and sin)."""
     rope = config.rope_parameters
-    rope_type, base, dim = rope["rope_type"], rope["rope_theta"], config.head_dim
+    rope_type, base, dim = rope["rope_type"], rope["rope_theta"], rotary_dim(config)
     if rope_type == "default":
         return _base_inv_freq(base, dim, device), 1.0
     if rope_type == "linear":
@@ -62,7 +68,7 @@ def _llama3_inv_freq(rope: dict, dim: int, device) -> torch.Tensor:
 
 
 def _yarn_inv_freq(config: ModelConfig, device) -> tuple[torch.Tensor, float]:
-    rope, dim = config.rope_parameters, config.head_dim
+    rope, dim = config.rope_parameters, rotary_dim(config)
     base = rope["rope_theta"]
     original = rope["original_max_position_embeddings"]
     factor = rope.get("factor") or config.max_position_embeddings / original
@@ -96,7 +102,7 @@ def _yarn_inv_freq(config: ModelConfig, device) -> tuple[torch.Tensor, float]:
 
 
 def _longrope_inv_freq(config: ModelConfig, device, seq_len: int | None) -> tuple[torch.Tensor, float]:
-    rope, dim = config.rope_parameters, config.head_dim
+    rope, dim = config.rope_parameters, rotary_dim(config)
     original = rope["original_max_position_embeddings"]
     factor = rope.get("factor") or config.max_position_embeddings / original
     attention_factor = rope.get("attention_factor")
@@ -109,7 +115,8 @@ def _longrope_inv_freq(config: ModelConfig, device, seq_len: int | None) -> tupl
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids (batch, seq) -> cos, sin (batch, seq, head_dim), shared by all layers of a model."""
+    """position_ids (batch, seq) -> cos, sin (batch, seq, rotary_dim: head_dim but in partial rotary), shared by all
+    layers of a model."""
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "granite", "olmo2", "mixtral",
+                         "phi3",
+                         "gemma", "gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 # Keys each rope type needs in rope_parameters, besides rope_theta.
@@ -46,6 +48,36 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
                   "router_aux_loss_coef": 0.001},
+    # Mixtral: Mistral's attention (no window unless sliding_window is set); the MoE fields live in `extra`.
+    "mixtral": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                "rope_theta": 1e6, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
+    # SmolLM3: no_rope_layers (1 = rotary, 0 = NoPE) defaults to a NoPE layer every no_rope_layer_interval layers.
+    "smollm3": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "rope_theta": 2000000.0,
+                "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": 128004,
+                "no_rope_layer_interval": 4},
+    # Granite: the four scalars live in `extra` (read by granite.py).
+    "granite": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048, "embedding_multiplier": 1.0,
+                "logits_scaling": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1, "eos_token_id": 50279},
+    # Phi-3: original_max_position_embeddings (longrope's pretraining length) and the dropouts live in `extra`.
+    "phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    # Gemma, Gemma 2 and Gemma 3 (text): query_pre_attn_scalar, the soft-caps, hidden_activation and Gemma 3's
+    # rope_local_base_freq live in `extra` (read by gemma.py); ModelConfig._check_gemma says what they mean.
+    "gemma": {"vocab_size": 256000, "max_position_embeddings": 8192, "num_key_value_heads": 16, "head_dim": 256,
+              "hidden_act": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+              "tie_word_embeddings": True},
+    "gemma2": {"vocab_size": 256000, "max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256,
+               "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0,
+               "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072, "num_key_value_heads": 4,
+                    "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "sliding_window_pattern": 6},
 }
 
 _DEFAULT_ARCHITECTURE = {
@@ -54,6 +86,14 @@ _DEFAULT_ARCHITECTURE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -115,7 +155,9 @@ class ModelConfig:
                     f"({self.num_attention_heads}); set head_dim explicitly in config.json"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.hidden_act not in ("silu", "swish"):
+        if self.model_type in ("gemma", "gemma2", "gemma3_text"):
+            self._check_gemma()
+        elif self.hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
         self._normalise_sliding_window()
         self._check_rope()
@@ -167,10 +209,17 @@ class ModelConfig:
                     "sliding_attention" if self.sliding_window is not None and i >= first else "full_attention"
                     for i in range(self.num_hidden_layers)
                 ]
-        elif self.model_type == "mistral":
+        elif self.model_type == "smollm3":
+            self._normalise_smollm3_layers()
+        elif self.model_type in ("mistral", "mixtral", "phi3"):
             self.layer_types = [
                 "sliding_attention" if self.sliding_window is not None else "full_attention"
             ] * self.num_hidden_layers
+        elif self.model_type in ("gemma2", "gemma3_text"):
+            if self.layer_types is None:  # Gemma 2: every other layer slides; Gemma 3: five in every six
+                every = 2 if self.model_type == "gemma2" else self.extra["sliding_window_pattern"]
+                self.layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                                    for i in range(self.num_hidden_layers)]
         else:
             self.sliding_window = None
             self.layer_types = ["full_attention"] * self.num_hidden_layers
@@ -184,12 +233,48 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
 
+    def _normalise_smollm3_layers(self):
+        """SmolLM3: no_rope_layers (in extra; 1 = the layer uses rotary, 0 = a NoPE layer) and layer_types, filled
+        in as transformers does: with use_sliding_window, the NoPE layers are the sliding ones."""
+        rope_layers = self.extra.get("no_rope_layers")
+        if rope_layers is None:
+            interval = self.extra["no_rope_layer_interval"]
+            rope_layers = [int((i + 1) % interval != 0) for i in range(self.num_hidden_layers)]
+            self.extra["no_rope_layers"] = rope_layers
+        if len(rope_layers) < self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(rope_layers)} entries but num_hidden_layers is "
+                             f"{self.num_hidden_layers}; give one 0/1 per layer (1 = the layer uses rotary)")
+        if self.layer_types is None:
+            slide = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = ["sliding_attention" if slide and not rope_layers[i] else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        # transformers' masks slide on every "sliding_attention" layer, whatever use_sliding_window says.
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is null; set sliding_window")
+
+    def _check_gemma(self):
+        """The Gemma families' fields that change the numbers, as transformers reads them: Gemma's MLP activation is
+        hidden_act (its original releases say "gelu", meaning the tanh approximation), Gemma 2's and 3's is
+        hidden_activation; the bidirectional variant (EmbeddingGemma) is not a causal LM."""
+        if self.model_type == "gemma" and self.hidden_act == "gelu":
+            self.hidden_act = "gelu_pytorch_tanh"
+        key = "hidden_act" if self.model_type == "gemma" else "hidden_activation"
+        activation = self.hidden_act if self.model_type == "gemma" else self.extra[key]
+        if activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise NotImplementedError(f"{key} {activation!r} is not supported for {self.model_type}; supported: "
+                                      f"gelu_pytorch_tanh, gelu")
+        if self.extra.get("use_bidirectional_attention"):
+            raise NotImplementedError(f"use_bidirectional_attention=True ({self.model_type}, as in EmbeddingGemma) is "
+                                      f"not supported: gpuformers runs causal LMs; set it to false or null")
+
     def _check_rope(self):
         rope = dict(self.rope_parameters)
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", 10000.0)
+        if self.model_type == "phi3":
+            self._phi3_rope(rope)
         rope_type = rope["rope_type"]
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported rope types: {', '.join(ROPE_TYPES)}")
@@ -200,16 +285,28 @@ class ModelConfig:
             missing = []
         if missing:
             raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters (or rope_scaling)")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        if rope.get("partial_rotary_factor", 1.0) != 1.0 and self.model_type != "phi3":
             raise NotImplementedError(
                 f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported by the llama-family decoder"
             )
         if rope_type == "longrope":
-            half = self.head_dim // 2
+            half = int(self.head_dim * rope.get("partial_rotary_factor", 1.0)) // 2  # over the rotated dims
             for key in ("long_factor", "short_factor"):
                 if len(rope[key]) != half:
-                    raise ValueError(f"rope_parameters.{key} must have head_dim/2 = {half} entries, got {len(rope[key])}")
+                    raise ValueError(f"rope_parameters.{key} must have rotary_dim/2 = {half} entries, got "
+                                     f"{len(rope[key])}")
         self.rope_parameters = rope
+
+    def _phi3_rope(self, rope: dict) -> None:
+        """Phi-3's rope, normalised in place as transformers' Phi3Config does: "su" and "yarn" are its old names for
+        longrope, only default and longrope exist, and the top-level original_max_position_embeddings (4096 when
+        config.json omits it) wins over rope_parameters'."""
+        if rope["rope_type"] in ("su", "yarn"):
+            rope["rope_type"] = "longrope"
+        if rope["rope_type"] not in ("default", "longrope"):
+            raise ValueError(f"phi3 rope_type {rope['rope_type']!r} is not supported; Phi-3 has default and longrope")
+        if rope["rope_type"] == "longrope":
+            rope["original_max_position_embeddings"] = self.extra.get("original_max_position_embeddings", 4096)
 
     # --- reading and writing --------------------------------------------------------------------------------
 
@@ -231,6 +328,10 @@ class ModelConfig:
             data.setdefault("num_experts", data["num_local_experts"])
         for key, value in _FAMILY_DEFAULTS[model_type].items():
             data.setdefault(key, value)
+        if model_type == "mixtral":  # the MoE forward Mixtral shares with Qwen3-MoE reads num_experts
+            data["num_experts"] = data["num_local_experts"]
+        if model_type == "gemma3_text":
+            data = _gemma3_rope(data)
         # Old spellings -> new.
         if "torch_dtype" in data:
             data.setdefault("dtype", data.pop("torch_dtype"))
@@ -277,19 +378,61 @@ class ModelConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out.update(self.extra)
         out["architectures"] = [self.architecture]
-        if self.model_type in ("llama", "mistral"):
+        if self.model_type in ("llama", "mistral", "mixtral"):
             out.pop("use_sliding_window")
             out.pop("max_window_layers")
             out.pop("layer_types")
         if self.model_type == "llama":
             out.pop("sliding_window")
+        if self.model_type == "mixtral":  # read as num_local_experts, its transformers name
+            out.pop("num_experts")
+        if self.model_type in ("granite", "olmo2"):  # fields their transformers configs do not have
+            for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
+                out.pop(key)
+        if self.model_type == "smollm3":
+            out.pop("max_window_layers")
         # transformers 4.x reads rope_theta at the top level and rope_scaling; 5.x reads rope_parameters.
         out["rope_theta"] = self.rope_theta
         if self.rope_type != "default":
             out["rope_scaling"] = dict(self.rope_parameters)
+        if self.model_type in ("gemma", "gemma2", "gemma3_text"):  # fields their transformers configs do not have
+            gemma_only = ("sliding_window", "layer_types") if self.model_type == "gemma" else ()
+            for key in ("use_sliding_window", "max_window_layers") + gemma_only:
+                out.pop(key)
+        if self.model_type == "gemma3_text":  # transformers 5 reads one rope per layer type
+            out["rope_parameters"] = {
+                "full_attention": dict(self.rope_parameters),
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.extra["rope_local_base_freq"]},
+            }
+        if self.model_type == "phi3":
+            for key in ("use_sliding_window", "max_window_layers", "layer_types"):
+                out.pop(key)
+            # Phi3Config reads partial_rotary_factor at the top level, and transformers 4.x takes a rope_scaling of
+            # exactly type, short_factor and long_factor.
+            out["partial_rotary_factor"] = self.rope_parameters.get("partial_rotary_factor", 1.0)
+            if self.rope_type == "longrope":
+                out["rope_scaling"] = {"type": "longrope", "short_factor": self.rope_parameters["short_factor"],
+                                       "long_factor": self.rope_parameters["long_factor"]}
         return out
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _gemma3_rope(data: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 has one rope per layer type. transformers 5 writes rope_parameters = {"full_attention": {...},
+    "sliding_attention": {...}}; older config.json files rope_theta and rope_scaling for the full-attention layers
+    and rope_local_base_freq for the sliding ones. Either way -> rope_parameters: the full-attention layers' rope
+    (checked as every family's), rope_local_base_freq: the sliding layers' base (their rope is the default one)."""
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict) and {"full_attention", "sliding_attention"} & set(rope):
+        sliding = rope.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"Gemma 3 sliding-attention layers with rope_type {sliding['rope_type']!r} are "
+                                      f"not supported; only the default rope (rope_theta) is")
+        data["rope_parameters"] = dict(rope.get("full_attention") or {})
+        if "rope_theta" in sliding:
+            data["rope_local_base_freq"] = sliding["rope_theta"]
+    return data

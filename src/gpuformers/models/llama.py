@@ -173,6 +173,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(PreTrainedModel):
+    decoder_model_class = LlamaModel  # the stack; a family that changes it (embedding scale) names its own
     decoder_layer_class = LlamaDecoderLayer
     no_split_modules = ("LlamaDecoderLayer",)
 
@@ -183,7 +184,7 @@ class LlamaForCausalLM(PreTrainedModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.model = LlamaModel(config, self.decoder_layer_class)
+        self.model = self.decoder_model_class(config, self.decoder_layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -204,6 +205,12 @@ class LlamaForCausalLM(PreTrainedModel):
         """Final hidden states (..., hidden) -> logits (..., vocab): the LM head, and in a family that transforms
         its logits (scaling, soft-capping) that too; the engine computes its logits through this."""
         return self.lm_head(hidden_states)
+
+    @property
+    def logits_are_head_output(self) -> bool:
+        """Whether compute_logits is the LM head alone: only then may training fuse the head with the loss (the
+        Triton kernel, or the chunked torch loss), which never makes the logits."""
+        return type(self).compute_logits is LlamaForCausalLM.compute_logits
 
     def forward(
         self,
@@ -237,10 +244,9 @@ class LlamaForCausalLM(PreTrainedModel):
             input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
             output_hidden_states, cache_position,
         )
-        # not quantized, not a LoRA, and logits that are the head's output as they are
-        plain_head = (type(self.lm_head) is nn.Linear and self.lm_head.bias is None
-                      and type(self).compute_logits is LlamaForCausalLM.compute_logits)
-        if labels is not None and self.training and (_fused_loss_active() or (plain_head and not logits_needed())):
+        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None  # not quantized, not a LoRA
+        fusable = labels is not None and self.training and self.logits_are_head_output
+        if fusable and (_fused_loss_active() or (plain_head and not logits_needed())):
             # The LM head and the loss fused, the (tokens, vocab) logits never exist: the Triton kernel with
             # use_kernels=True in training, else the chunked torch version when the caller reads no logits (the
             # Trainer's training step, inside layers/loss.py's logits_not_needed()).

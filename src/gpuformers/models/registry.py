@@ -16,6 +16,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "gpuformers.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "gpuformers.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "gpuformers.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "GemmaForCausalLM": "gpuformers.models.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "gpuformers.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gpuformers.models.gemma:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "gpuformers.models.mixtral:MixtralForCausalLM",
+    "SmolLM3ForCausalLM": "gpuformers.models.smollm3:SmolLM3ForCausalLM",
+    "GraniteForCausalLM": "gpuformers.models.granite:GraniteForCausalLM",
+    "Olmo2ForCausalLM": "gpuformers.models.olmo2:Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "gpuformers.models.phi3:Phi3ForCausalLM",
 }
 
 _MODEL_TYPE = {
@@ -24,6 +32,14 @@ _MODEL_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
 
 

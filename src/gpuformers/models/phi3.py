@@ -1,0 +1,115 @@
+"""Phi-3 (Phi-3, Phi-3.5, Phi-4-mini) = the llama decoder with fused projections and partial rotary.
+
+    self_attn.qkv_proj  (hidden -> (heads + 2 kv_heads) * head_dim): q, k and v in one matmul, split by heads
+    mlp.gate_up_proj    (hidden -> 2 * intermediate): gate and up in one matmul, gate the first half
+    partial_rotary_factor < 1 (Phi-4-mini: 0.75): rotary turns the first int(head_dim * factor) dims of each head,
+                        the rest pass through
+    longrope (Phi-3.5, "su" in old configs): layers/rotary.py; original_max_position_embeddings is read from the
+                        top level of config.json (models/config.py), as transformers' Phi3Config does
+    sliding_window      on every layer when set (as Mistral)
+    resid_pdrop         dropout on each residual branch, in training only; embd_pdrop is in config.json but no
+                        transformers version applies it, and neither do we
+
+The modules keep the checkpoint's names, so save_pretrained writes what transformers reads. Known difference:
+transformers' generate() drops the cache and re-runs the whole sequence once when a longrope sequence grows past
+original_max_position_embeddings during generation; ours keeps the cache (as it does for llama's longrope), so
+greedy tokens after that point may differ. A prompt already longer than it matches.
+
+Not supported: tp_plan="auto" (the llama plan splits q/k/v and gate/up, not the fused layers); use_kernels=True
+leaves the fused MLP in torch (the SwiGLU kernel's adapter reads gate_proj and up_proj) and swaps the rest.
+
+Offers: Phi3MLP, Phi3Attention, Phi3DecoderLayer, Phi3ForCausalLM.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuformers.layers.rotary import apply_rotary_pos_emb, rotary_dim
+from gpuformers.models.config import ModelConfig
+from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from gpuformers.models.modeling import plain_calls
+
+
+class Phi3MLP(nn.Module):
+    """down(silu(gate) * up) with gate and up from one projection: gate_up_proj's output is (gate, up)."""
+
+    # No kernel_layer_name: the SwiGLU kernel's adapter calls gate_proj and up_proj, which this layer has not.
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, down_proj = plain_calls(self, "gate_up_proj", "down_proj")
+        gate, up = gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
+        return down_proj(F.silu(gate) * up)
+
+
+class Phi3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        # The checkpoint holds one fused weight; the llama layer's three projections go (on the meta device, where
+        # from_pretrained builds, they never held memory).
+        del self.q_proj, self.k_proj, self.v_proj
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        # Phi-3 has no biases: transformers' Phi3Attention ignores attention_bias, and so do we.
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.rotary_dim = rotary_dim(config)
+
+    def position_qk(self, q, k, position_embeddings):
+        if self.rotary_dim == self.head_dim:
+            return super().position_qk(q, k, position_embeddings)
+        # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim); cos/sin are (batch, seq, rotary_dim).
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        rot = self.rotary_dim
+        # The slices are views: the rotary kernel (use_kernels, inference) may turn them in place, which the
+        # concatenation below reads the same way.
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], *position_embeddings)
+        return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
+        batch, seq, _ = hidden_states.shape
+        qkv_proj, o_proj = plain_calls(self, "qkv_proj", "o_proj")
+        # (batch, seq, heads + 2 kv_heads, head_dim): q's heads, then k's, then v's
+        qkv = qkv_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)
+        q, k = self.position_qk(q, k, position_embeddings)
+        v = v.transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
+        out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
+                                   dropout=self.attention_dropout, sliding_window=self.sliding_window)
+        return o_proj(out.reshape(batch, seq, -1))
+
+
+class Phi3DecoderLayer(LlamaDecoderLayer):
+    attention_class = Phi3Attention
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.mlp = Phi3MLP(config.hidden_size, config.intermediate_size)
+        self.resid_pdrop = float(config.extra.get("resid_pdrop", 0.0))
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
+        if not (self.training and self.resid_pdrop):
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                   cache_position)
+        # Training with resid_pdrop: each branch's output is dropped out before it joins the residual stream.
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                  past_key_values, cache_position)
+        hidden_states = hidden_states + F.dropout(attn_out, self.resid_pdrop, training=True)
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + F.dropout(mlp_out, self.resid_pdrop, training=True)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    decoder_layer_class = Phi3DecoderLayer
+    no_split_modules = ("Phi3DecoderLayer",)
+    tp_plan_auto = None  # the llama plan names q/k/v and gate/up projections, which Phi-3 fuses
+

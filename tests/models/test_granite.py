@@ -1,0 +1,172 @@
+"""IBM Granite 3 against transformers on tiny random checkpoints: logits (eager and sdpa, left padding, embeddings
+passed in), greedy tokens (dynamic and static cache), loss and backward, saving for transformers, the engine,
+use_kernels (where Triton runs) without the fused LM-head loss, and tp_plan="auto" (the llama plan) over two
+processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.fixtures.checkpoints import make_checkpoint
+
+TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Multipliers far from 1 (and attention_multiplier far from 1/sqrt(head_dim) = 0.25), so that each one shows.
+CASES = {
+    "gqa": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.04, logits_scaling=8.0),
+    "mha-tied-bias": dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                          embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.5,
+                          logits_scaling=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """case -> (folder, transformers model)."""
+    out = {}
+    for name, overrides in CASES.items():
+        folder = tmp_path_factory.mktemp(f"granite-{name}")
+        out[name] = (folder, make_checkpoint(folder, "granite", **TOKENS, **overrides))
+    return out
+
+
+def _load(folder, **kwargs):
+    from gpuformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs)
+
+
+def _batch(seq=16, pad=4):
+    ids = torch.randint(3, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :pad], mask[1, :pad] = 0, 0  # left padding in the second row
+    return ids, mask
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_logits_match_transformers(checkpoints, case, attn):
+    folder, hf = checkpoints[case]
+    ours = _load(folder, attn_implementation=attn)
+    assert type(ours).__name__ == "GraniteForCausalLM"
+    ids, mask = _batch()
+    with torch.no_grad():
+        diff = ours(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits
+        # embeddings passed in are scaled by embedding_multiplier too, as in transformers
+        embeds = hf.get_input_embeddings()(ids)
+        embeds_diff = (ours(inputs_embeds=embeds, attention_mask=mask).logits
+                       - hf(inputs_embeds=embeds, attention_mask=mask).logits)
+    assert diff[mask.bool()].abs().max() < 1e-4
+    assert embeds_diff[mask.bool()].abs().max() < 1e-4
+
+
+def test_training_loss_keeps_logits_scaling(checkpoints):
+    # The Trainer's step reads no logits (logits_not_needed): a model whose logits are the head's output then fuses
+    # head and loss; Granite's must not, or its loss would skip the division by logits_scaling.
+    from gpuformers.layers.loss import logits_not_needed
+
+    folder, hf = checkpoints["gqa"]
+    ours = _load(folder).train()
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    with logits_not_needed():
+        loss = ours(ids, attention_mask=mask, labels=labels).loss
+    with torch.no_grad():
+        expected = hf.eval()(ids, attention_mask=mask, labels=labels).loss
+    assert abs(loss.item() - expected.item()) < 1e-5
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_greedy_tokens_match_transformers(checkpoints, case, cache):
+    folder, hf = checkpoints[case]
+    ours = _load(folder)
+    ids, mask = _batch(seq=10, pad=3)
+    greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  cache_implementation=cache)
+    assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
+
+
+def test_loss_matches_transformers_and_trains(checkpoints):
+    folder, hf = checkpoints["gqa"]
+    ours = _load(folder)
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
+                                   hf(ids, attention_mask=mask, labels=labels).loss, atol=1e-5, rtol=0)
+    ours.train()
+    ours(ids, attention_mask=mask, labels=labels).loss.backward()
+    assert ours.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert ours.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_transformers_loads_what_we_save(checkpoints, tmp_path):
+    import transformers
+
+    folder, _ = checkpoints["mha-tied-bias"]
+    ours = _load(folder)
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["GraniteForCausalLM"] and "layer_types" not in saved
+    assert (saved["embedding_multiplier"], saved["logits_scaling"]) == (3.0, 0.25)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        diff = back(ids, attention_mask=mask).logits - ours(ids, attention_mask=mask).logits
+    assert diff[mask.bool()].abs().max() < 1e-5
+
+
+def test_engine_matches_generate(checkpoints):
+    folder, _ = checkpoints["gqa"]
+    model = _load(folder)
+    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
+                .tolist() for p in prompts]
+    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
+                                   num_blocks=16)
+    assert [r.generated_tokens for r in outputs.values()] == expected
+
+
+def test_use_kernels_keeps_logits_and_leaves_out_the_fused_head_loss(checkpoints):
+    from gpuformers.kernels.mapping import kernels_available
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not kernels_available(device)[0]:
+        pytest.skip(f"Triton kernels do not run here ({kernels_available(device)[1]})")
+    folder, hf = checkpoints["gqa"]
+    ours = _load(folder, use_kernels=True, device_map=device)
+    ids, mask = _batch()
+    with torch.no_grad():
+        diff = ours(ids.to(device), attention_mask=mask.to(device)).logits.cpu() - hf(ids, attention_mask=mask).logits
+    assert diff[mask.bool()].abs().max() < 1e-4
+    assert "AddRMSNorm" in ours._kernel_state.functions  # the fused add + norm is right for the scaled branch
+    ours.train()
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = ours(ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loss.detach().cpu(), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.distributed
+def test_two_processes_match_the_whole_model(checkpoints, tmp_path):
+    # tp_plan="auto" (the llama plan) under torchrun, 2 processes on gloo: tests/tp_worker.py compares the split
+    # model's logits, greedy tokens, saved checkpoint and engine with the whole model's.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "tests.tp_worker", str(checkpoints["gqa"][0]), str(tmp_path / "result.json")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
+    assert result["tokens_equal"] and result["batch_tokens_equal"] and result["engine_equal"]
+    assert result["saved_logits_diff"] == 0.0
