@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.parity import assert_engine_matches_generate
+
 MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
            bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -82,12 +84,7 @@ def test_saved_checkpoint_loads_in_transformers_and_trains(tmp_path):
 def test_engine_matches_generate(tmp_path):
     _checkpoint(tmp_path)
     model = _load(tmp_path)
-    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-                .tolist() for p in prompts]
-    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                                   num_blocks=16)
-    assert [r.generated_tokens for r in outputs.values()] == expected
+    assert_engine_matches_generate(model)
 
 
 def test_quantization_and_lora_leave_the_router_alone(tmp_path):

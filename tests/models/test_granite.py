@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import make_checkpoint
+from tests.models.parity import assert_engine_matches_generate, checkpoint_cases, left_padded, load
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Multipliers far from 1 (and attention_multiplier far from 1/sqrt(head_dim) = 0.25), so that each one shows.
@@ -25,33 +25,16 @@ CASES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model)."""
-    out = {}
-    for name, overrides in CASES.items():
-        folder = tmp_path_factory.mktemp(f"granite-{name}")
-        out[name] = (folder, make_checkpoint(folder, "granite", **TOKENS, **overrides))
-    return out
-
-
-def _load(folder, **kwargs):
-    from gpuformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs)
-
-
-def _batch(seq=16, pad=4):
-    ids = torch.randint(3, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    ids[1, :pad], mask[1, :pad] = 0, 0  # left padding in the second row
-    return ids, mask
+    return checkpoint_cases(tmp_path_factory, "granite", CASES, **TOKENS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_logits_match_transformers(checkpoints, case, attn):
     folder, hf = checkpoints[case]
-    ours = _load(folder, attn_implementation=attn)
+    ours = load(folder, attn_implementation=attn)
     assert type(ours).__name__ == "GraniteForCausalLM"
-    ids, mask = _batch()
+    ids, mask = left_padded()
     with torch.no_grad():
         diff = ours(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits
         # embeddings passed in are scaled by embedding_multiplier too, as in transformers
@@ -68,8 +51,8 @@ def test_training_loss_keeps_logits_scaling(checkpoints):
     from gpuformers.layers.loss import logits_not_needed
 
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder).train()
-    ids, mask = _batch()
+    ours = load(folder).train()
+    ids, mask = left_padded()
     labels = ids.masked_fill(mask == 0, -100)
     with logits_not_needed():
         loss = ours(ids, attention_mask=mask, labels=labels).loss
@@ -82,8 +65,8 @@ def test_training_loss_keeps_logits_scaling(checkpoints):
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_greedy_tokens_match_transformers(checkpoints, case, cache):
     folder, hf = checkpoints[case]
-    ours = _load(folder)
-    ids, mask = _batch(seq=10, pad=3)
+    ours = load(folder)
+    ids, mask = left_padded(seq=10, pad=3)
     greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
                   cache_implementation=cache)
     assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
@@ -91,8 +74,8 @@ def test_greedy_tokens_match_transformers(checkpoints, case, cache):
 
 def test_loss_matches_transformers_and_trains(checkpoints):
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder)
-    ids, mask = _batch()
+    ours = load(folder)
+    ids, mask = left_padded()
     labels = ids.masked_fill(mask == 0, -100)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
@@ -107,13 +90,13 @@ def test_transformers_loads_what_we_save(checkpoints, tmp_path):
     import transformers
 
     folder, _ = checkpoints["mha-tied-bias"]
-    ours = _load(folder)
+    ours = load(folder)
     ours.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["GraniteForCausalLM"] and "layer_types" not in saved
     assert (saved["embedding_multiplier"], saved["logits_scaling"]) == (3.0, 0.25)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ids, mask = _batch()
+    ids, mask = left_padded()
     with torch.no_grad():
         diff = back(ids, attention_mask=mask).logits - ours(ids, attention_mask=mask).logits
     assert diff[mask.bool()].abs().max() < 1e-5
@@ -121,13 +104,8 @@ def test_transformers_loads_what_we_save(checkpoints, tmp_path):
 
 def test_engine_matches_generate(checkpoints):
     folder, _ = checkpoints["gqa"]
-    model = _load(folder)
-    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-                .tolist() for p in prompts]
-    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                                   num_blocks=16)
-    assert [r.generated_tokens for r in outputs.values()] == expected
+    model = load(folder)
+    assert_engine_matches_generate(model)
 
 
 def test_use_kernels_keeps_logits_and_leaves_out_the_fused_head_loss(checkpoints):
@@ -137,8 +115,8 @@ def test_use_kernels_keeps_logits_and_leaves_out_the_fused_head_loss(checkpoints
     if not kernels_available(device)[0]:
         pytest.skip(f"Triton kernels do not run here ({kernels_available(device)[1]})")
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder, use_kernels=True, device_map=device)
-    ids, mask = _batch()
+    ours = load(folder, use_kernels=True, device_map=device)
+    ids, mask = left_padded()
     with torch.no_grad():
         diff = ours(ids.to(device), attention_mask=mask.to(device)).logits.cpu() - hf(ids, attention_mask=mask).logits
     assert diff[mask.bool()].abs().max() < 1e-4

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import make_checkpoint
+from tests.models.parity import (assert_engine_matches_generate, checkpoint_cases, left_padded, load,
+                                 max_logit_diff)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CASES = {
@@ -23,35 +24,12 @@ CASES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model)."""
-    out = {}
-    for name, overrides in CASES.items():
-        folder = tmp_path_factory.mktemp(f"olmo2-{name}")
-        out[name] = (folder, make_checkpoint(folder, "olmo2", **TOKENS, **overrides))
-    return out
-
-
-def _load(folder, **kwargs):
-    from gpuformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs)
-
-
-def _batch(seq=16, pad=4):
-    ids = torch.randint(3, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    ids[1, :pad], mask[1, :pad] = 0, 0  # left padding in the second row
-    return ids, mask
-
-
-def _max_diff(ours, hf, ids, mask):
-    with torch.no_grad():
-        diff = ours(ids, attention_mask=mask).logits.float() - hf(ids, attention_mask=mask).logits.float()
-    return diff[mask.bool()].abs().max().item()
+    return checkpoint_cases(tmp_path_factory, "olmo2", CASES, **TOKENS)
 
 
 def test_layer_has_the_checkpoint_norms(checkpoints):
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder)
+    ours = load(folder)
     assert type(ours).__name__ == "Olmo2ForCausalLM"
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
         {k: tuple(v.shape) for k, v in hf.state_dict().items()}
@@ -64,13 +42,13 @@ def test_layer_has_the_checkpoint_norms(checkpoints):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_logits_match_transformers(checkpoints, case, attn):
     folder, hf = checkpoints[case]
-    assert _max_diff(_load(folder, attn_implementation=attn), hf, *_batch()) < 1e-4
+    assert max_logit_diff(load(folder, attn_implementation=attn), hf, *left_padded()) < 1e-4
 
 
 def test_bfloat16_rounds_like_transformers(checkpoints):
     # OLMo 2's RMSNorm multiplies by its weight before casting back (llama's casts first)
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder, dtype=torch.bfloat16)
+    ours = load(folder, dtype=torch.bfloat16)
     norm = ours.model.layers[0].post_attention_layernorm
     theirs = copy.deepcopy(hf.model.layers[0].post_attention_layernorm).to(torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
@@ -84,8 +62,8 @@ def test_bfloat16_rounds_like_transformers(checkpoints):
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_greedy_tokens_match_transformers(checkpoints, case, cache):
     folder, hf = checkpoints[case]
-    ours = _load(folder)
-    ids, mask = _batch(seq=10, pad=3)
+    ours = load(folder)
+    ids, mask = left_padded(seq=10, pad=3)
     greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
                   cache_implementation=cache)
     assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
@@ -93,8 +71,8 @@ def test_greedy_tokens_match_transformers(checkpoints, case, cache):
 
 def test_loss_matches_transformers_and_trains(checkpoints):
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder)
-    ids, mask = _batch()
+    ours = load(folder)
+    ids, mask = left_padded()
     labels = ids.masked_fill(mask == 0, -100)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
@@ -112,23 +90,18 @@ def test_transformers_loads_what_we_save(checkpoints, tmp_path):
     import transformers
 
     folder, _ = checkpoints["mha-tied-bias"]
-    ours = _load(folder)
+    ours = load(folder)
     ours.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["Olmo2ForCausalLM"] and "sliding_window" not in saved
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert _max_diff(ours, back, *_batch()) < 1e-5
+    assert max_logit_diff(ours, back, *left_padded()) < 1e-5
 
 
 def test_engine_matches_generate(checkpoints):
     folder, _ = checkpoints["gqa"]
-    model = _load(folder)
-    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-                .tolist() for p in prompts]
-    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                                   num_blocks=16)
-    assert [r.generated_tokens for r in outputs.values()] == expected
+    model = load(folder)
+    assert_engine_matches_generate(model)
 
 
 def test_tensor_parallel_auto_is_refused(checkpoints):
@@ -136,7 +109,7 @@ def test_tensor_parallel_auto_is_refused(checkpoints):
     from gpuformers.tensor_parallel import _resolve_plan
 
     with pytest.raises(NotImplementedError, match='tp_plan="auto" for Olmo2ForCausalLM is not supported'):
-        _resolve_plan(_load(checkpoints["gqa"][0]), "auto")
+        _resolve_plan(load(checkpoints["gqa"][0]), "auto")
 
 
 def test_use_kernels_keeps_logits(checkpoints, monkeypatch):
@@ -149,9 +122,9 @@ def test_use_kernels_keeps_logits(checkpoints, monkeypatch):
     original = mapping._add_rms_norm
     monkeypatch.setattr(mapping, "_add_rms_norm", lambda *a, **k: fused.append(1) or original(*a, **k))
     folder, hf = checkpoints["gqa"]
-    ours = _load(folder, use_kernels=True, device_map=device)
+    ours = load(folder, use_kernels=True, device_map=device)
     assert ours.model.layers[0].self_attn.q_norm.forward.__func__ is mapping._rms_norm_forward
-    ids, mask = _batch()
+    ids, mask = left_padded()
     with torch.no_grad():
         diff = ours(ids.to(device), attention_mask=mask.to(device)).logits.cpu() - hf(ids, attention_mask=mask).logits
     assert diff[mask.bool()].abs().max() < 1e-4

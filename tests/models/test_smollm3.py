@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import make_checkpoint, rewrite_config
+from tests.fixtures.checkpoints import rewrite_config
+from tests.models.parity import (assert_engine_matches_generate, checkpoint_cases, left_padded, load,
+                                 max_logit_diff)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CASES = {
@@ -27,40 +29,17 @@ CASES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model)."""
-    out = {}
-    for name, overrides in CASES.items():
-        folder = tmp_path_factory.mktemp(f"smollm3-{name}")
-        out[name] = (folder, make_checkpoint(folder, "smollm3", **TOKENS, **overrides))
-    return out
-
-
-def _load(folder, **kwargs):
-    from gpuformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs)
-
-
-def _batch(seq=16, pad=4):
-    ids = torch.randint(3, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    ids[1, :pad], mask[1, :pad] = 0, 0  # left padding in the second row
-    return ids, mask
-
-
-def _max_diff(ours, hf, ids, mask):
-    with torch.no_grad():
-        diff = ours(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits
-    return diff[mask.bool()].abs().max().item()
+    return checkpoint_cases(tmp_path_factory, "smollm3", CASES, **TOKENS)
 
 
 def test_rotary_follows_no_rope_layers(checkpoints):
     # transformers' convention: no_rope_layers[i] == 1 means layer i uses rotary
     for name, expected in [("interval-4-tied", [True, True, True, False]), ("explicit-untied", [False, True])]:
         folder, hf = checkpoints[name]
-        ours = _load(folder)
+        ours = load(folder)
         assert [layer.self_attn.use_rope for layer in ours.model.layers] == expected
         assert [bool(layer.self_attn.use_rope) for layer in hf.model.layers] == expected
-    windows = [layer.self_attn.sliding_window for layer in _load(checkpoints["sliding-yarn"][0]).model.layers]
+    windows = [layer.self_attn.sliding_window for layer in load(checkpoints["sliding-yarn"][0]).model.layers]
     assert windows == [None, 5, None]
 
 
@@ -68,9 +47,9 @@ def test_rotary_follows_no_rope_layers(checkpoints):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_logits_match_transformers(checkpoints, case, attn):
     folder, hf = checkpoints[case]
-    ours = _load(folder, attn_implementation=attn)
+    ours = load(folder, attn_implementation=attn)
     assert type(ours).__name__ == "SmolLM3ForCausalLM"
-    assert _max_diff(ours, hf, *_batch()) < 1e-4
+    assert max_logit_diff(ours, hf, *left_padded()) < 1e-4
 
 
 def test_config_without_per_layer_lists(checkpoints, tmp_path):
@@ -80,10 +59,10 @@ def test_config_without_per_layer_lists(checkpoints, tmp_path):
     folder, hf = checkpoints["sliding-yarn"]
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
     rewrite_config(tmp_path, no_rope_layers=None, layer_types=None)
-    ours = _load(tmp_path)
+    ours = load(tmp_path)
     assert ours.config.extra["no_rope_layers"] == [1, 0, 1]
     assert ours.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
-    assert _max_diff(ours, hf, *_batch()) < 1e-4
+    assert max_logit_diff(ours, hf, *left_padded()) < 1e-4
 
 
 def test_bad_no_rope_layers_is_an_error(checkpoints, tmp_path):
@@ -92,15 +71,15 @@ def test_bad_no_rope_layers_is_an_error(checkpoints, tmp_path):
     shutil.copytree(checkpoints["explicit-untied"][0], tmp_path, dirs_exist_ok=True)
     rewrite_config(tmp_path, no_rope_layers=[1])
     with pytest.raises(ValueError, match="no_rope_layers has 1 entries but num_hidden_layers is 2"):
-        _load(tmp_path)
+        load(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["interval-4-tied", "sliding-yarn"])
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_greedy_tokens_match_transformers(checkpoints, case, cache):
     folder, hf = checkpoints[case]
-    ours = _load(folder)
-    ids, mask = _batch(seq=10, pad=3)
+    ours = load(folder)
+    ids, mask = left_padded(seq=10, pad=3)
     greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
                   cache_implementation=cache)
     assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
@@ -108,8 +87,8 @@ def test_greedy_tokens_match_transformers(checkpoints, case, cache):
 
 def test_loss_matches_transformers_and_trains(checkpoints):
     folder, hf = checkpoints["explicit-untied"]
-    ours = _load(folder)
-    ids, mask = _batch()
+    ours = load(folder)
+    ids, mask = left_padded()
     labels = ids.masked_fill(mask == 0, -100)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
@@ -123,23 +102,19 @@ def test_transformers_loads_what_we_save(checkpoints, tmp_path):
     import transformers
 
     folder, _ = checkpoints["sliding-yarn"]
-    ours = _load(folder)
+    ours = load(folder)
     ours.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["SmolLM3ForCausalLM"] and saved["no_rope_layers"] == [1, 0, 1]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert _max_diff(ours, back, *_batch()) < 1e-5
+    assert max_logit_diff(ours, back, *left_padded()) < 1e-5
 
 
 def test_engine_matches_generate(checkpoints):
     folder, _ = checkpoints["sliding-yarn"]
-    model = _load(folder)
-    prompts = [[5, 9, 23, 42, 17, 3, 99, 12], [7, 64, 100, 3, 8, 2, 77], [11]]  # longer than the window of 5
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-                .tolist() for p in prompts]
-    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                                   num_blocks=16)
-    assert [r.generated_tokens for r in outputs.values()] == expected
+    model = load(folder)
+    # prompts longer than the window of 5
+    assert_engine_matches_generate(model, [[5, 9, 23, 42, 17, 3, 99, 12], [7, 64, 100, 3, 8, 2, 77], [11]])
 
 
 def test_use_kernels_keeps_logits(checkpoints):
@@ -149,8 +124,8 @@ def test_use_kernels_keeps_logits(checkpoints):
     if not kernels_available(device)[0]:
         pytest.skip(f"Triton kernels do not run here ({kernels_available(device)[1]})")
     folder, hf = checkpoints["interval-4-tied"]
-    ours = _load(folder, use_kernels=True, device_map=device)
-    ids, mask = _batch()
+    ours = load(folder, use_kernels=True, device_map=device)
+    ids, mask = left_padded()
     with torch.no_grad():
         diff = ours(ids.to(device), attention_mask=mask.to(device)).logits.cpu() - hf(ids, attention_mask=mask).logits
     assert diff[mask.bool()].abs().max() < 1e-4

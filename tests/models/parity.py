@@ -1,0 +1,49 @@
+"""What the family tests share: tiny checkpoints per named case, our load of them, a left-padded batch, the logit
+difference against transformers, and the engine's greedy tokens against generate()'s."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.fixtures.checkpoints import make_checkpoint
+
+PROMPTS = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
+
+
+def checkpoint_cases(tmp_path_factory, model_type: str, cases: dict[str, dict], **common) -> dict:
+    """case name -> (folder, transformers model): one tiny random checkpoint per case, with `common` settings."""
+    out = {}
+    for name, overrides in cases.items():
+        folder = tmp_path_factory.mktemp(f"{model_type}-{name}")
+        out[name] = (folder, make_checkpoint(folder, model_type, **common, **overrides))
+    return out
+
+
+def load(folder, **kwargs):
+    from gpuformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, progress=False, **kwargs)
+
+
+def left_padded(seq: int = 16, pad: int = 4, vocab: int = 128, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of two rows (2, seq); the second is left-padded with `pad` zeros."""
+    ids = torch.randint(3, vocab, (2, seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :pad], mask[1, :pad] = 0, 0
+    return ids, mask
+
+
+def max_logit_diff(ours, hf, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest |ours - transformers'| logit over the unpadded positions."""
+    with torch.no_grad():
+        diff = ours(ids, attention_mask=mask).logits.float() - hf(ids, attention_mask=mask).logits.float()
+    return diff[mask.bool()].abs().max().item()
+
+
+def assert_engine_matches_generate(model, prompts: list[list[int]] = PROMPTS, max_new_tokens: int = 6) -> None:
+    """generate_batch's greedy tokens (a small paged cache) equal generate()'s for each prompt alone."""
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    outputs = model.generate_batch(prompts, max_new_tokens=max_new_tokens, eos_token_id=None, progress_bar=False,
+                                   block_size=8, num_blocks=16)
+    assert [r.generated_tokens for r in outputs.values()] == expected
