@@ -47,3 +47,23 @@ def assert_engine_matches_generate(model, prompts: list[list[int]] = PROMPTS, ma
     outputs = model.generate_batch(prompts, max_new_tokens=max_new_tokens, eos_token_id=None, progress_bar=False,
                                    block_size=8, num_blocks=16)
     assert [r.generated_tokens for r in outputs.values()] == expected
+
+
+def assert_greedy_matches(ours, hf, cache: str | None = None) -> None:
+    """Greedy generate() on a left-padded batch gives transformers' tokens (`cache`: None or "static")."""
+    ids, mask = left_padded(seq=10, pad=3)
+    greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  cache_implementation=cache)
+    assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
+
+
+def assert_loss_matches_and_trains(ours, hf) -> None:
+    """The loss on a left-padded batch equals transformers', and a training backward runs (the caller checks which
+    gradients its family must have)."""
+    ids, mask = left_padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
+                                   hf(ids, attention_mask=mask, labels=labels).loss, atol=1e-5, rtol=0)
+    ours.train()
+    ours(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.models.parity import assert_engine_matches_generate, checkpoint_cases, left_padded, load
+from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
+                                 checkpoint_cases, left_padded, load)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Multipliers far from 1 (and attention_multiplier far from 1/sqrt(head_dim) = 0.25), so that each one shows.
@@ -65,23 +66,13 @@ def test_training_loss_keeps_logits_scaling(checkpoints):
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_greedy_tokens_match_transformers(checkpoints, case, cache):
     folder, hf = checkpoints[case]
-    ours = load(folder)
-    ids, mask = left_padded(seq=10, pad=3)
-    greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
-                  cache_implementation=cache)
-    assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
+    assert_greedy_matches(load(folder), hf, cache)
 
 
 def test_loss_matches_transformers_and_trains(checkpoints):
     folder, hf = checkpoints["gqa"]
     ours = load(folder)
-    ids, mask = left_padded()
-    labels = ids.masked_fill(mask == 0, -100)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
-                                   hf(ids, attention_mask=mask, labels=labels).loss, atol=1e-5, rtol=0)
-    ours.train()
-    ours(ids, attention_mask=mask, labels=labels).loss.backward()
+    assert_loss_matches_and_trains(ours, hf)
     assert ours.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
     assert ours.model.embed_tokens.weight.grad.abs().sum() > 0
 

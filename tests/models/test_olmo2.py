@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from tests.models.parity import (assert_engine_matches_generate, checkpoint_cases, left_padded, load,
-                                 max_logit_diff)
+from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
+                                 checkpoint_cases, left_padded, load, max_logit_diff)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CASES = {
@@ -62,23 +62,13 @@ def test_bfloat16_rounds_like_transformers(checkpoints):
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_greedy_tokens_match_transformers(checkpoints, case, cache):
     folder, hf = checkpoints[case]
-    ours = load(folder)
-    ids, mask = left_padded(seq=10, pad=3)
-    greedy = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
-                  cache_implementation=cache)
-    assert torch.equal(ours.generate(ids, **greedy), hf.generate(ids, **greedy))
+    assert_greedy_matches(load(folder), hf, cache)
 
 
 def test_loss_matches_transformers_and_trains(checkpoints):
     folder, hf = checkpoints["gqa"]
     ours = load(folder)
-    ids, mask = left_padded()
-    labels = ids.masked_fill(mask == 0, -100)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids, attention_mask=mask, labels=labels).loss,
-                                   hf(ids, attention_mask=mask, labels=labels).loss, atol=1e-5, rtol=0)
-    ours.train()
-    ours(ids, attention_mask=mask, labels=labels).loss.backward()
+    assert_loss_matches_and_trains(ours, hf)
     layer = ours.model.layers[0]
     for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_feedforward_layernorm):
         assert norm.weight.grad.abs().sum() > 0
