@@ -26,14 +26,16 @@ use_kernels=True: Gemma's norm and MLP are not llama's, so the RMSNorm / SwiGLU 
 (no kernel_layer_name, no fused residual add); rotary's kernel is. A final soft-cap keeps training off the fused LM-head +
 loss paths, which would skip it (logits_are_head_output). tp_plan="auto" takes the llama plan, which fits.
 
-Offers: GemmaRMSNorm, GemmaMLP, GemmaDecoderLayer, Gemma2Attention, Gemma2DecoderLayer, Gemma3Attention,
-Gemma3DecoderLayer, LayerTypeRotaryEmbedding, GemmaModel, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM.
+Offers: GemmaConfig, Gemma2Config, Gemma3TextConfig, GemmaRMSNorm, GemmaMLP, GemmaDecoderLayer, Gemma2Attention,
+Gemma2DecoderLayer, Gemma3Attention, Gemma3DecoderLayer, LayerTypeRotaryEmbedding, GemmaModel, GemmaForCausalLM,
+Gemma2ForCausalLM, Gemma3ForCausalLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,122 @@ from gpuformers.layers.rotary import RotaryEmbedding
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from gpuformers.models.modeling import plain_calls
+
+
+class GemmaConfig(ModelConfig):
+    """Gemma's defaults and the fields that change its numbers, as transformers reads them: the MLP's activation
+    (hidden_act; its original releases say "gelu", meaning the tanh approximation) and, refused, the bidirectional
+    variant (EmbeddingGemma), which is not a causal LM. Every layer attends globally."""
+
+    family_defaults = {"gemma": {"vocab_size": 256000, "max_position_embeddings": 8192, "num_key_value_heads": 16,
+                                 "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "pad_token_id": 0,
+                                 "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True}}
+    activation_field: ClassVar[str] = "hidden_act"  # where config.json names the MLP's activation
+    # ModelConfig fields that transformers' config class does not have, left out of to_dict.
+    absent_fields: ClassVar[tuple[str, ...]] = ("use_sliding_window", "max_window_layers", "sliding_window",
+                                                "layer_types")
+
+    @property
+    def mlp_activation(self) -> str:
+        return self.hidden_act
+
+    def _check_family(self) -> None:
+        if self.hidden_act == "gelu":
+            self.hidden_act = "gelu_pytorch_tanh"
+        self._check_gemma()
+
+    def _check_gemma(self) -> None:
+        activation = self.mlp_activation
+        if activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise NotImplementedError(f"{self.activation_field} {activation!r} is not supported for "
+                                      f"{self.model_type}; supported: gelu_pytorch_tanh, gelu")
+        if self.extra.get("use_bidirectional_attention"):
+            raise NotImplementedError(f"use_bidirectional_attention=True ({self.model_type}, as in EmbeddingGemma) is "
+                                      f"not supported: gpuformers runs causal LMs; set it to false or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in self.absent_fields:
+            out.pop(key)
+        return out
+
+
+class Gemma2Config(GemmaConfig):
+    """Gemma's, with the MLP's activation in hidden_activation, query_pre_attn_scalar and the soft-caps (all in
+    `extra`), and sliding-window layers between global ones: every other layer slides."""
+
+    family_defaults = {"gemma2": {"vocab_size": 256000, "max_position_embeddings": 8192, "num_key_value_heads": 4,
+                                  "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+                                  "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1,
+                                  "bos_token_id": 2, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                                  "sliding_window": 4096, "final_logit_softcapping": 30.0,
+                                  "attn_logit_softcapping": 50.0}}
+    activation_field = "hidden_activation"
+    absent_fields = ("use_sliding_window", "max_window_layers")
+
+    @property
+    def mlp_activation(self) -> str:
+        return self.extra["hidden_activation"]
+
+    @property
+    def sliding_window_pattern(self) -> int:
+        """One layer in this many attends globally (the last of each group); the others slide."""
+        return 2
+
+    def _check_family(self) -> None:
+        self._check_gemma()  # hidden_act is not read here, so a "gelu" stays as written
+
+    def _fill_layer_types(self) -> None:
+        if self.layer_types is None:
+            every = self.sliding_window_pattern
+            self.layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+
+
+class Gemma3TextConfig(Gemma2Config):
+    """Gemma 2's, with five sliding layers in every six (sliding_window_pattern), no soft-caps by default, and one
+    rope per layer type: rope_parameters for the global layers, the default rope at rope_local_base_freq (in `extra`)
+    for the sliding ones."""
+
+    family_defaults = {"gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072,
+                                       "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+                                       "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0,
+                                       "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+                                       "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                                       "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                                       "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                       "sliding_window_pattern": 6}}
+
+    @property
+    def sliding_window_pattern(self) -> int:
+        return self.extra["sliding_window_pattern"]
+
+    @classmethod
+    def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """transformers 5 writes rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}; older
+        config.json files rope_theta and rope_scaling for the full-attention layers and rope_local_base_freq for the
+        sliding ones. Either way -> rope_parameters: the full-attention layers' rope (checked as every family's),
+        rope_local_base_freq: the sliding layers' base (their rope is the default one)."""
+        data = super()._prepare_dict(data)
+        rope = data.get("rope_parameters")
+        if isinstance(rope, dict) and {"full_attention", "sliding_attention"} & set(rope):
+            sliding = rope.get("sliding_attention") or {}
+            if sliding.get("rope_type", "default") != "default":
+                raise NotImplementedError(f"Gemma 3 sliding-attention layers with rope_type {sliding['rope_type']!r} "
+                                          f"are not supported; only the default rope (rope_theta) is")
+            data["rope_parameters"] = dict(rope.get("full_attention") or {})
+            if "rope_theta" in sliding:
+                data["rope_local_base_freq"] = sliding["rope_theta"]
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["rope_parameters"] = {  # transformers 5 reads one rope per layer type
+            "full_attention": dict(self.rope_parameters),
+            "sliding_attention": {"rope_type": "default", "rope_theta": self.extra["rope_local_base_freq"]},
+        }
+        return out
+
 
 class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), all in float32 and cast back at the end (llama's RMSNorm casts before the weight).
@@ -69,10 +187,9 @@ class GemmaMLP(GatedMLP):
 
     kernel_layer_name = None
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: GemmaConfig):
         super().__init__(config.hidden_size, config.intermediate_size, bias=False)
-        activation = config.hidden_act if config.model_type == "gemma" else config.extra["hidden_activation"]
-        self.approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"  # checked in ModelConfig
+        self.approximate = "tanh" if config.mlp_activation == "gelu_pytorch_tanh" else "none"  # checked in GemmaConfig
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = plain_calls(self, "gate_proj", "up_proj", "down_proj")
@@ -207,6 +324,7 @@ class GemmaModel(LlamaModel):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    config_class = GemmaConfig
     decoder_model_class = GemmaModel
     decoder_layer_class = GemmaDecoderLayer
     no_split_modules = ("GemmaDecoderLayer",)
@@ -215,6 +333,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
+    config_class = Gemma2Config
     decoder_layer_class = Gemma2DecoderLayer
     no_split_modules = ("Gemma2DecoderLayer",)
 
@@ -249,5 +368,6 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    config_class = Gemma3TextConfig
     decoder_layer_class = Gemma3DecoderLayer
     no_split_modules = ("Gemma3DecoderLayer",)

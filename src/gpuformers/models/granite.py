@@ -10,10 +10,12 @@ The branch is scaled before the residual add, so the add + post-attention norm s
 fused Triton kernel under use_kernels=True sees the already scaled branch). Training never fuses the LM head with the
 loss (logits_are_head_output is False): that would skip the division by logits_scaling.
 
-Offers: GraniteAttention, GraniteDecoderLayer, GraniteModel, GraniteForCausalLM.
+Offers: GraniteConfig, GraniteAttention, GraniteDecoderLayer, GraniteModel, GraniteForCausalLM.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -21,6 +23,20 @@ from gpuformers.layers.norm import add_rms_norm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpuformers.models.modeling import plain_calls
+
+
+class GraniteConfig(ModelConfig):
+    """The four scalars, in `extra`, with their defaults; no sliding window."""
+
+    family_defaults = {"granite": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048,
+                                   "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
+                                   "attention_multiplier": 1.0}}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
+            out.pop(key)  # fields transformers' GraniteConfig does not have
+        return out
 
 
 class GraniteAttention(LlamaAttention):
@@ -62,6 +78,7 @@ class GraniteModel(LlamaModel):
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
+    config_class = GraniteConfig
     decoder_model_class = GraniteModel
     decoder_layer_class = GraniteDecoderLayer
     no_split_modules = ("GraniteDecoderLayer",)

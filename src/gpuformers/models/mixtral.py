@@ -17,10 +17,12 @@ A checkpoint written with transformers' save_pretrained(save_original_format=Fal
 (mlp.experts.gate_up_proj); loading it fails on the missing block_sparse_moe keys: save it with transformers'
 default instead.
 
-Offers: MixtralExpert, MixtralSparseMoeBlock, MixtralDecoderLayer, MixtralForCausalLM, MIXTRAL_TP_PLAN.
+Offers: MixtralConfig, MixtralExpert, MixtralSparseMoeBlock, MixtralDecoderLayer, MixtralForCausalLM, MIXTRAL_TP_PLAN.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,31 @@ from gpuformers.models.llama import LlamaDecoderLayer
 from gpuformers.models.modeling import plain_calls
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
 from gpuformers.tensor_parallel import LLAMA_TP_PLAN
+
+
+class MixtralConfig(ModelConfig):
+    """Mistral's attention (no window unless sliding_window is set) and the MoE fields, in `extra`."""
+
+    family_defaults = {"mixtral": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096 * 32,
+                                   "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8,
+                                   "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
+                                   "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}}
+
+    @classmethod
+    def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
+        data = super()._prepare_dict(data)
+        data["num_experts"] = data["num_local_experts"]  # the MoE forward shared with Qwen3-MoE reads num_experts
+        return data
+
+    def _fill_layer_types(self) -> None:
+        self._slide_every_layer()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in ("use_sliding_window", "max_window_layers", "layer_types"):
+            out.pop(key)
+        out.pop("num_experts")  # read as num_local_experts, its transformers name
+        return out
 
 
 class MixtralExpert(nn.Module):
@@ -109,6 +136,7 @@ MIXTRAL_TP_PLAN = {
 class MixtralForCausalLM(Qwen3MoeForCausalLM):
     """Qwen3-MoE's forward (router logits, aux loss) over Mixtral's decoder layers."""
 
+    config_class = MixtralConfig
     decoder_layer_class = MixtralDecoderLayer
     no_split_modules = ("MixtralDecoderLayer",)
     tp_plan_auto = MIXTRAL_TP_PLAN

@@ -10,10 +10,12 @@ There is no add followed by a norm, so the fused residual-add + RMSNorm is never
 every head, splitting q_proj / k_proj by heads across processes (the llama tensor-parallel plan) would normalise each
 process's heads on their own: tp_plan="auto" is refused until a plan that gathers q and k is written.
 
-Offers: Olmo2RMSNorm, Olmo2Attention, Olmo2DecoderLayer, Olmo2ForCausalLM.
+Offers: Olmo2Config, Olmo2RMSNorm, Olmo2Attention, Olmo2DecoderLayer, Olmo2ForCausalLM.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -21,6 +23,19 @@ from gpuformers.layers.norm import RMSNorm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from gpuformers.models.modeling import plain_calls
+
+
+class Olmo2Config(ModelConfig):
+    """OLMo 2's defaults; no sliding window."""
+
+    family_defaults = {"olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1,
+                                 "eos_token_id": 50279}}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
+            out.pop(key)  # fields transformers' Olmo2Config does not have
+        return out
 
 
 class Olmo2RMSNorm(RMSNorm):
@@ -67,6 +82,7 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
+    config_class = Olmo2Config
     decoder_layer_class = Olmo2DecoderLayer
     no_split_modules = ("Olmo2DecoderLayer",)
     tp_plan_auto = None  # the llama plan splits q_proj / k_proj by heads, which q_norm / k_norm reduce over

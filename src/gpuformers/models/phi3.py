@@ -5,7 +5,7 @@
     partial_rotary_factor < 1 (Phi-4-mini: 0.75): rotary turns the first int(head_dim * factor) dims of each head,
                         the rest pass through
     longrope (Phi-3.5, "su" in old configs): layers/rotary.py; original_max_position_embeddings is read from the
-                        top level of config.json (models/config.py), as transformers' Phi3Config does
+                        top level of config.json (Phi3Config), as transformers' Phi3Config does
     sliding_window      on every layer when set (as Mistral)
     resid_pdrop         dropout on each residual branch, in training only; embd_pdrop is in config.json but no
                         transformers version applies it, and neither do we
@@ -18,11 +18,12 @@ greedy tokens after that point may differ. A prompt already longer than it match
 Not supported: tp_plan="auto" (the llama plan splits q/k/v and gate/up, not the fused layers); use_kernels=True
 leaves the fused MLP in torch (the SwiGLU kernel's adapter reads gate_proj and up_proj) and swaps the rest.
 
-Offers: Phi3MLP, Phi3Attention, Phi3DecoderLayer, Phi3ForCausalLM.
+Offers: Phi3Config, Phi3MLP, Phi3Attention, Phi3DecoderLayer, Phi3ForCausalLM.
 """
 
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,42 @@ from gpuformers.layers.rotary import apply_rotary_pos_emb, rotary_dim
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from gpuformers.models.modeling import plain_calls
+
+
+class Phi3Config(ModelConfig):
+    """Mistral's layer types, partial rotary, and its own rope spelling and to_dict. original_max_position_embeddings
+    (longrope's pretraining length) and the dropouts live in `extra`."""
+
+    family_defaults = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
+                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                                "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0}}
+    partial_rotary = True
+
+    def _fill_layer_types(self) -> None:
+        self._slide_every_layer()
+
+    def _normalise_rope(self, rope: dict[str, Any]) -> None:
+        """As transformers' Phi3Config: "su" and "yarn" are its old names for longrope, only default and longrope
+        exist, and the top-level original_max_position_embeddings (4096 when config.json omits it) wins over
+        rope_parameters'."""
+        if rope["rope_type"] in ("su", "yarn"):
+            rope["rope_type"] = "longrope"
+        if rope["rope_type"] not in ("default", "longrope"):
+            raise ValueError(f"phi3 rope_type {rope['rope_type']!r} is not supported; Phi-3 has default and longrope")
+        if rope["rope_type"] == "longrope":
+            rope["original_max_position_embeddings"] = self.extra.get("original_max_position_embeddings", 4096)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in ("use_sliding_window", "max_window_layers", "layer_types"):
+            out.pop(key)
+        # Phi3Config reads partial_rotary_factor at the top level, and transformers 4.x takes a rope_scaling of
+        # exactly type, short_factor and long_factor.
+        out["partial_rotary_factor"] = self.rope_parameters.get("partial_rotary_factor", 1.0)
+        if self.rope_type == "longrope":
+            out["rope_scaling"] = {"type": "longrope", "short_factor": self.rope_parameters["short_factor"],
+                                   "long_factor": self.rope_parameters["long_factor"]}
+        return out
 
 
 class Phi3MLP(nn.Module):
@@ -109,6 +146,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    config_class = Phi3Config
     decoder_layer_class = Phi3DecoderLayer
     no_split_modules = ("Phi3DecoderLayer",)
     tp_plan_auto = None  # the llama plan names q/k/v and gate/up projections, which Phi-3 fuses

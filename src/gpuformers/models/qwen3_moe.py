@@ -2,7 +2,7 @@
 
 A layer is sparse when num_experts > 0, (layer_idx + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers
 (transformers' rule); the others keep a dense GatedMLP of intermediate_size. The MoE fields come from config.json
-(ModelConfig.extra, with transformers' defaults).
+(ModelConfig.extra, with transformers' defaults: Qwen3MoeConfig).
 
 With output_router_logits=True (config.json or a forward argument) the forward also returns `router_logits` (one
 (batch * seq, experts) tensor per sparse layer, recorded by the routers during that forward only) and `aux_loss`,
@@ -10,10 +10,12 @@ the Switch-Transformer load-balancing loss over them (padding excluded via atten
 loss is LM loss + router_aux_loss_coef * aux_loss, as in transformers; the chunked LM-head loss of the Trainer
 included. Forwards without it (inference, generate's cached steps, the engine) record nothing.
 
-Offers: Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM.
+Offers: Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -23,6 +25,22 @@ from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
 from gpuformers.models.outputs import MoeCausalLMOutput
 from gpuformers.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+
+
+class Qwen3MoeConfig(ModelConfig):
+    """Qwen3's config (q/k norm, its sliding-window rule) with the MoE fields, in `extra`; head_dim defaults to
+    hidden_size / heads."""
+
+    family_defaults = {"qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
+                                     "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                                     "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                                     "router_aux_loss_coef": 0.001}}
+
+    @classmethod
+    def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if "num_local_experts" in data:  # transformers 5 writes num_experts under this name
+            data.setdefault("num_experts", data["num_local_experts"])
+        return super()._prepare_dict(data)
 
 
 def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -43,6 +61,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    config_class = Qwen3MoeConfig
     decoder_layer_class = Qwen3MoeDecoderLayer
     no_split_modules = ("Qwen3MoeDecoderLayer",)
 

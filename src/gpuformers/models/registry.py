@@ -1,46 +1,57 @@
-"""HF `architectures` / `model_type` strings -> our model classes, imported only when asked for.
+"""HF `model_type` / `architectures` strings -> our model and config classes, imported only when asked for.
 
-Offers: model_class_for, SUPPORTED_ARCHITECTURES.
+One row per model_type: the class of its architecture (also what a config.json without `architectures` means) and
+the class that reads its config.json. The llama-family core reads into ModelConfig itself; a family with its own
+config class keeps it beside its model, so reading such a config imports that model file, and nothing else does.
+
+Offers: model_class_for, config_class_for, default_architecture, MODEL_TYPES, SUPPORTED_ARCHITECTURES.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from gpuformers.models.config import ModelConfig
+if TYPE_CHECKING:  # config.py imports this table: the names stay strings until a class is asked for
+    from gpuformers.models.config import ModelConfig
 
-# architecture name -> "module:Class"
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "gpuformers.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "gpuformers.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "gpuformers.models.llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "gpuformers.models.qwen3:Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM": "gpuformers.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "GemmaForCausalLM": "gpuformers.models.gemma:GemmaForCausalLM",
-    "Gemma2ForCausalLM": "gpuformers.models.gemma:Gemma2ForCausalLM",
-    "Gemma3ForCausalLM": "gpuformers.models.gemma:Gemma3ForCausalLM",
-    "MixtralForCausalLM": "gpuformers.models.mixtral:MixtralForCausalLM",
-    "SmolLM3ForCausalLM": "gpuformers.models.smollm3:SmolLM3ForCausalLM",
-    "GraniteForCausalLM": "gpuformers.models.granite:GraniteForCausalLM",
-    "Olmo2ForCausalLM": "gpuformers.models.olmo2:Olmo2ForCausalLM",
-    "Phi3ForCausalLM": "gpuformers.models.phi3:Phi3ForCausalLM",
+_CORE = "gpuformers.models.config:ModelConfig"
+
+# model_type -> ("module:model class", "module:config class"); the model class's name is the HF architecture.
+MODEL_TYPES = {
+    "llama": ("gpuformers.models.llama:LlamaForCausalLM", _CORE),
+    "mistral": ("gpuformers.models.llama:MistralForCausalLM", _CORE),
+    "qwen2": ("gpuformers.models.llama:Qwen2ForCausalLM", _CORE),
+    "qwen3": ("gpuformers.models.qwen3:Qwen3ForCausalLM", _CORE),
+    "qwen3_moe": ("gpuformers.models.qwen3_moe:Qwen3MoeForCausalLM", "gpuformers.models.qwen3_moe:Qwen3MoeConfig"),
+    "smollm3": ("gpuformers.models.smollm3:SmolLM3ForCausalLM", "gpuformers.models.smollm3:SmolLM3Config"),
+    "granite": ("gpuformers.models.granite:GraniteForCausalLM", "gpuformers.models.granite:GraniteConfig"),
+    "olmo2": ("gpuformers.models.olmo2:Olmo2ForCausalLM", "gpuformers.models.olmo2:Olmo2Config"),
+    "mixtral": ("gpuformers.models.mixtral:MixtralForCausalLM", "gpuformers.models.mixtral:MixtralConfig"),
+    "phi3": ("gpuformers.models.phi3:Phi3ForCausalLM", "gpuformers.models.phi3:Phi3Config"),
+    "gemma": ("gpuformers.models.gemma:GemmaForCausalLM", "gpuformers.models.gemma:GemmaConfig"),
+    "gemma2": ("gpuformers.models.gemma:Gemma2ForCausalLM", "gpuformers.models.gemma:Gemma2Config"),
+    "gemma3_text": ("gpuformers.models.gemma:Gemma3ForCausalLM", "gpuformers.models.gemma:Gemma3TextConfig"),
 }
 
-_MODEL_TYPE = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "GemmaForCausalLM": "gemma",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "MixtralForCausalLM": "mixtral",
-    "SmolLM3ForCausalLM": "smollm3",
-    "GraniteForCausalLM": "granite",
-    "Olmo2ForCausalLM": "olmo2",
-    "Phi3ForCausalLM": "phi3",
-}
+# architecture name -> "module:Class", and the model_type each one belongs to
+SUPPORTED_ARCHITECTURES = {model.split(":")[1]: model for model, _ in MODEL_TYPES.values()}
+_MODEL_TYPE = {model.split(":")[1]: model_type for model_type, (model, _) in MODEL_TYPES.items()}
+
+
+def _import(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def default_architecture(model_type: str) -> str:
+    """The architecture a config.json of this model_type means when it has no `architectures`."""
+    return MODEL_TYPES[model_type][0].split(":")[1]
+
+
+def config_class_for(model_type: str) -> type[ModelConfig]:
+    """The class that reads a config.json of this (supported) model_type."""
+    return _import(MODEL_TYPES[model_type][1])
 
 
 def model_class_for(config: ModelConfig):
@@ -57,5 +68,4 @@ def model_class_for(config: ModelConfig):
             f"config.json says model_type {config.model_type!r} but architecture {architecture!r}, which is a "
             f"{expected!r} model; fix one of them"
         )
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    return _import(target)

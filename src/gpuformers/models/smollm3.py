@@ -1,16 +1,50 @@
 """SmolLM3 = the llama decoder with rotary left out on some layers (NoPE). Only that difference lives here.
 
 config.json's `no_rope_layers` holds one flag per layer, in transformers' convention: 1 = the layer rotates q and k,
-0 = a NoPE layer that attends without positions (by default every fourth layer; ModelConfig fills the list in, and
-with use_sliding_window those NoPE layers are the sliding-window ones).
+0 = a NoPE layer that attends without positions (by default every fourth layer; SmolLM3Config fills the list in,
+and with use_sliding_window those NoPE layers are the sliding-window ones).
 
-Offers: SmolLM3Attention, SmolLM3DecoderLayer, SmolLM3ForCausalLM.
+Offers: SmolLM3Config, SmolLM3Attention, SmolLM3DecoderLayer, SmolLM3ForCausalLM.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class SmolLM3Config(ModelConfig):
+    """no_rope_layers (in `extra`) filled in from no_rope_layer_interval, and the layer types that follow from it."""
+
+    family_defaults = {"smollm3": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
+                                   "rope_theta": 2000000.0, "tie_word_embeddings": True, "bos_token_id": 128000,
+                                   "eos_token_id": 128001, "pad_token_id": 128004, "no_rope_layer_interval": 4}}
+
+    def _fill_layer_types(self) -> None:
+        """As transformers does: a NoPE layer every no_rope_layer_interval layers unless no_rope_layers says
+        otherwise, and with use_sliding_window the NoPE layers are the sliding ones."""
+        rope_layers = self.extra.get("no_rope_layers")
+        if rope_layers is None:
+            interval = self.extra["no_rope_layer_interval"]
+            rope_layers = [int((i + 1) % interval != 0) for i in range(self.num_hidden_layers)]
+            self.extra["no_rope_layers"] = rope_layers
+        if len(rope_layers) < self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(rope_layers)} entries but num_hidden_layers is "
+                             f"{self.num_hidden_layers}; give one 0/1 per layer (1 = the layer uses rotary)")
+        if self.layer_types is None:
+            slide = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = ["sliding_attention" if slide and not rope_layers[i] else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        # transformers' masks slide on every "sliding_attention" layer, whatever use_sliding_window says.
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is null; set sliding_window")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("max_window_layers")
+        return out
 
 
 class SmolLM3Attention(LlamaAttention):
@@ -30,5 +64,6 @@ class SmolLM3DecoderLayer(LlamaDecoderLayer):
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
+    config_class = SmolLM3Config
     decoder_layer_class = SmolLM3DecoderLayer
     no_split_modules = ("SmolLM3DecoderLayer",)
