@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpuformers.engine.block_manager import BlockManager
-from gpuformers.engine.manager import ContinuousBatchingConfig
+from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.engine.scheduler import Scheduler
 from gpuformers.engine.sequence import PLACEHOLDER, RequestStatus, SamplingParams, Sequence
 from tests.engine.test_engine import (NEW_TOKENS, assert_matches_under_preemption, greedy_reference, make_prompts,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuformers.engine.manager import ContinuousBatchingConfig, ContinuousBatchingManager
+from gpuformers.engine.config import ContinuousBatchingConfig
+from gpuformers.engine.manager import ContinuousBatchingManager
 from gpuformers.engine.sequence import RequestStatus
 
 NEW_TOKENS = 10

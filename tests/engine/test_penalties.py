@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpuformers.engine import sampler
-from gpuformers.engine.manager import ContinuousBatchingConfig, sampling_params_from
+from gpuformers.engine.config import ContinuousBatchingConfig, sampling_params_from
 from gpuformers.engine.sequence import RequestStatus, SamplingParams
 from tests.engine.test_engine import make_prompts, tiny_model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuformers.engine.manager import ContinuousBatchingConfig
+from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.engine.sequence import RequestStatus, SamplingParams
 from tests.engine.test_engine import greedy_reference, make_prompts, tiny_model
 

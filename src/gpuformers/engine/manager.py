@@ -1,4 +1,4 @@
-"""The continuous batching engine: its settings, its outputs, and the manager that runs the engine loop.
+"""The continuous batching engine: the manager that runs the engine loop, and its outputs (its settings: config.py).
 
     add_request ─> inbox ─> Scheduler.schedule ─> ModelRunner.launch / .collect ─> Scheduler.complete ─> outputs
                                  ^                                                        │
@@ -17,96 +17,27 @@ The host work of a step (scheduling, building inputs, publishing outputs) then h
 takes requests at any time; `generate_batch` runs the same loop in the caller's thread until every request is done.
 Names follow transformers: init_continuous_batching, add_request(s), cancel_request, get_result, request_id_iter.
 
-Offers: ContinuousBatchingConfig, GenerationOutput, ContinuousBatchingManager.
+Offers: GenerationOutput, ContinuousBatchingManager.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
 from gpuformers.engine.block_manager import BlockManager
-from gpuformers.engine.model_runner import LaunchedStep, ModelRunner, kv_bytes_per_block
-from gpuformers.engine.scheduler import SCHEDULER_TYPES, ScheduledBatch, Scheduler
-from gpuformers.engine.sequence import RequestStatus, SamplingParams, Sequence
+from gpuformers.engine.config import ContinuousBatchingConfig, check_honoured, free_memory, sampling_params_from
+from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
+from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
+from gpuformers.engine.sequence import RequestStatus, Sequence
 from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
-
-_CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
-
-
-@dataclass
-class ContinuousBatchingConfig:
-    """Engine settings; None means decided from the device at start-up (see `resolve`)."""
-
-    block_size: int | None = None  # tokens per block: 256 on a GPU, 64 on the CPU; any power of two
-    num_blocks: int | None = None  # default: from free memory times max_memory_percent
-    max_batch_tokens: int | None = None  # tokens computed per step (decodes + prefill chunks)
-    max_memory_percent: float = 0.9
-    max_requests_per_batch: int | None = None
-    allow_block_sharing: bool = True  # prefix caching
-    use_async_batching: bool | None = None  # default: on with CUDA (True on the CPU works, with nothing to overlap)
-    use_cuda_graph: bool | None = None
-    scheduler_type: str = "fifo"
-    return_logprobs: bool = False
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(f"scheduler_type {self.scheduler_type!r} is not one of: {', '.join(SCHEDULER_TYPES)}")
-        if not 0 < self.max_memory_percent <= 1:
-            raise ValueError(f"max_memory_percent={self.max_memory_percent} must be in (0, 1]")
-        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive int (or None for automatic)")
-        if self.block_size is not None and self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size} must be a power of two (16, 32, ..., 256)")
-
-    def resolve(self, model) -> "ContinuousBatchingConfig":
-        """A copy with every automatic setting decided for this model on its device."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        cuda = model.device.type == "cuda"
-        values["block_size"] = self.block_size or (256 if cuda else 64)
-        tp_size = getattr(model, "tp_size", 1)
-        if self.num_blocks is None:
-            per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size)
-            values["num_blocks"] = max(1, int(_free_memory(model.device) * self.max_memory_percent) // per_block)
-            if tp_size > 1:  # every process must schedule (and preempt) alike: the smallest cache of them all
-                from gpuformers.distributed import all_reduce_min
-
-                values["num_blocks"] = all_reduce_min(values["num_blocks"], model.device)
-        values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
-        values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
-        if self.use_cuda_graph and not cuda:
-            raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
-        if self.use_cuda_graph and tp_size > 1:
-            raise NotImplementedError("CUDA graphs with tensor parallelism (collectives inside a captured graph) are "
-                                      "not supported yet; leave use_cuda_graph None (off under tp_plan)")
-        values["use_cuda_graph"] = (cuda and tp_size == 1) if self.use_cuda_graph is None else self.use_cuda_graph
-        # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
-        values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
-        return ContinuousBatchingConfig(**values)
-
-
-def _free_memory(device: torch.device, cap: bool = True) -> int:
-    """Free bytes on `device`; on the CPU at most _CPU_CACHE_CAP when `cap` (what the KV cache may be sized from)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = _CPU_CACHE_CAP
-    return min(available, _CPU_CACHE_CAP) if cap else available
-
 
 @dataclass
 class GenerationOutput:
@@ -129,80 +60,6 @@ class GenerationOutput:
 
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-
-
-# GenerationConfig fields that change generate()'s tokens and that the engine does not implement, each with the test
-# of "set so that it matters" (generate()'s own: build_logits_processors, beam search, stopping criteria). Fields
-# left out are honoured (SamplingParams), inert here (beam-only length_penalty and early_stopping, assistant
-# settings, pad and bos ids, return_dict_in_generate) or change speed only (use_cache, cache_implementation,
-# compile_config, prompt_lookup_num_tokens, which gives the same tokens).
-_UNHONOURED = {
-    "num_beams": lambda c: c.num_beams > 1,
-    "num_return_sequences": lambda c: c.num_return_sequences > 1,
-    "no_repeat_ngram_size": lambda c: c.no_repeat_ngram_size > 0,
-    "bad_words_ids": lambda c: c.bad_words_ids is not None,
-    "forced_bos_token_id": lambda c: c.forced_bos_token_id is not None,
-    "forced_eos_token_id": lambda c: c.forced_eos_token_id is not None,
-    "suppress_tokens": lambda c: c.suppress_tokens is not None,
-    "begin_suppress_tokens": lambda c: c.begin_suppress_tokens is not None,
-    "remove_invalid_values": lambda c: c.remove_invalid_values,
-    "typical_p": lambda c: c.do_sample and c.typical_p < 1.0,
-    "epsilon_cutoff": lambda c: c.do_sample and 0.0 < c.epsilon_cutoff < 1.0,
-    "eta_cutoff": lambda c: c.do_sample and 0.0 < c.eta_cutoff < 1.0,
-    "stop_strings": lambda c: c.stop_strings is not None,
-    "max_time": lambda c: c.max_time is not None,
-    "output_scores": lambda c: c.output_scores,
-    "output_logits": lambda c: c.output_logits,
-    "output_attentions": lambda c: c.output_attentions,
-    "output_hidden_states": lambda c: c.output_hidden_states,
-}
-
-
-def unhonoured_fields(generation_config) -> list[str]:
-    """The fields of `generation_config` that would change generate()'s tokens and that the engine does not
-    implement (see _UNHONOURED)."""
-    return [name for name, matters in _UNHONOURED.items() if matters(generation_config)]
-
-
-def check_honoured(generation_config) -> None:
-    """Raise NotImplementedError naming each field of `generation_config` the engine would not honour."""
-    unhonoured = [f"{name}={getattr(generation_config, name)!r}" for name in unhonoured_fields(generation_config)]
-    if unhonoured:
-        raise NotImplementedError(
-            f"the continuous batching engine does not implement generation config field(s) {', '.join(unhonoured)}; "
-            f"leave them at their defaults, or use model.generate() (per-token scores: return_logprobs=True; "
-            f"stop strings: stop=[token ids])")
-
-
-def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig, prompt_length: int,
-                         **overrides) -> SamplingParams:
-    """Per-request SamplingParams: the generation config's values, then this request's overrides. Raises
-    NotImplementedError naming the generation config's fields that would change the tokens and that the engine
-    does not implement (check_honoured)."""
-    config = generation_config
-    check_honoured(config)
-    max_new = overrides.pop("max_new_tokens", None)
-    if max_new is None:
-        max_new = config.max_length_for(prompt_length) - prompt_length
-    values = dict(
-        max_new_tokens=max_new,
-        do_sample=config.do_sample,
-        temperature=config.temperature,
-        top_k=config.top_k or 0,
-        top_p=config.top_p,
-        min_p=config.min_p or 0.0,
-        repetition_penalty=config.repetition_penalty,
-        min_new_tokens=max(0, config.min_length_for(prompt_length) - prompt_length),  # min_length counts the prompt
-        eos_token_ids=tuple(config.eos_token_ids),
-        seed=cb_config.seed,
-        return_logprobs=cb_config.return_logprobs,
-    )
-    unknown = set(overrides) - {f.name for f in fields(SamplingParams)}
-    if unknown:
-        raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(f.name for f in fields(SamplingParams))}")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return SamplingParams(**values)
 
 
 class ContinuousBatchingManager:
@@ -255,7 +112,7 @@ class ContinuousBatchingManager:
         cfg = self.config
         return (f"weights {format_size(weights)}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks of "
                 f"{cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
-                f"{format_size(_free_memory(self.model.device, cap=False))} free on {self.model.device}")
+                f"{format_size(free_memory(self.model.device, cap=False))} free on {self.model.device}")
 
     # --- the engine -------------------------------------------------------------------------------------------
 

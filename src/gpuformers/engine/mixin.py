@@ -20,7 +20,7 @@ for _name in ("paged|sdpa", "paged|eager"):
 
 def _split_kwargs(kwargs: dict):
     """Route keyword arguments: ContinuousBatchingConfig fields to it, the rest to GenerationConfig."""
-    from gpuformers.engine.manager import ContinuousBatchingConfig
+    from gpuformers.engine.config import ContinuousBatchingConfig
 
     names = {f.name for f in fields(ContinuousBatchingConfig)}
     engine = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
@@ -33,7 +33,8 @@ class ContinuousBatchingMixin:
 
         kwargs: ContinuousBatchingConfig fields (block_size=, num_blocks=, max_batch_tokens=, ...) and
         GenerationConfig fields (max_new_tokens=, do_sample=, temperature=, ...)."""
-        from gpuformers.engine.manager import ContinuousBatchingConfig, ContinuousBatchingManager
+        from gpuformers.engine.config import ContinuousBatchingConfig
+        from gpuformers.engine.manager import ContinuousBatchingManager
         from gpuformers.generation.config import GenerationConfig
 
         engine, generation = _split_kwargs(dict(kwargs))

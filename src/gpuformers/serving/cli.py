@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size not in (None, processes):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {processes} "
                          f"processes: they must be equal (or leave --tensor-parallel-size out)")
-    from gpuformers.engine.manager import ContinuousBatchingConfig
+    from gpuformers.engine.config import ContinuousBatchingConfig
     from gpuformers.generation.cli import load_model_and_tokenizer
     from gpuformers.serving.server import run_server
 
@@ -160,7 +160,7 @@ def _follow(manager) -> NoReturn:
 
 def _drop_unhonoured_defaults(model) -> None:
     """Reset the fields of the model's generation config that the engine cannot honour, saying which."""
-    from gpuformers.engine.manager import unhonoured_fields
+    from gpuformers.engine.config import unhonoured_fields
     from gpuformers.generation.config import GenerationConfig
 
     config = model.generation_config
