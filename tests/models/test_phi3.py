@@ -1,6 +1,8 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini against transformers on tiny random checkpoints: logits (fused qkv and gate_up,
 partial rotary, longrope short and long, sliding window, tied embeddings), greedy tokens with dynamic and static
-caches, loss and backward, saving both ways, the engine, use_kernels, and what is refused (tp_plan="auto")."""
+caches, generation past longrope's original_max_position_embeddings (cache recomputed as transformers does; not for
+Llama), loss and backward, saving both ways, the engine, use_kernels, and what is refused (tp_plan="auto", assisted
+generation across that length)."""
 
 from __future__ import annotations
 
@@ -214,3 +216,84 @@ def test_config_spellings():
         ModelConfig.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
     with pytest.raises(ValueError, match="long_factor must have rotary_dim/2 = 6 entries, got 8"):
         ModelConfig.from_dict({**base, "partial_rotary_factor": 0.75, "rope_scaling": {"type": "longrope", **factors}})
+
+
+# --- longrope crossing original_max_position_embeddings during generate() ---------------------------------------
+# transformers' Phi3ForCausalLM.prepare_inputs_for_generation drops the cache once the padded sequence reaches
+# original_max_position_embeddings + 1 tokens and recomputes it all with the long factors; generate() asks
+# cache_must_be_rebuilt and does the same. phi4-mini: original 12, so with an 8-token prompt the forward that takes
+# the 5th new token (13 tokens) recomputes, and the 6th score on is computed with the long factors.
+
+CROSSING = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                output_scores=True)
+
+
+def _assert_same_generation(mine, theirs):
+    assert torch.equal(mine.sequences, theirs.sequences)
+    for step, (a, b) in enumerate(zip(mine.scores, theirs.scores, strict=True)):
+        assert (a - b).abs().max() < 1e-5, f"scores differ at new token {step}"
+
+
+@pytest.mark.parametrize("search", [dict(), dict(num_beams=3, num_return_sequences=2)], ids=["greedy", "beam"])
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generate_past_original_length_matches_transformers(checkpoints, cache, search):
+    folder, hf = checkpoints["phi4-mini"]
+    ours = _load(folder)
+    ids, mask = _batch(seq=8, pad=3)  # the crossing is decided by the padded length, as in transformers
+    kwargs = dict(attention_mask=mask, cache_implementation=cache, **search, **CROSSING)
+    with torch.no_grad():
+        mine, theirs = ours.generate(ids, **kwargs), hf.generate(ids, **kwargs)
+    _assert_same_generation(mine, theirs)
+    if cache is None and not search:  # the prompt does cross: keeping the short-factor keys changes the scores
+        ours.cache_must_be_rebuilt = lambda past_length, length: False
+        kept = ours.generate(ids, **kwargs).scores
+        assert all(torch.equal(a, b) for a, b in zip(kept[:5], mine.scores[:5]))
+        assert (kept[5] - mine.scores[5]).abs().max() > 1e-4
+
+
+def test_continuing_a_short_cache_past_original_length_matches_transformers(checkpoints):
+    """A cache passed in that stops below original_max_position_embeddings, with a prompt that goes past it: the
+    cached tokens are recomputed as well."""
+    folder, hf = checkpoints["phi4-mini"]
+    ours = _load(folder)
+    ids = _batch(seq=8)[0][:1]
+    kwargs = dict(CROSSING, max_new_tokens=3)
+    with torch.no_grad():
+        mine, theirs = ours.generate(ids, **kwargs), hf.generate(ids, **kwargs)
+        assert mine.past_key_values.get_seq_length() == 10  # 8 + 3 - 1: below 12
+        longer = torch.cat([mine.sequences, torch.tensor([[5, 6, 7, 8]])], dim=1)  # 15 tokens
+        _assert_same_generation(ours.generate(longer, past_key_values=mine.past_key_values, **kwargs),
+                                hf.generate(longer, cache=theirs.past_key_values, **kwargs))
+
+
+def test_cache_rebuild_is_asked_only_of_longrope(checkpoints):
+    phi4 = _load(checkpoints["phi4-mini"][0])
+    assert [phi4.cache_must_be_rebuilt(n - 1, n) for n in (12, 13, 14)] == [False, True, False]
+    assert phi4.cache_must_be_rebuilt(0, 20) and not phi4.cache_must_be_rebuilt(13, 20)
+    assert not _load(checkpoints["mha"][0]).cache_must_be_rebuilt(4095, 4096 + 1)  # default rope: same keys
+
+
+def test_assisted_generation_refuses_to_cross_original_length(checkpoints):
+    folder, _ = checkpoints["phi4-mini"]
+    ours = _load(folder)
+    ids = _batch(seq=8)[0][:1]
+    greedy = dict(do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=2)
+    with pytest.raises(NotImplementedError, match="assisted generation cannot take model Phi3ForCausalLM from 8 to "
+                                                  "18 tokens: on the way its cache must be recomputed"):
+        ours.generate(ids, max_new_tokens=10, **greedy)
+    assert torch.equal(ours.generate(ids, max_new_tokens=4, **greedy),  # ends at 12 tokens: nothing to rebuild
+                       ours.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None))
+
+
+def test_llama_longrope_keeps_its_cache_as_transformers(tmp_path):
+    """transformers recomputes for Phi-3 only: a Llama config with longrope keeps its short-factor keys there,
+    and here."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 12,
+            "short_factor": [1.0 + i / 16 for i in range(8)], "long_factor": [1.0 + i / 4 for i in range(8)]}
+    hf = make_checkpoint(tmp_path, "llama", **IDS, max_position_embeddings=64, rope_parameters=rope)
+    ours = _load(tmp_path)
+    assert not ours.cache_must_be_rebuilt(12, 13)
+    ids, mask = _batch(seq=8, pad=3)
+    with torch.no_grad():
+        _assert_same_generation(ours.generate(ids, attention_mask=mask, **CROSSING),
+                                hf.generate(ids, attention_mask=mask, **CROSSING))

@@ -135,8 +135,7 @@ def beam_search(model, input_ids, step_inputs: _StepInputs, forward, config, pro
         if length >= max_length or not bool(can_improve.any()) or all_full or bool(ends.all()):
             break
         flat = running.view(rows, max_length)
-        outputs = forward(**step_inputs.step(flat, length), past_key_values=step_inputs.cache,
-                          use_cache=step_inputs.cache is not None)
+        outputs = step_inputs.forward_step(model, forward, flat, length)
 
     returned = config.num_return_sequences
     sequences = finished[:, :returned].reshape(batch * returned, max_length)

@@ -18,6 +18,10 @@ max_time, user criteria), and on an accelerator only every `STOP_CHECK_INTERVAL`
 padding tokens that are cut off at the end, so the output equals checking every step. A streamer needs the tokens
 on the host anyway, so with one the check runs every step.
 
+Cache rebuild: before each forward the loop asks the model `cache_must_be_rebuilt(past_length, length)` (Python
+ints, no host sync); where it says so (Phi-3's longrope passing original_max_position_embeddings, as transformers'
+Phi-3 decides by the padded length) the cache is emptied and the whole sequence recomputed once, as prefill.
+
 Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache).
 On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed shapes and is compiled with
 `torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
@@ -75,8 +79,10 @@ class _StepInputs:
     """
 
     def __init__(self, attention_mask: torch.Tensor | None, rows: int, prompt_length: int, max_length: int,
-                 cache: Cache | None, device: torch.device):
+                 cache: Cache | None, device: torch.device, cache_must_be_rebuilt):
         self.cache = cache
+        # the model's GenerationMixin.cache_must_be_rebuilt, asked with Python ints before each forward
+        self.cache_must_be_rebuilt = cache_must_be_rebuilt
         # a fixed-shape static cache attends over all its slots
         self.full_mask = isinstance(cache, StaticCache) and cache.fixed_shape
         self.slots: torch.Tensor | None = None  # arange(max_cache_len): cache positions for fixed-shape steps
@@ -94,9 +100,13 @@ class _StepInputs:
         return self.mask[:, :length]
 
     def prefill(self, input_ids: torch.Tensor) -> dict[str, Any]:
-        """The whole prompt, minus what a cache passed in by the user already holds."""
+        """The whole prompt, minus what a cache passed in by the user already holds (all of it when the model
+        says that cache must be rebuilt at this length)."""
         done = self.cache.get_seq_length() if self.cache is not None else 0
         length = input_ids.shape[1]
+        if done and self.cache_must_be_rebuilt(done, length):
+            self.cache.crop(0)
+            done = 0
         return dict(input_ids=input_ids[:, done:], position_ids=self.positions[:, done:length],
                     attention_mask=self._mask_until(length))
 
@@ -115,6 +125,21 @@ class _StepInputs:
             self.cache.mark_written(length)
         return inputs
 
+    def forward_step(self, model, forward, sequences: torch.Tensor, length: int):
+        """One decode step's outputs, `length` tokens existing so far: `forward` (the model, or its compiled decode
+        step) on the newest token over the cache; or, where the model says its cache must be rebuilt at this length
+        (Phi-3's longrope once the sequence passes original_max_position_embeddings), the model on the whole
+        sequence over the emptied cache, as transformers does (logits of the last position only, as in prefill).
+
+            cache: length - 1 tokens --(crop to 0)--> prefill(sequences[:, :length]) --> cache: length tokens
+        """
+        cache = self.cache
+        if cache is not None and self.cache_must_be_rebuilt(length - 1, length):
+            cache.crop(0)
+            return model(**self.prefill(sequences[:, :length]), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        return forward(**self.step(sequences, length), past_key_values=cache, use_cache=cache is not None)
+
 
 class GenerationMixin:
     """`generate()` for causal LMs; mixed into PreTrainedModel. The model provides forward(), config,
@@ -126,6 +151,14 @@ class GenerationMixin:
     # as an int is recompiled at every new length (torch.compile guards on the int), which costs far more than
     # CUDA graphs save.
     supports_compiled_decode: bool = False
+
+    def cache_must_be_rebuilt(self, past_length: int, length: int) -> bool:
+        """True when a forward that takes the cache from `past_length` tokens to `length` tokens (padded lengths)
+        must instead recompute all `length` tokens over an emptied cache, because the keys cached so far were
+        computed differently from how the model computes them at `length` (Phi-3's longrope switches to its long
+        factors past original_max_position_embeddings). Asked with Python ints before every forward of the decode
+        loop, so it must not touch tensors. No by default."""
+        return False
 
     @torch.no_grad()
     def generate(
@@ -182,6 +215,8 @@ class GenerationMixin:
             )
         config.max_new_tokens = None
         config.max_length = max_length
+        if assisted:
+            _refuse_cache_rebuild(self, assistant_model, prompt_length, max_length)
 
         beams = config.num_beams
         if beams > 1 and streamer is not None:
@@ -208,7 +243,8 @@ class GenerationMixin:
         # (not inference_mode(False) otherwise: that would switch off a caller's own inference mode)
         with torch.inference_mode() if private else contextlib.nullcontext():
             cache = self._prepare_cache(cache, config, rows, max_length)
-            step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device)
+            step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device,
+                                      self.cache_must_be_rebuilt)
             forward = self._decode_forward(config, cache)
             if assisted:
                 out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors, criteria,
@@ -399,8 +435,7 @@ class GenerationMixin:
                     break
             if length >= max_length:
                 break
-            outputs = forward(**step_inputs.step(sequences, length), past_key_values=step_inputs.cache,
-                              use_cache=step_inputs.cache is not None)
+            outputs = step_inputs.forward_step(self, forward, sequences, length)
 
         if interval > 1 and any_unfinished:
             # Steps run after every row had finished (between two checks) are cut off here.
@@ -420,6 +455,18 @@ class GenerationMixin:
             logits=tuple(logits_out[:steps]) if logits_out is not None else None,
             past_key_values=step_inputs.cache,
         )
+
+
+def _refuse_cache_rebuild(model, assistant_model, prompt_length: int, max_length: int) -> None:
+    """Assisted generation does not rebuild a cache (cache_must_be_rebuilt): refuse a call that would need it."""
+    for role, m in (("model", model), ("assistant_model", assistant_model)):
+        if m is not None and m.cache_must_be_rebuilt(prompt_length, max_length):
+            raise NotImplementedError(
+                f"assisted generation cannot take {role} {type(m).__name__} from {prompt_length} to {max_length} "
+                f"tokens: on the way its cache must be recomputed (cache_must_be_rebuilt; Phi-3's longrope past "
+                f"original_max_position_embeddings), which assisted generation does not do; generate without "
+                f"assistant_model / prompt_lookup_num_tokens, or keep max_length at or below that length"
+            )
 
 
 def _stop_check_interval(device: torch.device, streamer) -> int:

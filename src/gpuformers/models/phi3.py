@@ -10,10 +10,11 @@
     resid_pdrop         dropout on each residual branch, in training only; embd_pdrop is in config.json but no
                         transformers version applies it, and neither do we
 
-The modules keep the checkpoint's names, so save_pretrained writes what transformers reads. Known difference:
-transformers' generate() drops the cache and re-runs the whole sequence once when a longrope sequence grows past
-original_max_position_embeddings during generation; ours keeps the cache (as it does for llama's longrope), so
-greedy tokens after that point may differ. A prompt already longer than it matches.
+The modules keep the checkpoint's names, so save_pretrained writes what transformers reads. When a longrope sequence
+grows past original_max_position_embeddings during generate(), the keys cached with the short factors are dropped
+and the whole sequence is recomputed once with the long ones, as transformers does (cache_must_be_rebuilt; Llama's
+longrope keeps its cache in both libraries). The continuous batching engine does not recompute: a batch that holds a
+sequence past that length runs on the long factors over whatever its cache holds (docs/engine.md).
 
 Not supported: tp_plan="auto" (the llama plan splits q/k/v and gate/up, not the fused layers); use_kernels=True
 leaves the fused MLP in torch (the SwiGLU kernel's adapter reads gate_proj and up_proj) and swaps the rest.
@@ -150,4 +151,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Phi3DecoderLayer
     no_split_modules = ("Phi3DecoderLayer",)
     tp_plan_auto = None  # the llama plan names q/k/v and gate/up projections, which Phi-3 fuses
+
+    def cache_must_be_rebuilt(self, past_length: int, length: int) -> bool:
+        """transformers' Phi3ForCausalLM.prepare_inputs_for_generation: once the (padded) sequence reaches
+        original_max_position_embeddings + 1 tokens while the cache holds at most original_max_position_embeddings,
+        the keys cached with longrope's short factors no longer fit the long ones, and the whole sequence is
+        recomputed. transformers asks this of any Phi-3; only longrope computes different keys, so only it pays."""
+        if self.config.rope_type != "longrope":
+            return False
+        original = self.config.rope_parameters["original_max_position_embeddings"]
+        return past_length <= original < length
 
