@@ -53,6 +53,7 @@ _LAZY = {
     "prepare_model_for_kbit_training": "gpuformers.lora",
     "BitsAndBytesConfig": "gpuformers.quantization.config",
     "WeightOnlyConfig": "gpuformers.quantization.config",
+    "FineGrainedFP8Config": "gpuformers.quantization.config",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -180,9 +180,12 @@ def load_pretrained(
     cls = _pick_class(model_class, config)
 
     from gpuformers.loading.weights import CheckpointFiles, load_weights
+    from gpuformers.quantization.config import finish_loading
 
     files = CheckpointFiles.find(folder)
     checkpoint_dtype = parse_dtype(config.dtype) if config.dtype else files.first_floating_dtype()
+    if checkpoint_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 weights compute in bfloat16
+        checkpoint_dtype = torch.bfloat16
     dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=device)
 
     with torch.device("meta"), skip_init():
@@ -197,6 +200,7 @@ def load_pretrained(
         device = main_device(plan)
     info = load_weights(model, files, dtype=dtype, device=plan or device, offload=offload, tied=model.tied_weights,
                         progress=progress)
+    quantization = finish_loading(model, quantization, info.unexpected)  # FP8: plain dequantized Linear layers
     model = _finish(model, device, attn_implementation, str(name_or_path))
     model.quantization_config = quantization
     if plan is not None:
@@ -243,17 +247,11 @@ def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
 def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded: bool = False):
     """Swap the model's linear layers for quantized ones before loading, when asked by the caller or by the
     checkpoint's config.json (a pre-quantized checkpoint, whose settings then win, as in transformers)."""
-    from gpuformers.quantization.config import quantization_config_from, quantize_linear_layers
+    from gpuformers.quantization.config import checkpoint_quantization, quantize_linear_layers
 
-    stored = config.extra.get("quantization_config")
-    if stored is not None:
-        if requested is not None:
-            logger.warning("the checkpoint is already quantized (config.json has a quantization_config): its "
-                           "settings are used and the quantization_config passed to from_pretrained is ignored")
-        requested = stored
-    if requested is None:
+    quantization = checkpoint_quantization(config.extra.get("quantization_config"), requested)
+    if quantization is None:
         return None
-    quantization = quantization_config_from(requested)
     swapped = quantize_linear_layers(model, quantization, dtype, loaded=loaded)
     logger.info("quantizing %d linear layers with %s", len(swapped), quantization.quant_method)
     config.extra["quantization_config"] = quantization.to_dict()  # save_pretrained writes it back

@@ -1,30 +1,37 @@
 """Quantization settings, as `from_pretrained(quantization_config=...)` takes them and config.json stores them.
 
-Two methods:
+Three methods:
 - `BitsAndBytesConfig` (quant_method "bitsandbytes"): transformers' class, field for field: NF4 / FP4 4-bit or
   LLM.int8() 8-bit weights through the `bitsandbytes` package (quantization/bnb.py).
 - `WeightOnlyConfig` (quant_method "weight_only"): gpuformers' own int8 / int4 group-wise weights in plain torch
   (quantization/weight_only.py), no extra package; activations stay in the model's dtype.
+- `FineGrainedFP8Config` (quant_method "fp8"): transformers' class, for loading fine-grained FP8 checkpoints
+  (Qwen/Qwen3-8B-FP8, DeepSeek-V3), quantization/fp8.py: dequantized on load into the compute dtype (the model is
+  then a plain one), or with `dequantize=False` kept in FP8 for a Triton FP8 matmul on CUDA >= 8.9.
 
 `quantize_linear_layers` swaps a model's `nn.Linear` layers (built on the meta device, before any weight is read)
 for the method's quantized layer, which then quantizes each weight as the loader hands it over: a float checkpoint
 is quantized while loading (peak memory about one layer), a pre-quantized one is read as it is. The LM head is kept
 in full precision unless named otherwise, as transformers does.
 
-Other methods transformers knows (gptq, awq, hqq, torchao, fp8, compressed-tensors, quanto, ...) raise
+Other methods transformers knows (gptq, awq, hqq, torchao, compressed-tensors, quanto, ...) raise
 NotImplementedError naming the method.
 
-Offers: BitsAndBytesConfig, WeightOnlyConfig, quantization_config_from, quantize_linear_layers.
+Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, quantization_config_from,
+checkpoint_quantization, quantize_linear_layers, finish_loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 _QUANT_TYPES = ("fp4", "nf4")
 
@@ -129,26 +136,114 @@ class WeightOnlyConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-_METHODS = {"bitsandbytes": BitsAndBytesConfig, "weight_only": WeightOnlyConfig}
-QuantizationConfig = BitsAndBytesConfig | WeightOnlyConfig
+@dataclass
+class FineGrainedFP8Config:
+    """transformers' FineGrainedFP8Config: FP8 (e4m3) weights with one float32 scale per weight block.
+
+    `dequantize=True`: each weight becomes weight * scale in the compute dtype as it loads (a plain model).
+    `dequantize=False` (transformers' default) keeps the FP8 weights and scales for a Triton matmul, on CUDA GPUs of
+    compute capability >= 8.9 only. A checkpoint loaded without a quantization_config is dequantized (with a
+    warning), so that it loads anywhere. `modules_to_not_convert`: modules the checkpoint stores unquantized (the LM
+    head is always among them, as in transformers).
+    """
+
+    activation_scheme: str = "dynamic"
+    weight_block_size: list[int] | None = field(default_factory=lambda: [128, 128])
+    dequantize: bool = False
+    modules_to_not_convert: list[str] | None = None
+    modules_to_convert: list[str] | None = None
+    scale_fmt: str = "float"
+    fmt: str = "e4m3"
+    quant_method: str = field(default="fp8", init=False)
+
+    def __post_init__(self):
+        self.activation_scheme = str(self.activation_scheme).lower()
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"activation_scheme={self.activation_scheme!r}; use 'dynamic' or 'static'")
+        if self.weight_block_size is not None:
+            block = self.weight_block_size
+            if (not isinstance(block, (list, tuple)) or len(block) != 2
+                    or not all(isinstance(b, int) and b > 0 for b in block)):
+                raise ValueError(f"weight_block_size={block!r} must be two positive ints [rows, columns] (e.g. "
+                                 f"[128, 128]), or None for one scale per tensor")
+            self.weight_block_size = list(block)
+        if self.fmt != "e4m3":
+            raise NotImplementedError(f"fmt={self.fmt!r}: gpuformers loads e4m3 FP8 checkpoints only")
+        if self.scale_fmt != "float":
+            raise NotImplementedError(f"scale_fmt={self.scale_fmt!r} (power-of-two ue8m0 scales, DeepSeek-V4 style) "
+                                      f"is not supported by gpuformers; it loads scale_fmt='float' checkpoints")
+        if self.modules_to_convert:
+            raise NotImplementedError(f"modules_to_convert={self.modules_to_convert!r} (FP8 embeddings) is not "
+                                      f"supported by gpuformers: only Linear layers may be stored in FP8")
+
+    @property
+    def skip_modules(self) -> list[str]:
+        return ["lm_head", *(self.modules_to_not_convert or [])]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FineGrainedFP8Config":
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        values = {k: v for k, v in data.items() if k in names}
+        if values.get("modules_to_not_convert") is None and "ignored_layers" in data:  # MiniMax's name for it
+            values["modules_to_not_convert"] = data["ignored_layers"]
+        return cls(**values)
+
+
+_METHODS = {"bitsandbytes": BitsAndBytesConfig, "weight_only": WeightOnlyConfig, "fp8": FineGrainedFP8Config}
+QuantizationConfig = BitsAndBytesConfig | WeightOnlyConfig | FineGrainedFP8Config
 
 
 def quantization_config_from(value) -> QuantizationConfig:
     """A config object, or its dict form (config.json, or transformers' BitsAndBytesConfig.to_dict()) -> ours."""
-    if isinstance(value, (BitsAndBytesConfig, WeightOnlyConfig)):
+    if isinstance(value, (BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config)):
         return value
     if not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
-        value = value.to_dict()  # transformers' own BitsAndBytesConfig object
+        value = value.to_dict()  # transformers' own BitsAndBytesConfig / FineGrainedFP8Config object
     if not isinstance(value, dict):
-        raise TypeError(f"quantization_config must be a BitsAndBytesConfig, a WeightOnlyConfig or a dict, not "
-                        f"{type(value).__name__}")
+        raise TypeError(f"quantization_config must be a BitsAndBytesConfig, a WeightOnlyConfig, a "
+                        f"FineGrainedFP8Config or a dict, not {type(value).__name__}")
     method = value.get("quant_method")
     if method is None and ("load_in_4bit" in value or "load_in_8bit" in value):
         method = "bitsandbytes"
     if method not in _METHODS:
         raise NotImplementedError(f"quantization method {method!r} is not supported by gpuformers; it loads "
-                                  f"{', '.join(sorted(_METHODS))} (BitsAndBytesConfig, WeightOnlyConfig)")
+                                  f"{', '.join(sorted(_METHODS))} (BitsAndBytesConfig, WeightOnlyConfig, "
+                                  f"FineGrainedFP8Config)")
     return _METHODS[method].from_dict(value)
+
+
+def checkpoint_quantization(stored, requested) -> QuantizationConfig | None:
+    """The quantization to load with, from config.json's quantization_config (`stored`, a pre-quantized checkpoint)
+    and from_pretrained's (`requested`). A stored config wins, as in transformers; for FP8 the requested
+    `dequantize` and `modules_to_not_convert` apply to it (transformers' loading attributes)."""
+    stored = quantization_config_from(stored) if stored is not None else None
+    if stored is not None and not isinstance(stored, FineGrainedFP8Config):
+        if requested is not None:
+            logger.warning("the checkpoint is already quantized (config.json has a quantization_config): its "
+                           "settings are used and the quantization_config passed to from_pretrained is ignored")
+        return stored
+    requested = quantization_config_from(requested) if requested is not None else None
+    if isinstance(requested, FineGrainedFP8Config):
+        if stored is None:
+            raise NotImplementedError("FineGrainedFP8Config loads checkpoints already in FP8; quantizing a model to "
+                                      "FP8 while loading is not supported by gpuformers: use WeightOnlyConfig or "
+                                      "BitsAndBytesConfig, or load an FP8 checkpoint")
+        if requested.modules_to_not_convert is not None:
+            stored = dataclasses.replace(stored, modules_to_not_convert=requested.modules_to_not_convert)
+        return dataclasses.replace(stored, dequantize=requested.dequantize)
+    if stored is None:
+        return requested
+    if requested is not None:
+        logger.warning("the checkpoint's quantization_config (FP8) is used and the quantization_config passed to "
+                       "from_pretrained is ignored")
+    if not stored.dequantize:
+        logger.warning("the checkpoint's weights are FP8: gpuformers dequantizes them on load (the memory of the "
+                       "unquantized model); to keep them in FP8 on a GPU of compute capability >= 8.9, pass "
+                       "quantization_config=FineGrainedFP8Config(dequantize=False)")
+    return dataclasses.replace(stored, dequantize=True)
 
 
 def _int4_group_size(in_features: int) -> int:
@@ -177,11 +272,22 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     if isinstance(config, BitsAndBytesConfig):
         from gpuformers.quantization.bnb import bnb_linear
 
-        make = lambda linear: bnb_linear(linear, config, dtype)  # noqa: E731
+        make = lambda name, linear: bnb_linear(linear, config, dtype)  # noqa: E731
+    elif isinstance(config, FineGrainedFP8Config):
+        from gpuformers.quantization.fp8 import FP8DequantizingLinear, FP8Linear
+
+        if loaded:
+            raise NotImplementedError("FineGrainedFP8Config loads FP8 checkpoints; a model already loaded (a GGUF "
+                                      "file) cannot be quantized to FP8: use WeightOnlyConfig or BitsAndBytesConfig")
+        fp8_class = FP8DequantizingLinear if config.dequantize else FP8Linear
+
+        def make(name, linear):
+            return fp8_class(linear.in_features, linear.out_features, linear.bias is not None,
+                             config.weight_block_size, dtype, name, device="meta")
     else:
         from gpuformers.quantization.weight_only import WeightOnlyLinear
 
-        def make(linear):
+        def make(name, linear):
             group_size = config.group_size
             if group_size is None and config.bits == 4:
                 group_size = _int4_group_size(linear.in_features)
@@ -202,10 +308,32 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
         parent_name, _, attr = name.rpartition(".")
         linear = model.get_submodule(name)
         with torch.device("meta"):
-            layer = make(linear)
+            layer = make(name, linear)
         if loaded:
             layer.load_from_checkpoint("weight", linear.weight.detach())
             if linear.bias is not None:
                 layer.load_from_checkpoint("bias", linear.bias.detach())
         setattr(model.get_submodule(parent_name), attr, layer)
     return names
+
+
+def finish_loading(model: nn.Module, config: QuantizationConfig | None,
+                   unexpected: list[str]) -> QuantizationConfig | None:
+    """After the weights loaded: the quantization the model keeps (None for an FP8 checkpoint dequantized into
+    plain nn.Linear layers, which then saves unquantized). `unexpected`: checkpoint keys nothing took."""
+    if not isinstance(config, FineGrainedFP8Config):
+        return config
+    from gpuformers.quantization.fp8 import check_fp8_devices, restore_linear_layers
+
+    # FP8 scales for a layer kept unquantized: its weight was read as if it were not scaled, which would be wrong.
+    scaled = [key for key in unexpected if key.endswith(".weight_scale_inv")]
+    if scaled:
+        raise ValueError(f"the checkpoint has FP8 scales for layers loaded unquantized: {', '.join(scaled[:5])}; "
+                         f"remove them from quantization_config.modules_to_not_convert "
+                         f"(now {config.modules_to_not_convert})")
+    if not config.dequantize:
+        check_fp8_devices(model)
+        return config
+    restore_linear_layers(model)
+    model.config.extra.pop("quantization_config", None)
+    return None
