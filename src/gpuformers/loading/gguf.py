@@ -1,11 +1,12 @@
-"""GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face llama, qwen2 or qwen3 checkpoint.
+"""GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face checkpoint of one of the families that
+transformers itself loads from GGUF (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3_text).
 
 A GGUF file holds the model config, the tokenizer and the (often quantized) weights, all under
 llama.cpp's names. This module turns each of those into what the rest of gpuformers reads from an HF
 folder, so `from_pretrained(path, gguf_file=...)` only has to glue them in:
 
     ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
-    ckpt.config                      # a config.json-style dict (model_type "llama", "qwen2" or "qwen3")
+    ckpt.config                      # a config.json-style dict (model_type "llama", "qwen3_moe", "gemma2", ...)
     ckpt.generation_config           # a generation_config.json-style dict
     for name in ckpt.tensor_names():  # HF names: model.layers.0.self_attn.q_proj.weight, ...
         ckpt.load_tensor(name, torch.bfloat16, "cuda")
@@ -15,6 +16,12 @@ Offers: `read_gguf`, `GGUFCheckpoint`, `SUPPORTED_ARCHITECTURES`, `supported_qua
 
 Weights are dequantized with the `gguf` package one tensor, and within a tensor one slab of rows,
 at a time, straight into the requested dtype and device: a model is never held in float32 whole.
+Where llama.cpp's layout differs from HF's, the tensor is turned back as it is read:
+
+    llama      q/k rows of each head interleaved          -> the two rotary halves apart again
+    qwen3moe   blk.N.ffn_gate_exps (experts, ff, hidden)  -> one mlp.experts.E.gate_proj per expert (rows E*ff..)
+    gemma2/3   every RMSNorm weight stored as 1 + w       -> w (Gemma's norm multiplies by 1 + weight)
+    phi3       attn_qkv, ffn_up (gate and up fused)       -> self_attn.qkv_proj, mlp.gate_up_proj as they are
 """
 
 from __future__ import annotations
@@ -31,12 +38,27 @@ import torch
 
 from gpuformers.loading.gguf_tokenizer import tokenizer_parts
 
-# general.architecture (llama.cpp's name) -> the HF architecture; the HF model_type is the same word.
-# llama.cpp also writes Mistral and SmolLM files as "llama".
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
-# llama.cpp's converter reorders q/k rows for llama only; it writes qwen2 and qwen3 in HF order.
+# general.architecture (llama.cpp's name) -> (HF model_type, HF architecture): the families transformers' own
+# GGUF loader reads (its GGUF_CONFIG_MAPPING) that gpuformers has models for. llama.cpp also writes Mistral and
+# SmolLM files as "llama"; a llama file with experts (Mixtral) is refused, as transformers cannot load it either.
+_FAMILIES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+_MOE_ARCHITECTURES = ("qwen3moe",)
+# llama.cpp's converter reorders q/k rows for llama only; it writes the others in HF order.
 _ROTARY_PERMUTED = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w, the factor the norm multiplies by; HF keeps w.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp scales Gemma's queries by 1/sqrt(hidden / heads) in the 27B models (told apart by their layer count)
+# and by 1/sqrt(head_dim) in the others: the query_pre_attn_scalar of their config.json files.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # Elements dequantized per slab (16 MiB of float32): bounds the extra memory a big tensor needs.
 _SLAB_ELEMENTS = 1 << 22
@@ -53,11 +75,26 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Modules only some architectures have: Qwen3's per-head RMSNorm over q and k.
-_EXTRA_LAYER_NAMES = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
+# What each architecture adds to (or renames in) _LAYER_NAMES.
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # per-head RMSNorm on q, k
+_GEMMA_NORMS = {  # Gemma 2 / 3 norm both sides of attention and MLP; llama.cpp's ffn_norm is the pre-MLP one
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_EXTRA_LAYER_NAMES = {
+    "qwen3": _QK_NORMS,
+    "qwen3moe": _QK_NORMS | {"ffn_gate_inp": "mlp.gate"},  # the router
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, in HF's order
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS | _QK_NORMS,
+}
+# Stacked experts, (experts, rows, cols) in torch order -> the per-expert module inside mlp.experts.{e}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Tensors with no HF parameter: rope_freqs becomes config.rope_scaling, attn_rot_embd is an old cache.
-_NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
+# Tensors with no HF parameter: rope_freqs (Llama 3) and rope_factors_long/short (Phi-3 longrope) become
+# config.rope_scaling, attn_rot_embd is an old cache.
+_NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight")
 
 def read_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
     """Open a GGUF file and check that gpuformers can load it (architecture, quant types, tensors)."""
@@ -118,10 +155,12 @@ class GGUFCheckpoint:
                 f"GGUF architecture {arch!r} ({self.path.name}) is not supported; "
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if (self._meta(f"{arch}.expert_count") or 0) > 0:
+        if (self._meta(f"{arch}.expert_count") or 0) > 0 and arch not in _MOE_ARCHITECTURES:
             raise ValueError(
-                f"{self.path.name} is a mixture-of-experts {arch} ({self._meta(f'{arch}.expert_count')} experts); "
-                f"only dense GGUF files are supported (architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{self.path.name} is a mixture-of-experts {arch} ({self._meta(f'{arch}.expert_count')} experts), "
+                f"as llama.cpp writes Mixtral; transformers' GGUF loader does not load it and neither does gpuformers "
+                f"(mixture-of-experts architecture: {', '.join(_MOE_ARCHITECTURES)}; all architectures: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         self._tensors = self._map_tensor_names()
         self._check_quant_types()
@@ -163,15 +202,17 @@ class GGUFCheckpoint:
         hidden = meta("embedding_length")
         heads = meta("attention.head_count")
         kv_heads = meta("attention.head_count_kv", heads)
-        # key_length is written where head_dim is not hidden / heads (Qwen3, Mistral Nemo)
-        head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
+        # key_length is written where head_dim is not hidden / heads (Qwen3, Mistral Nemo, Gemma); Phi-3's
+        # rope.dimension_count is its rotary width, which is not head_dim when only part of each head turns
+        rotary = meta("rope.dimension_count")
+        head_dim = meta("attention.key_length") or (rotary if arch != "phi3" else None) or hidden // heads
         tokens = self._fields.get("tokenizer.ggml.tokens")
         vocab_size = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
         if vocab_size is None:
             vocab_size = self.tensor_shape("model.embed_tokens.weight")[0]
         config = {
-            "architectures": [_HF_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "architectures": [_FAMILIES[arch][1]],
+            "model_type": _FAMILIES[arch][0],
             "vocab_size": vocab_size,
             "hidden_size": hidden,
             "intermediate_size": meta("feed_forward_length"),
@@ -197,6 +238,7 @@ class GGUFCheckpoint:
         rope_scaling = self._rope_scaling(head_dim, config["rope_theta"])
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        config |= self._family_fields(config, rotary)
         missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                    if config[key] is None]
         if missing:
@@ -205,9 +247,43 @@ class GGUFCheckpoint:
             )
         return config
 
+    def _family_fields(self, config: dict, rotary: int | None) -> dict:
+        """The config.json fields only this architecture has, under the names its HF config reads."""
+        arch = self.architecture
+        meta = lambda key, default=None: self._meta(f"{arch}.{key}", default)  # noqa: E731
+        if arch == "qwen3moe":
+            expert_rows = self._info("model.layers.0.mlp.experts.0.gate_proj.weight").shape[1]
+            return {
+                "num_experts": meta("expert_count"),
+                "num_experts_per_tok": meta("expert_used_count"),
+                "moe_intermediate_size": meta("expert_feed_forward_length") or int(expert_rows),
+                # llama.cpp's qwen3moe graph renormalises the top-k weights unless the file says otherwise
+                "norm_topk_prob": bool(meta("expert_weights_norm", True)),
+            }
+        if arch == "phi3":
+            fields = {"sliding_window": meta("attention.sliding_window")}
+            if rotary and rotary != config["head_dim"]:  # Phi-4-mini turns 3/4 of each head
+                fields["partial_rotary_factor"] = rotary / config["head_dim"]
+            original = meta("rope.scaling.original_context_length")
+            if original:  # longrope's pretraining length, which Phi3Config reads at the top level
+                fields["original_max_position_embeddings"] = original
+            return fields
+        if arch in _NORM_PLUS_ONE:
+            hidden, heads = config["hidden_size"], config["num_attention_heads"]
+            big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+            fields = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                      "query_pre_attn_scalar": hidden // heads if big else config["head_dim"]}
+            if meta("attention.sliding_window"):
+                fields["sliding_window"] = meta("attention.sliding_window")
+            if arch == "gemma2":  # Gemma 3 has no soft-caps
+                fields["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
+                fields["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
+            return fields
+        return {}
+
     def _float_dtype_name(self) -> str:
         """The dtype the weights were written in: float16 / bfloat16 files keep it, quantized ones use float32."""
-        kinds = {info.tensor_type.name for info, _ in self._tensors.values() if len(info.shape) > 1}
+        kinds = {info.tensor_type.name for info, *_ in self._tensors.values() if len(info.shape) > 1}
         for name, dtype in (("BF16", "bfloat16"), ("F16", "float16")):
             if kinds == {name}:
                 return dtype
@@ -226,7 +302,12 @@ class GGUFCheckpoint:
             return scaling
         if kind not in (None, "none"):
             raise ValueError(f"{prefix}.type {kind!r} in {self.path.name} is not one of: none, linear, yarn")
-        if "rope_freqs.weight" not in [info.name for info in self._reader.tensors]:
+        names = {info.name for info in self._reader.tensors}
+        if "rope_factors_long.weight" in names:  # Phi-3 128k: longrope's per-frequency factors
+            return {"rope_type": "longrope", "long_factor": self._small_tensor("rope_factors_long.weight"),
+                    "short_factor": self._small_tensor("rope_factors_short.weight"),
+                    "original_max_position_embeddings": original or 4096}
+        if "rope_freqs.weight" not in names:
             return None
         return self._llama3_rope_scaling(head_dim, rope_theta, original)
 
@@ -237,8 +318,7 @@ class GGUFCheckpoint:
         (head_dim/2,) tensor. We take factor = its largest entry, rebuild the tensor from Llama 3's usual
         (1, 4, 8192) and accept them only if every entry matches.
         """
-        info = next(info for info in self._reader.tensors if info.name == "rope_freqs.weight")
-        stored = torch.from_numpy(np.array(info.data, dtype=np.float32)).reshape(-1)  # (head_dim/2,)
+        stored = torch.tensor(self._small_tensor("rope_freqs.weight"))  # (head_dim/2,)
         inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         wavelen = 2 * math.pi / inv_freq
         factor = float(stored.max())
@@ -253,6 +333,11 @@ class GGUFCheckpoint:
             f"(factor {factor}, low/high frequency factors 1/4, original context {original or 8192}); "
             "this rope variant is not supported"
         )
+
+    def _small_tensor(self, gguf_name: str) -> list[float]:
+        """A float32 tensor that is not a parameter (rope_freqs, rope_factors_*), as a flat list."""
+        info = next(info for info in self._reader.tensors if info.name == gguf_name)
+        return np.array(info.data, dtype=np.float32).reshape(-1).tolist()
 
     def _build_generation_config(self) -> dict:
         eos = self._meta("tokenizer.ggml.eos_token_id")
@@ -269,25 +354,33 @@ class GGUFCheckpoint:
     # ----- tensors -----
 
     def _map_tensor_names(self) -> dict:
-        """HF name -> (ReaderTensor, llama.cpp name), refusing tensors this loader does not understand."""
+        """HF name -> (ReaderTensor, llama.cpp name, expert index or None), refusing tensors this loader does not
+        understand. A stacked expert tensor gives one HF name per expert, all pointing at the same ReaderTensor."""
         tensors, unknown = {}, []
         layer_names = _LAYER_NAMES | _EXTRA_LAYER_NAMES.get(self.architecture, {})
         for info in self._reader.tensors:
+            experts = _EXPERT_NAMES if self.architecture in _MOE_ARCHITECTURES else {}
+            match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", info.name)
+            if match and match.group(2) in experts:
+                for expert in range(int(info.shape[-1])):  # ggml's slowest dimension is the expert
+                    module = f"mlp.experts.{expert}.{experts[match.group(2)]}"
+                    tensors[f"model.layers.{match.group(1)}.{module}.weight"] = (info, info.name, expert)
+                continue
             hf_name = _hf_name(info.name, layer_names)
             if hf_name is not None:
-                tensors[hf_name] = (info, info.name)
+                tensors[hf_name] = (info, info.name, None)
             elif not _NOT_PARAMETERS.fullmatch(info.name):
                 unknown.append(info.name)
         if unknown:
             shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise ValueError(
-                f"{self.path.name} holds tensors a dense {self.architecture} model has no place for: {shown}. "
-                f"Only llama.cpp's dense {self.architecture} layout is supported."
+                f"{self.path.name} holds tensors a {self.architecture} model has no place for: {shown}. "
+                f"Only llama.cpp's {self.architecture} layout is supported."
             )
         return tensors
 
     def _check_quant_types(self) -> None:
-        for info, gguf_name in self._tensors.values():
+        for info, gguf_name, _ in self._tensors.values():
             if not _can_dequantize(int(info.tensor_type)):
                 raise ValueError(
                     f"tensor {gguf_name} in {self.path.name} is stored as {info.tensor_type.name}, which the installed "
@@ -299,15 +392,20 @@ class GGUFCheckpoint:
         """HF parameter names in file order; lm_head.weight is absent when tied to the embedding."""
         return list(self._tensors)
 
-    def _info(self, hf_name: str):
+    def _entry(self, hf_name: str) -> tuple:
+        """(ReaderTensor, llama.cpp name, expert index or None) of an HF tensor name."""
         if hf_name not in self._tensors:
             raise KeyError(f"{hf_name!r} is not in {self.path.name}; its tensors are: {', '.join(self._tensors)}")
-        return self._tensors[hf_name][0]
+        return self._tensors[hf_name]
+
+    def _info(self, hf_name: str):
+        return self._entry(hf_name)[0]
 
     def tensor_shape(self, hf_name: str) -> tuple[int, ...]:
         """The HF (torch-order) shape of a tensor, read from the header without touching its data."""
         # ggml lists dimensions fastest-moving first; torch the other way round
-        return tuple(int(d) for d in reversed(self._info(hf_name).shape.tolist()))
+        shape = tuple(int(d) for d in reversed(self._info(hf_name).shape.tolist()))
+        return shape if self._entry(hf_name)[2] is None else shape[1:]  # one expert of a stacked tensor
 
     def quant_type(self, hf_name: str) -> str:
         """The ggml type the tensor is stored as: F32, F16, BF16, Q8_0, Q4_K, ..."""
@@ -318,13 +416,18 @@ class GGUFCheckpoint:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        info = self._info(hf_name)
+        info, gguf_name, expert = self._entry(hf_name)
         shape = self.tensor_shape(hf_name)
         qtype = info.tensor_type
         # (rows, row_bytes) for block types, (rows, cols) for float types; one row = the fastest dimension
         data = np.asarray(info.data)
         rows = data.reshape(-1, data.shape[-1]) if data.ndim > 0 else data.reshape(1, 1)
+        if expert is not None:  # (experts * expert_rows, ...): this expert's rows only
+            expert_rows = rows.shape[0] // int(info.shape[-1])
+            rows = rows[expert * expert_rows : (expert + 1) * expert_rows]
         cols = shape[-1] if shape else 1
+        plus_one = self.architecture in _NORM_PLUS_ONE and gguf_name.endswith("norm.weight")
+        final_dtype, dtype = dtype, (torch.float32 if plus_one else dtype)  # subtract before rounding
         out = torch.empty((rows.shape[0], cols), dtype=dtype, device=device)
         step = max(1, _SLAB_ELEMENTS // cols)
         for start in range(0, rows.shape[0], step):
@@ -337,6 +440,8 @@ class GGUFCheckpoint:
                 values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
             out[start : start + step] = values.reshape(-1, cols).to(dtype)
         out = out.reshape(shape)
+        if plus_one:
+            return (out - 1.0).to(final_dtype)
         if self.architecture not in _ROTARY_PERMUTED:
             return out
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -6,7 +6,12 @@ pre-tokenizer as tokenizer.* metadata. Two vocabulary kinds are rebuilt:
     tokenizer.ggml.model "gpt2"  -> byte-level BPE (GPT-2, Llama 3, Qwen2/3, SmolLM, Mistral tekken), pre-tokenizer by
                                     tokenizer.ggml.pre from `_PRE_TOKENIZER_KINDS`
     tokenizer.ggml.model "llama" -> SentencePiece BPE ("\u2581" for spaces, <0xNN> byte fallback); merges come from
-                                    the file or are derived from the piece scores
+                                    the file or are derived from the piece scores. Two architectures spell it
+                                    otherwise, as their HF tokenizers do (and transformers' GGUF loader):
+        gemma2, gemma3              no prefix space; runs of spaces stored as "  " are the "\u2581\u2581" pieces; merges
+                                    derived from the vocabulary order, which Gemma's scores do not follow
+        phi3                        the prefix "\u2581" comes from a normalizer, so every piece of text between
+                                    special tokens gets one (text already starting with a space too)
 
 Offers: `tokenizer_parts(meta, file_name, model_max_length)`, which GGUFCheckpoint.tokenizer_parts() calls.
 """
@@ -17,6 +22,8 @@ from typing import Any, Callable
 
 from gpuformers.tokenizer import byte_level_alphabet
 
+# general.architecture values whose "llama" vocabulary is Gemma's SentencePiece spelling
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
@@ -92,7 +99,7 @@ def tokenizer_parts(meta: Callable[..., Any], file_name: str, model_max_length: 
     else:
         tokenizer = _sentencepiece_bpe(
             tokens, token_types, meta("tokenizer.ggml.scores"), meta("tokenizer.ggml.merges"),
-            bool(meta("tokenizer.ggml.add_space_prefix", True)), specials,
+            bool(meta("tokenizer.ggml.add_space_prefix", True)), specials, meta("general.architecture"),
         )
     bos = config["bos_token"] if config["add_bos_token"] else None
     eos = config["eos_token"] if config["add_eos_token"] else None
@@ -149,11 +156,16 @@ def _byte_level_bpe(tokens, token_types, merges, pre, specials):
     return tokenizer
 
 
-def _sentencepiece_bpe(tokens, token_types, scores, merges, add_space_prefix, specials):
-    """SentencePiece-style BPE (tokenizer.ggml.model "llama"): "▁" for spaces, <0xNN> byte fallback."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+def _sentencepiece_bpe(tokens, token_types, scores, merges, add_space_prefix, specials, architecture):
+    """SentencePiece-style BPE (tokenizer.ggml.model "llama"): "▁" for spaces, <0xNN> byte fallback; Gemma's and
+    Phi-3's variants (module docstring) picked by `architecture`, as transformers picks them."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
+    gemma = architecture in _GEMMA_ARCHITECTURES
+    if gemma:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(index) for index in range(len(tokens))]  # earlier in the file = merged first
     vocab = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
@@ -164,12 +176,20 @@ def _sentencepiece_bpe(tokens, token_types, scores, merges, add_space_prefix, sp
     else:
         raise ValueError("a SentencePiece GGUF tokenizer needs tokenizer.ggml.scores or tokenizer.ggml.merges")
     tokenizer = Tokenizer(BPE(vocab, pairs, dropout=None, fuse_unk=True, byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
+    if gemma:
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    elif architecture == "phi3":
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        )
         steps.append(decoders.Strip(content=" ", left=1, right=0))
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+        )
+        if add_space_prefix:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
     tokenizer.decoder = decoders.Sequence(steps)
     _add_marked_tokens(tokenizer, tokens, token_types, specials, keep=lambda token: True)
     return tokenizer
