@@ -189,6 +189,23 @@ def test_unused_adjustments_cost_nothing(setup, monkeypatch):
     assert len(calls) == 2 + steps and manager.runner.token_counts.output is not None
 
 
+@pytest.mark.parametrize("repetition", [True, False])
+def test_sparse_and_dense_penalties_agree(repetition):
+    # The CPU touches only the tokens seen, the GPU whole rows: the same numbers, bit for bit (here both on the CPU).
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[0, 7] = float("-inf")  # a banned token stays banned
+    index = torch.tensor([1, 3, 4])
+    output = torch.randint(0, 3, (3, 50), generator=g, dtype=torch.int32) * (torch.rand(3, 50, generator=g) < 0.2)
+    in_prompt = (torch.rand(3, 50, generator=g) < 0.1) if repetition else None
+    penalty = torch.tensor([[1.3], [1.0], [0.8]])
+    frequency, presence = torch.tensor([[0.5], [0.0], [-0.4]]), torch.tensor([[0.2], [1.5], [0.0]])
+    args = (logits, index, output, in_prompt, penalty, frequency, presence)
+    dense, sparse = sampler._penalise_dense(*args), sampler._penalise_sparse(*args)
+    assert torch.equal(dense, sparse)
+    assert not torch.equal(dense, logits) and torch.equal(dense[[0, 2, 5]], logits[[0, 2, 5]])
+
+
 def test_token_count_rows_are_reused_after_requests_finish(setup):
     model, prompts = setup
     manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64, max_requests_per_batch=4)
