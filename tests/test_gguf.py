@@ -453,7 +453,7 @@ def test_smollm_pre_tokenizer_splits_digits(tmp_path):
 # ----- errors -----
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen2moe"])  # transformers loads neither as a gpuformers family
+@pytest.mark.parametrize("arch", ["gemma", "falcon"])  # transformers loads neither as a gpuformers family
 def test_unsupported_architecture_is_refused(tmp_path, arch):
     write_tiny_gguf(tmp_path / "x.gguf", arch=arch, layers=1)
     with pytest.raises(ValueError, match=rf"architecture '{arch}'.*supported architectures: llama, qwen2, qwen3"):

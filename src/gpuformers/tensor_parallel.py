@@ -80,6 +80,8 @@ def check_tp_size(config, tp_size: int) -> None:
              "intermediate_size": config.intermediate_size}
     if config.extra.get("num_experts") and "moe_intermediate_size" in config.extra:  # Mixtral's: intermediate_size
         sizes["moe_intermediate_size"] = config.extra["moe_intermediate_size"]
+    if "shared_expert_intermediate_size" in config.extra:  # Qwen2-MoE's shared expert, split as a dense MLP
+        sizes["shared_expert_intermediate_size"] = config.extra["shared_expert_intermediate_size"]
     uneven = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
     if uneven:
         raise ValueError(f"tensor parallelism over {tp_size} processes needs {', '.join(uneven)} to be divisible by "

@@ -14,7 +14,8 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "ModelConfig", "qwen3": "ModelConfig",
                   "qwen3_moe": "Qwen3MoeConfig", "smollm3": "SmolLM3Config", "granite": "GraniteConfig",
                   "olmo2": "Olmo2Config", "mixtral": "MixtralConfig", "phi3": "Phi3Config", "gemma": "GemmaConfig",
-                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "qwen2_moe": "Qwen2MoeConfig",
+                  "gpt_oss": "GptOssConfig"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CLASSES))

@@ -180,10 +180,11 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     """query (1, heads, total_tokens, head_dim); key, value: the layer's paged cache from PagedKVCache.update.
     Returns (output (1, total_tokens, heads, head_dim), None)."""
     softcap = kwargs.pop("softcap", None)
-    if softcap is not None:
+    sinks = kwargs.pop("sinks", None)  # gpt-oss's attention sinks: the same story as the soft-cap
+    if softcap is not None or sinks is not None:
         # Attention logit soft-capping (Gemma 2): SDPA, the CPU decode loop and the Triton decode kernel have no
         # place for it, so every call below goes to eager with the cap (the `base is sdpa_attention` paths skip).
-        base = functools.partial(eager_attention, softcap=softcap)
+        base = functools.partial(eager_attention, softcap=softcap, sinks=sinks)
     ctx = current_context()
     if ctx is None:  # not inside an engine step: an ordinary forward
         return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

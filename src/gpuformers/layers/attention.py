@@ -9,6 +9,9 @@ A backend is a function
         softcap (keyword, Gemma 2): None, or scores become softcap * tanh(scores / softcap) before masking;
                         "eager" applies it, "sdpa" hands such a call to "eager" (torch's SDPA cannot), and a model
                         that soft-caps refuses the backends that would ignore it
+        sinks (keyword, gpt-oss): None, or (heads,) learned logits, one more column of each query's scores
+                        before the softmax, dropped after it; "eager" applies them, "sdpa" hands such a call to
+                        "eager", and a model with sinks refuses the other backends
         -> (output (batch, q_len, heads, head_dim), attention weights or None)
 
 registered under a name: "eager" and "sdpa" here; other backends (flash_attention_2, triton, paged) register
@@ -34,7 +37,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(batch, kv_heads, n_rep, seq, head_dim).reshape(batch, kv_heads * n_rep, seq, head_dim)
 
 
-def eager_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, **kwargs):
+def eager_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, sinks=None,
+                    **kwargs):
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (batch, heads, q_len, kv_len)
@@ -47,17 +51,28 @@ def eager_attention(module, query, key, value, attention_mask, *, scaling, dropo
             key.shape[2] - query.shape[2]
         )
         scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    if sinks is not None:  # attention sinks: a per-head logit column that takes its share of the softmax
+        # (1, heads, 1, 1); for a call whose n_rep query heads are folded onto their kv head as n_rep query rows
+        # (the engine's decodes: query (n, kv_heads, n_rep, head_dim)) the same view is (1, kv_heads, n_rep, 1),
+        # head h = kv_head * n_rep + r in both
+        sink = sinks.to(scores.dtype).reshape(1, scores.shape[1], -1, 1)
+        sink = sink.expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (batch, heads, q_len, kv_len + 1)
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        weights = weights[..., :-1]
     if dropout and module.training:
         weights = F.dropout(weights, p=dropout, training=True)
     out = torch.matmul(weights, value)  # (batch, heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), weights
 
 
-def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, **kwargs):
-    if softcap is not None:  # SDPA has no hook between the scores and the softmax: eager computes the soft-cap
+def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, softcap=None, sinks=None,
+                   **kwargs):
+    if softcap is not None or sinks is not None:
+        # SDPA has no hook between the scores and the softmax: eager computes the soft-cap and the sinks
         return eager_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     dropout_p = dropout if module.training else 0.0

@@ -1,5 +1,5 @@
 """GGUF checkpoints: llama.cpp's single-file format, read as a Hugging Face checkpoint of one of the families that
-transformers itself loads from GGUF (llama, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3_text).
+transformers itself loads from GGUF (llama, qwen2, qwen3, qwen3_moe, qwen2_moe, phi3, gemma2, gemma3_text).
 
 A GGUF file holds the model config, the tokenizer and the (often quantized) weights, all under
 llama.cpp's names. This module turns each of those into what the rest of gpuformers reads from an HF
@@ -19,7 +19,8 @@ at a time, straight into the requested dtype and device: a model is never held i
 Where llama.cpp's layout differs from HF's, the tensor is turned back as it is read:
 
     llama      q/k rows of each head interleaved          -> the two rotary halves apart again
-    qwen3moe   blk.N.ffn_gate_exps (experts, ff, hidden)  -> one mlp.experts.E.gate_proj per expert (rows E*ff..)
+    qwen*moe   blk.N.ffn_gate_exps (experts, ff, hidden)  -> one mlp.experts.E.gate_proj per expert (rows E*ff..)
+    qwen2moe   blk.N.ffn_gate_inp_shexp (hidden,)         -> mlp.shared_expert_gate.weight (1, hidden)
     gemma2/3   every RMSNorm weight stored as 1 + w       -> w (Gemma's norm multiplies by 1 + weight)
     phi3       attn_qkv, ffn_up (gate and up fused)       -> self_attn.qkv_proj, mlp.gate_up_proj as they are
 """
@@ -46,12 +47,13 @@ _FAMILIES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
-_MOE_ARCHITECTURES = ("qwen3moe",)
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")
 # llama.cpp's converter reorders q/k rows for llama only; it writes the others in HF order.
 _ROTARY_PERMUTED = ("llama",)
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w, the factor the norm multiplies by; HF keeps w.
@@ -85,6 +87,9 @@ _GEMMA_NORMS = {  # Gemma 2 / 3 norm both sides of attention and MLP; llama.cpp'
 _EXTRA_LAYER_NAMES = {
     "qwen3": _QK_NORMS,
     "qwen3moe": _QK_NORMS | {"ffn_gate_inp": "mlp.gate"},  # the router
+    "qwen2moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},  # the router, the shared expert and its gate
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, in HF's order
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS | _QK_NORMS,
@@ -231,7 +236,9 @@ class GGUFCheckpoint:
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
             "dtype": self._float_dtype_name(),
         }
-        if arch != "qwen2":  # Qwen2 always has q/k/v biases: its model_type says so
+        if arch == "qwen2moe":  # q/k/v biases under Qwen2-MoE's own name
+            config["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+        elif arch != "qwen2":  # Qwen2 always has q/k/v biases: its model_type says so
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
         if arch == "llama":
             config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
@@ -259,6 +266,17 @@ class GGUFCheckpoint:
                 "moe_intermediate_size": meta("expert_feed_forward_length") or int(expert_rows),
                 # llama.cpp's qwen3moe graph renormalises the top-k weights unless the file says otherwise
                 "norm_topk_prob": bool(meta("expert_weights_norm", True)),
+            }
+        if arch == "qwen2moe":
+            expert_rows = self._info("model.layers.0.mlp.experts.0.gate_proj.weight").shape[1]
+            shared_rows = self.tensor_shape("model.layers.0.mlp.shared_expert.gate_proj.weight")[0]
+            return {
+                "num_experts": meta("expert_count"),
+                "num_experts_per_tok": meta("expert_used_count"),
+                "moe_intermediate_size": meta("expert_feed_forward_length") or int(expert_rows),
+                "shared_expert_intermediate_size": meta("expert_shared_feed_forward_length") or shared_rows,
+                # llama.cpp's qwen2moe graph uses the top-k softmax weights as they are
+                "norm_topk_prob": bool(meta("expert_weights_norm", False)),
             }
         if arch == "phi3":
             fields = {"sliding_window": meta("attention.sliding_window")}
@@ -405,6 +423,8 @@ class GGUFCheckpoint:
         """The HF (torch-order) shape of a tensor, read from the header without touching its data."""
         # ggml lists dimensions fastest-moving first; torch the other way round
         shape = tuple(int(d) for d in reversed(self._info(hf_name).shape.tolist()))
+        if hf_name.endswith("mlp.shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp's {hidden}
+            shape = (1, *shape)  # HF's Linear(hidden, 1)
         return shape if self._entry(hf_name)[2] is None else shape[1:]  # one expert of a stacked tensor
 
     def quant_type(self, hf_name: str) -> str:

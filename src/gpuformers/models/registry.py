@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "qwen2": ("gpuformers.models.llama:Qwen2ForCausalLM", _CORE),
     "qwen3": ("gpuformers.models.qwen3:Qwen3ForCausalLM", _CORE),
     "qwen3_moe": ("gpuformers.models.qwen3_moe:Qwen3MoeForCausalLM", "gpuformers.models.qwen3_moe:Qwen3MoeConfig"),
+    "qwen2_moe": ("gpuformers.models.qwen2_moe:Qwen2MoeForCausalLM", "gpuformers.models.qwen2_moe:Qwen2MoeConfig"),
     "smollm3": ("gpuformers.models.smollm3:SmolLM3ForCausalLM", "gpuformers.models.smollm3:SmolLM3Config"),
     "granite": ("gpuformers.models.granite:GraniteForCausalLM", "gpuformers.models.granite:GraniteConfig"),
     "olmo2": ("gpuformers.models.olmo2:Olmo2ForCausalLM", "gpuformers.models.olmo2:Olmo2Config"),
@@ -32,6 +33,7 @@ MODEL_TYPES = {
     "gemma": ("gpuformers.models.gemma:GemmaForCausalLM", "gpuformers.models.gemma:GemmaConfig"),
     "gemma2": ("gpuformers.models.gemma:Gemma2ForCausalLM", "gpuformers.models.gemma:Gemma2Config"),
     "gemma3_text": ("gpuformers.models.gemma:Gemma3ForCausalLM", "gpuformers.models.gemma:Gemma3TextConfig"),
+    "gpt_oss": ("gpuformers.models.gpt_oss:GptOssForCausalLM", "gpuformers.models.gpt_oss:GptOssConfig"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to

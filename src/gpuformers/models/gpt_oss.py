@@ -1,0 +1,274 @@
+"""OpenAI's gpt-oss: the llama decoder with a mixture of experts in every layer, attention sinks and biases.
+
+    attention: q/k/v/o with biases; per head a learned sink logit joins each query's row of scores before the
+               softmax and is dropped after it (the row's weights then sum to less than 1):
+                   weights = softmax([q k^T * scale + mask, sink_h])[..., :-1]
+               sliding-window (sliding_window, 128) and full layers alternate (layer_types, sliding first);
+               rope is YaRN (factor 32 over 4096 positions, truncate=False) by default
+    mlp:       router: logits = x @ W^T + b; the top num_experts_per_tok logits, softmax over those alone (in
+               the logits' dtype, as transformers)
+               experts: fused tensors, x @ W (not W^T), gate and up interleaved in the columns of gate_up_proj:
+                   gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]        (tokens, 2 * intermediate)
+                   gate = min(gate_up[:, 0::2], limit); up = clamp(gate_up[:, 1::2], -limit, limit)
+                   out  = ((up + 1) * gate * sigmoid(alpha * gate)) @ down_proj[e] + down_proj_bias[e]
+               alpha = swiglu_alpha (1.702), limit = swiglu_limit (7.0)
+    norms:     RMSNorm, as llama's
+
+Checkpoints: transformers' save_pretrained writes the experts as model.layers.{i}.mlp.experts.gate_up_proj
+(experts, hidden, 2 * intermediate), gate_up_proj_bias, down_proj (experts, intermediate, hidden), down_proj_bias;
+the router as mlp.router.weight / bias; the sinks as self_attn.sinks (heads,). The Hub's releases (openai/gpt-oss-*)
+store the two expert matrices in MXFP4 instead (config.json quantization_config {"quant_method": "mxfp4"}):
+
+    {proj}_blocks  uint8 (experts, rows, cols / 32, 16)   two E2M1 codes a byte, low nibble first
+    {proj}_scales  uint8 (experts, rows, cols / 32)       E8M0: the block of 32 values is scaled by 2^(s - 127)
+
+with (rows, cols) the transposed matrix: (2 * intermediate, hidden) for gate_up_proj, (hidden, intermediate) for
+down_proj. Such a checkpoint loads into uint8 buffers under those names and is dequantized once loaded
+(GptOssForCausalLM.reset_buffers) into the dtype the rest of the model loaded in, one expert at a time; the model is
+then an ordinary one and saves unquantized, as transformers' Mxfp4Config(dequantize=True) does. Only the experts
+may be packed (transformers' rule too): a quantization_config that keeps experts unquantized is refused.
+
+Backends: sinks need a place between the scores and the softmax, so "sdpa" hands every call to "eager" (as for
+Gemma 2's soft-cap), the engine's paged backends compute them with eager (engine/paged_attention.py), and
+flash_attention_2/3, flex_attention and triton, which would drop them, are refused by name. transformers computes the
+sink softmax in the model dtype; eager here computes it in float32, so bfloat16 logits differ in rounding only.
+use_kernels=True: RMSNorm, the fused residual add and rotary are llama's and take their kernels; the router and
+experts carry no kernel_layer_name, so the SwiGLU and fused-MoE kernels (silu(gate) * up) never replace the clamped
+variant. tp_plan="auto" is refused: no plan splits the fused experts or the per-head sinks yet.
+
+Offers: GptOssConfig, GptOssRouter, GptOssExperts, GptOssMLP, GptOssAttention, GptOssDecoderLayer, GptOssForCausalLM,
+dequantize_mxfp4.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuformers.layers.moe import TopKRouter
+from gpuformers.models.config import ModelConfig
+from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer
+from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
+
+# transformers' rope for gpt-oss when config.json names none (GptOssConfig.__post_init__)
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+# E2M1 (MXFP4's element format) code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_ATTENTION_BACKENDS = ("eager", "sdpa", "paged|eager", "paged|sdpa")  # those that apply the sinks
+
+
+class GptOssConfig(ModelConfig):
+    """gpt-oss's defaults (transformers' GptOssConfig), its MoE and SwiGLU fields (in `extra`), sliding and full
+    layers alternating, YaRN rope by default, and an MXFP4 quantization_config turned into `mxfp4_experts`."""
+
+    family_defaults = {"gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                                   "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                                   "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
+                                   "rms_norm_eps": 1e-5, "attention_bias": True, "rope_theta": 150000.0,
+                                   "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+                                   "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001,
+                                   "output_router_logits": False}}
+
+    @classmethod
+    def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
+        data = super()._prepare_dict(data)
+        if not data.get("rope_parameters") and not data.get("rope_scaling"):
+            data["rope_parameters"] = dict(_DEFAULT_ROPE)
+        data["num_experts"] = data["num_local_experts"]  # the MoE forward shared with Qwen3-MoE reads num_experts
+        quantization = data.get("quantization_config")
+        if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+            # Dequantized on load (module doc): the quantization pipeline never sees it.
+            kept = [name for name in quantization.get("modules_to_not_convert") or []
+                    if fnmatch.fnmatch("model.layers.0.mlp.experts", name) or "experts" in name]
+            if kept:
+                raise NotImplementedError(f"an MXFP4 gpt-oss checkpoint whose experts are partly unquantized "
+                                          f"(modules_to_not_convert {kept}) is not supported; every layer's experts "
+                                          f"must be stored as *_blocks / *_scales")
+            del data["quantization_config"]
+            data["mxfp4_experts"] = True
+        return data
+
+    def _check_family(self) -> None:
+        # hidden_act is not read (the experts' activation is the clamped SwiGLU below), as in transformers.
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = self.extra[name]
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive number, got {value!r}")
+
+    def _fill_layer_types(self) -> None:
+        if self.layer_types is None:  # sliding first, then every other layer
+            self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for key in ("use_sliding_window", "max_window_layers", "mlp_bias", "num_experts", "mxfp4_experts"):
+            out.pop(key, None)  # not transformers' fields; the experts are saved dequantized
+        return out
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks (..., groups, 16) uint8 and scales (..., groups) uint8 -> values (..., groups * 32) in `dtype`.
+    Byte j of a block holds values 2j (low nibble) and 2j + 1 (high nibble), each an E2M1 code; the block's 32
+    values are multiplied by 2^(scale - 127). Computed in float32, which holds every such product exactly."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
+                         f"are (..., groups, 16) and scales (..., groups)")
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # (..., groups, 32), low nibble first
+    values = table[codes.long()] * torch.exp2(scales.to(torch.float32) - 127.0)[..., None]
+    return values.flatten(-2).to(dtype)
+
+
+class GptOssRouter(TopKRouter):
+    """TopKRouter with a bias, and the softmax over the chosen logits only (module doc); records its logits for
+    the aux loss as TopKRouter does."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__(hidden_size, num_experts, top_k, norm_topk_prob=True)
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, hidden) -> router logits (tokens, experts), weights (tokens, top_k), expert ids (tokens, top_k)."""
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.recorded is not None:
+            self.recorded.append(logits)
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return logits, F.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+class GptOssExperts(nn.Module):
+    """All experts of a layer as fused tensors (module doc). With packed=True (an MXFP4 checkpoint) the two matrices
+    are uint8 {proj}_blocks / {proj}_scales buffers until `unpack` turns them into the parameters."""
+
+    def __init__(self, config: ModelConfig, packed: bool = False):
+        super().__init__()
+        experts, hidden, inter = config.extra["num_local_experts"], config.hidden_size, config.intermediate_size
+        self.alpha, self.limit = config.extra["swiglu_alpha"], config.extra["swiglu_limit"]
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        # name -> the (experts, in, out) parameter's shape; packed, it is stored transposed, 32 values a block
+        self._shapes = {"gate_up_proj": (experts, hidden, 2 * inter), "down_proj": (experts, inter, hidden)}
+        for name, (_, fan_in, fan_out) in self._shapes.items():
+            if not packed:
+                setattr(self, name, nn.Parameter(torch.zeros(experts, fan_in, fan_out)))
+                continue
+            if fan_in % 32:
+                raise ValueError(f"an MXFP4 {name} needs its input size ({fan_in}) to be a multiple of 32")
+            self.register_buffer(f"{name}_blocks", torch.zeros(experts, fan_out, fan_in // 32, 16, dtype=torch.uint8))
+            self.register_buffer(f"{name}_scales", torch.zeros(experts, fan_out, fan_in // 32, dtype=torch.uint8))
+
+    @property
+    def packed(self) -> bool:
+        return "gate_up_proj_blocks" in self._buffers
+
+    def unpack(self) -> None:
+        """Dequantize the MXFP4 buffers into gate_up_proj / down_proj in the biases' dtype, on the buffers' device,
+        one expert at a time (float32 temporaries of one expert's matrix)."""
+        dtype = self.gate_up_proj_bias.dtype
+        for name, shape in self._shapes.items():
+            blocks, scales = self._buffers.pop(f"{name}_blocks"), self._buffers.pop(f"{name}_scales")
+            weight = torch.empty(shape, dtype=dtype, device=blocks.device)
+            for e in range(shape[0]):  # (out, in / 32, 16) -> (out, in) -> (in, out)
+                weight[e] = dequantize_mxfp4(blocks[e], scales[e], dtype).T
+            setattr(self, name, nn.Parameter(weight))
+
+    def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(tokens, 2 * intermediate), gate and up interleaved -> (tokens, intermediate)."""
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (tokens, hidden), the router's expert ids and weights (tokens, top_k) -> (tokens, hidden)."""
+        if self.packed:
+            raise RuntimeError("the MXFP4 experts were not dequantized: call model.reset_buffers() after loading "
+                               "their blocks and scales (from_pretrained does)")
+        out = torch.zeros_like(x)
+        # Which experts got tokens (a host sync, as in transformers): only those run, in expert order.
+        for e in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == e)
+            gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            y = self.clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        experts, hidden, inter2 = self._shapes["gate_up_proj"]
+        return (f"experts={experts}, hidden={hidden}, intermediate={inter2 // 2}, alpha={self.alpha}, "
+                f"limit={self.limit}, packed={self.packed}")
+
+
+class GptOssMLP(nn.Module):
+    """The sparse block, under transformers' names: mlp.router, mlp.experts. No kernel_layer_name (module doc)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        extra = config.extra
+        self.router = GptOssRouter(config.hidden_size, extra["num_local_experts"], extra["num_experts_per_tok"])
+        self.experts = GptOssExperts(config, packed=bool(extra.get("mxfp4_experts")))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, experts = self.router(x)
+        return self.experts(x, experts, weights).view(shape)
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (biases from attention_bias) with per-head sinks passed to the backend as `sinks`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
+
+    # The backend is stored as given and read with this layer's sinks bound, so LlamaAttention.forward passes them
+    # without knowing about them (as Gemma 2's soft-cap).
+    @property
+    def attention_fn(self):
+        return functools.partial(self._backend, sinks=self.sinks)
+
+    @attention_fn.setter
+    def attention_fn(self, fn):
+        self._backend = fn
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    attention_class = GptOssAttention
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.mlp = GptOssMLP(config)
+
+
+class GptOssForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen3-MoE's forward (router logits, aux loss with output_router_logits) over gpt-oss's layers."""
+
+    config_class = GptOssConfig
+    decoder_layer_class = GptOssDecoderLayer
+    no_split_modules = ("GptOssDecoderLayer",)
+    tp_plan_auto = None
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """As PreTrainedModel's, and MXFP4 experts (an MXFP4 checkpoint just loaded) dequantized: the model is then
+        an unquantized one, and its config says so."""
+        super().reset_buffers(device)
+        for module in self.modules():
+            if isinstance(module, GptOssExperts) and module.packed:
+                module.unpack()
+        self.config.extra.pop("mxfp4_experts", None)
+
+    def set_attn_implementation(self, name: str) -> None:
+        """As PreTrainedModel's, refusing the backends that would drop the attention sinks."""
+        if name not in _ATTENTION_BACKENDS:
+            raise NotImplementedError(f"attn_implementation={name!r} does not apply gpt-oss's attention sinks; use "
+                                      f"one of: {', '.join(_ATTENTION_BACKENDS[:2])} (sdpa runs eager for this model)")
+        super().set_attn_implementation(name)
