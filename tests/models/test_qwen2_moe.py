@@ -245,7 +245,6 @@ def test_gguf_file_matches_transformers_gguf_load(tmp_path):
     tensor) loads with transformers' config and weights, logits and greedy tokens. transformers' GGUF loader reads
     no expert sizes from the file: the tiny model keeps its defaults (1408, 5632) so that both build the same."""
     gguf = pytest.importorskip("gguf")
-    import numpy as np
     import transformers
 
     from gpuformers import AutoModelForCausalLM
