@@ -98,7 +98,7 @@ def test_registry_detection_and_the_command_line(qwen3_tokenizer):
 
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
-    with pytest.raises(ValueError, match="'r1' is not one of: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="'r1' is not one of: deepseek_r1, gpt_oss, qwen3"):
         get_reasoning_parser("r1")
     assert detect_reasoning_parser(qwen3_tokenizer) == "qwen3"  # hybrid Qwen3: the model opens the block itself
     assert detect_reasoning_parser(opening_template(qwen3_tokenizer)) == "deepseek_r1"  # the prompt opens it

@@ -59,17 +59,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over this many processes, one per GPU (started with torchrun; "
                              "default: the number of torchrun processes, else 1)")
-    from gpuformers.serving.tool_calls import TOOL_CALL_PARSERS
+    from gpuformers.serving.reasoning import REASONING_PARSERS
+    from gpuformers.serving.tool_calls import TOOL_CALL_PARSERS, load_parser_modules
+
+    load_parser_modules()  # every parser in its registry before they are listed
 
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="the format of the model's tool calls, parsed out of chat answers to requests with tools "
-                             "(default: detected from the chat template; hermes for Qwen2.5, Qwen3, Hermes)")
-    from gpuformers.serving.reasoning import REASONING_PARSERS
-
+                             "(default: detected from the chat template; hermes for Qwen2.5, Qwen3, Hermes; openai "
+                             "for gpt-oss)")
     parser.add_argument("--reasoning-parser", default=None, choices=[*sorted(REASONING_PARSERS), "none"],
                         help="split chat answers into message.reasoning_content (the <think> block) and content, e.g. "
                              "--reasoning-parser qwen3 (default: detected from the chat template: qwen3 for Qwen3, "
-                             "deepseek_r1 when the template opens the think block; none: the text as generated)")
+                             "deepseek_r1 when the template opens the think block, gpt_oss for gpt-oss's harmony "
+                             "channels; none: the text as generated)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

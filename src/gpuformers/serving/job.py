@@ -81,13 +81,16 @@ class ChoiceText:
     be: the new text plus the len(stop) - 1 characters before it. So the work per token is bounded, whatever the
     length of the answer."""
 
-    def __init__(self, tokenizer, stops: list[str], max_tokens: int, eos_ids: set[int]):
+    def __init__(self, tokenizer, stops: list[str], max_tokens: int, eos_ids: set[int],
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.max_tokens = max_tokens
         self.eos_ids = eos_ids
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        # False for a reasoning parser that reads special-token markers (gpt-oss's harmony channels)
+        self.skip_special_tokens = skip_special_tokens
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -146,8 +149,8 @@ class ChoiceText:
             # text took that token's bytes only once the character was whole): step back over such tokens, a few
             # full decodes once per answer.
             kept = self.detokenizer.num_tokens_for(len(self.text))
-            while kept > 0 and self.tokenizer.decode(self.token_ids[:kept - 1],
-                                                     skip_special_tokens=True).startswith(self.text):
+            while kept > 0 and self.tokenizer.decode(
+                    self.token_ids[:kept - 1], skip_special_tokens=self.skip_special_tokens).startswith(self.text):
                 kept -= 1
             self._kept = kept
         return self._kept
@@ -166,7 +169,13 @@ class Job:
         self.max_tokens, self.loop = max_tokens, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
-        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids) for _ in range(parsed.n)]
+        # A chat answer goes through the model's reasoning parser, if it has one: one parser per choice; a parser
+        # that reads special-token markers (harmony) gets the text decoded with them kept
+        reasoning_parser = state.reasoning_parser if parsed.chat else None
+        self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
+        skip = reasoning_parser is None or not reasoning_parser.keeps_special_tokens
+        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids, skip_special_tokens=skip)
+                        for _ in range(parsed.n)]
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = now()
         self.arrival = time.monotonic()
@@ -176,9 +185,6 @@ class Job:
         # A chat request with tools and tool_choice "auto": each choice's text goes through the model's tool-call
         # parser (the server checked that it has one)
         self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None
-        # A chat answer goes through the model's reasoning parser, if it has one: one parser per choice
-        reasoning_parser = state.reasoning_parser if parsed.chat else None
-        self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
 
     def start(self, sampling_of) -> None:
         parsed = self.parsed

@@ -16,11 +16,16 @@ dropped. Feeding the text in one piece or in any split gives the same reasoning 
 
 An answer cut inside its think block (max_tokens) is all reasoning with either parser.
 
+- gpt_oss: gpt-oss's harmony channels (analysis -> reasoning, final -> content), in harmony.py; it reads the
+  answer decoded with its special tokens kept (`keeps_special_tokens`), which job.py honours.
+
 Offers: ReasoningParser, Qwen3ReasoningParser, DeepSeekR1ReasoningParser, REASONING_PARSERS,
-register_reasoning_parser, get_reasoning_parser, detect_reasoning_parser.
+register_reasoning_parser, get_reasoning_parser, detect_reasoning_parser (and, from harmony.py, the gpt_oss parser).
 """
 
 from __future__ import annotations
+
+from gpuformers.serving.tool_calls import load_parser_modules
 
 
 class ReasoningParser:
@@ -34,6 +39,9 @@ class ReasoningParser:
     start_tag = "<think>"
     end_tag = "</think>"
     starts_inside = False  # the template opened the block: the answer begins inside it
+    # The parser reads markers that are special tokens (harmony's <|channel|>): job.py decodes the answer with
+    # them kept instead of skipped
+    keeps_special_tokens = False
 
     def __init__(self):
         self.buffer = ""  # text fed but not given out yet: a possible tag, whitespace that may touch a tag
@@ -130,18 +138,22 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    load_parser_modules()
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser {name!r} is not one of: {', '.join(sorted(REASONING_PARSERS))}")
     return REASONING_PARSERS[name]
 
 
 def detect_reasoning_parser(tokenizer) -> str | None:
-    """The parser a tokenizer's chat template implies: none unless the template mentions "<think>"; then
-    deepseek_r1 when the generation prompt it renders leaves a think block open (the model starts inside it, as
-    with DeepSeek-R1 and Qwen3-Thinking-2507), else qwen3 (the model opens the block itself, as hybrid Qwen3 does).
+    """The parser a tokenizer's chat template implies: gpt_oss when it mentions "<|channel|>" (gpt-oss's harmony
+    format); else none unless it mentions "<think>"; then deepseek_r1 when the generation prompt it renders leaves a
+    think block open (the model starts inside it, as with DeepSeek-R1 and Qwen3-Thinking-2507), else qwen3 (the
+    model opens the block itself, as hybrid Qwen3 does).
     A template that fails on the probe conversation gets qwen3, which leaves an answer without "<think>" as it is."""
     template = getattr(tokenizer, "chat_template", None)
     text = "\n".join(template.values()) if isinstance(template, dict) else template or ""
+    if "<|channel|>" in text:
+        return "gpt_oss"  # harmony.py's HarmonyReasoningParser
     if ReasoningParser.start_tag not in text:
         return None
     try:
@@ -151,3 +163,4 @@ def detect_reasoning_parser(tokenizer) -> str | None:
         return Qwen3ReasoningParser.name
     opened = prompt.rfind(ReasoningParser.start_tag) > prompt.rfind(ReasoningParser.end_tag)
     return DeepSeekR1ReasoningParser.name if opened else Qwen3ReasoningParser.name
+

@@ -154,7 +154,14 @@ class HermesToolCallParser(ToolCallParser):
         return ToolCall(call["name"], arguments)
 
 
+def load_parser_modules() -> None:
+    """The parsers defined in modules of their own register (in this registry and reasoning.py's) on import:
+    harmony.py's (gpt-oss), which builds on this module's base class and so cannot be imported by it at the top."""
+    from gpuformers.serving import harmony  # noqa: F401
+
+
 def get_tool_call_parser(name: str) -> type[ToolCallParser]:
+    load_parser_modules()
     if name not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool-call parser {name!r} is not one of: {', '.join(sorted(TOOL_CALL_PARSERS))}")
     return TOOL_CALL_PARSERS[name]
@@ -163,6 +170,7 @@ def get_tool_call_parser(name: str) -> type[ToolCallParser]:
 def detect_tool_call_parser(chat_template: str | dict | None) -> str | None:
     """The name of the parser whose format the chat template shows the model (None: no known format). A tokenizer
     with several named templates is searched in all of them."""
+    load_parser_modules()
     if not chat_template:
         return None
     text = "\n".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template
