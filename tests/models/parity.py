@@ -67,3 +67,24 @@ def assert_loss_matches_and_trains(ours, hf) -> None:
                                    hf(ids, attention_mask=mask, labels=labels).loss, atol=1e-5, rtol=0)
     ours.train()
     ours(ids, attention_mask=mask, labels=labels).loss.backward()
+
+
+def run_two_processes(worker: str, *args: str, tmp_path, timeout: int = 240) -> dict:
+    """`worker` (a script's text) under torchrun, 2 processes on gloo (CPU), given `args` and then the path its
+    process 0 writes a JSON result to, which is returned. A worker ends with gpuformers.distributed.exit_process:
+    the interpreter's own teardown aborts about one gloo process in twenty-five (see there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    script, out = tmp_path / "worker.py", tmp_path / "result.json"
+    script.write_text(worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *args, str(out)], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())

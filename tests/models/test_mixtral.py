@@ -13,6 +13,8 @@ import torch
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.models.parity import run_two_processes  # noqa: E402
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -199,6 +201,7 @@ _TP_WORKER = '''
 import json, sys
 import torch
 from gpuformers import AutoModelForCausalLM
+from gpuformers.distributed import exit_process
 
 folder, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
@@ -219,26 +222,13 @@ if torch.distributed.get_rank() == 0:
         result["saved_logits_diff"] = float((saved(ids).logits - whole(ids).logits).abs().max())
     with open(out, "w") as f:
         json.dump(result, f)
-torch.distributed.destroy_process_group()
+exit_process()
 '''
 
 
 @pytest.mark.distributed
 def test_tensor_parallel_over_two_processes_matches_the_whole_model(checkpoints, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    src = Path(__file__).resolve().parents[2] / "src"
-    (tmp_path / "worker.py").write_text(_TP_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "worker.py"), str(checkpoints["gqa"][0]), str(tmp_path / "result.json")],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_two_processes(_TP_WORKER, str(checkpoints["gqa"][0]), tmp_path=tmp_path)
     assert result["logits_diff"] < 1e-5 and result["tokens_equal"]
     assert result["w1"] == [TINY["intermediate_size"] // 2, 64] and result["w2"] == [64, TINY["intermediate_size"] // 2]
     assert result["saved_logits_diff"] == 0.0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint
-from tests.models.parity import assert_engine_matches_generate, left_padded, load
+from tests.models.parity import assert_engine_matches_generate, left_padded, load, run_two_processes
 
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -187,6 +187,7 @@ _TP_WORKER = '''
 import json, sys
 import torch
 from gpuformers import AutoModelForCausalLM
+from gpuformers.distributed import exit_process
 
 folder, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
@@ -204,26 +205,13 @@ torch.distributed.barrier()
 if torch.distributed.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(result, f)
-torch.distributed.destroy_process_group()
+exit_process()
 '''
 
 
 @pytest.mark.distributed
 def test_tensor_parallel_over_two_processes_matches_the_whole_model(checkpoints, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    src = Path(__file__).resolve().parents[2] / "src"
-    (tmp_path / "worker.py").write_text(_TP_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "worker.py"), str(checkpoints["gqa"][0]), str(tmp_path / "result.json")],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_two_processes(_TP_WORKER, str(checkpoints["gqa"][0]), tmp_path=tmp_path)
     assert result["logits_diff"] < 1e-5 and result["tokens_equal"]
     assert result["expert_gate"] == [MOE["moe_intermediate_size"] // 2, 64]
     assert result["shared_up"] == [MOE["shared_expert_intermediate_size"] // 2, 64]
