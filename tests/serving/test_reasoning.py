@@ -133,6 +133,16 @@ def test_chat_template_kwargs_are_parsed():
     assert parse_chat(chat(chat_template_kwargs=None)).chat_template_kwargs == {}
 
 
+def test_reasoning_effort_reaches_the_template_as_openai_names_it():
+    # OpenAI's top-level field (the openai client's reasoning_effort=); gpt-oss's template reads the same name.
+    assert parse_chat(chat(reasoning_effort="high")).chat_template_kwargs == {"reasoning_effort": "high"}
+    both = parse_chat(chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "x": 1}))
+    assert both.chat_template_kwargs == {"reasoning_effort": "high", "x": 1}  # the explicit template variable wins
+    with pytest.raises(APIError) as error:
+        parse_chat(chat(reasoning_effort="extreme"))
+    assert error.value.status == 400 and error.value.param == "reasoning_effort" and "'extreme'" in error.value.message
+
+
 @pytest.mark.parametrize("value, param, words", [
     ([{"enable_thinking": False}], "chat_template_kwargs", "must be an object of template variables"),
     ("enable_thinking=false", "chat_template_kwargs", "got str"),

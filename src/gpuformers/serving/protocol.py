@@ -102,7 +102,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", 
            "logprobs", "ignore_eos"} | _ADJUSTMENTS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                          "tool_choice", "chat_template_kwargs"}
+                          "tool_choice", "chat_template_kwargs", "reasoning_effort"}
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 # What the server itself gives apply_chat_template (or the template sees under these names): a request's
 # chat_template_kwargs may not set them
 _SERVER_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -345,6 +346,13 @@ def parse_chat(body: Any) -> CompletionRequest:
     request.tools = _tools(body.get("tools"))
     request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
     request.chat_template_kwargs = _chat_template_kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        # OpenAI's field; the chat template reads it under the same name (gpt-oss's does; others ignore it)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort {effort!r} is not one of: {', '.join(REASONING_EFFORTS)}",
+                           "reasoning_effort")
+        request.chat_template_kwargs = {"reasoning_effort": effort, **request.chat_template_kwargs}
     return request
 
 
