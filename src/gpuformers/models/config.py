@@ -55,6 +55,8 @@ class ModelConfig:
     }
     # Whether the family's attention rotates only part of each head (rope_parameters.partial_rotary_factor < 1).
     partial_rotary: ClassVar[bool] = False
+    # Fields of this dataclass that the family's transformers config class does not have: to_dict leaves them out.
+    absent_fields: ClassVar[tuple[str, ...]] = ()
 
     model_type: str
     vocab_size: int
@@ -311,6 +313,8 @@ class ModelConfig:
             out.pop("layer_types")
         if self.model_type == "llama":
             out.pop("sliding_window")
+        for key in self.absent_fields:
+            out.pop(key)
         # transformers 4.x reads rope_theta at the top level and rope_scaling; 5.x reads rope_parameters.
         out["rope_theta"] = self.rope_theta
         if self.rope_type != "default":

@@ -57,9 +57,7 @@ class GemmaConfig(ModelConfig):
                                  "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "pad_token_id": 0,
                                  "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True}}
     activation_field: ClassVar[str] = "hidden_act"  # where config.json names the MLP's activation
-    # ModelConfig fields that transformers' config class does not have, left out of to_dict.
-    absent_fields: ClassVar[tuple[str, ...]] = ("use_sliding_window", "max_window_layers", "sliding_window",
-                                                "layer_types")
+    absent_fields = ("use_sliding_window", "max_window_layers", "sliding_window", "layer_types")
 
     @property
     def mlp_activation(self) -> str:
@@ -78,13 +76,6 @@ class GemmaConfig(ModelConfig):
         if self.extra.get("use_bidirectional_attention"):
             raise NotImplementedError(f"use_bidirectional_attention=True ({self.model_type}, as in EmbeddingGemma) is "
                                       f"not supported: gpuformers runs causal LMs; set it to false or null")
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        for key in self.absent_fields:
-            out.pop(key)
-        return out
-
 
 class Gemma2Config(GemmaConfig):
     """Gemma's, with the MLP's activation in hidden_activation, query_pre_attn_scalar and the soft-caps (all in

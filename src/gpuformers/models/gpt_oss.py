@@ -74,6 +74,7 @@ class GptOssConfig(ModelConfig):
                                    "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
                                    "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001,
                                    "output_router_logits": False}}
+    absent_fields = ("use_sliding_window", "max_window_layers", "mlp_bias")
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -108,8 +109,8 @@ class GptOssConfig(ModelConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("use_sliding_window", "max_window_layers", "mlp_bias", "num_experts", "mxfp4_experts"):
-            out.pop(key, None)  # not transformers' fields; the experts are saved dequantized
+        for key in ("num_experts", "mxfp4_experts"):
+            out.pop(key, None)  # our own `extra` entries, when present; the experts are saved dequantized
         return out
 
 

@@ -15,7 +15,6 @@ Offers: GraniteConfig, GraniteAttention, GraniteDecoderLayer, GraniteModel, Gran
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -31,12 +30,8 @@ class GraniteConfig(ModelConfig):
     family_defaults = {"granite": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048,
                                    "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
                                    "attention_multiplier": 1.0}}
+    absent_fields = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
-            out.pop(key)  # fields transformers' GraniteConfig does not have
-        return out
 
 
 class GraniteAttention(LlamaAttention):

@@ -44,6 +44,7 @@ class MixtralConfig(ModelConfig):
                                    "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8,
                                    "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
                                    "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}}
+    absent_fields = ("use_sliding_window", "max_window_layers", "layer_types")
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +57,6 @@ class MixtralConfig(ModelConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("use_sliding_window", "max_window_layers", "layer_types"):
-            out.pop(key)
         out.pop("num_experts")  # read as num_local_experts, its transformers name
         return out
 

@@ -15,7 +15,6 @@ Offers: Olmo2Config, Olmo2RMSNorm, Olmo2Attention, Olmo2DecoderLayer, Olmo2ForCa
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -30,12 +29,8 @@ class Olmo2Config(ModelConfig):
 
     family_defaults = {"olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1,
                                  "eos_token_id": 50279}}
+    absent_fields = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
-            out.pop(key)  # fields transformers' Olmo2Config does not have
-        return out
 
 
 class Olmo2RMSNorm(RMSNorm):

@@ -44,6 +44,7 @@ class Phi3Config(ModelConfig):
                                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                                 "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0}}
     partial_rotary = True
+    absent_fields = ("use_sliding_window", "max_window_layers", "layer_types")
 
     def _fill_layer_types(self) -> None:
         self._slide_every_layer()
@@ -61,8 +62,6 @@ class Phi3Config(ModelConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("use_sliding_window", "max_window_layers", "layer_types"):
-            out.pop(key)
         # Phi3Config reads partial_rotary_factor at the top level, and transformers 4.x takes a rope_scaling of
         # exactly type, short_factor and long_factor.
         out["partial_rotary_factor"] = self.rope_parameters.get("partial_rotary_factor", 1.0)

@@ -9,7 +9,6 @@ Offers: SmolLM3Config, SmolLM3Attention, SmolLM3DecoderLayer, SmolLM3ForCausalLM
 
 from __future__ import annotations
 
-from typing import Any
 
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -21,6 +20,7 @@ class SmolLM3Config(ModelConfig):
     family_defaults = {"smollm3": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
                                    "rope_theta": 2000000.0, "tie_word_embeddings": True, "bos_token_id": 128000,
                                    "eos_token_id": 128001, "pad_token_id": 128004, "no_rope_layer_interval": 4}}
+    absent_fields = ("max_window_layers",)
 
     def _fill_layer_types(self) -> None:
         """As transformers does: a NoPE layer every no_rope_layer_interval layers unless no_rope_layers says
@@ -41,10 +41,6 @@ class SmolLM3Config(ModelConfig):
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null; set sliding_window")
 
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out.pop("max_window_layers")
-        return out
 
 
 class SmolLM3Attention(LlamaAttention):
