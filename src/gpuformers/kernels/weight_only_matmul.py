@@ -24,7 +24,7 @@ get no gradient (QLoRA trains adapters beside the layer). Under torch.compile we
 torch.library op gpuformers::weight_only_matmul (registered on import of this file) instead of its autograd.Function.
 
 Offers: weight_only_matmul, weight_only_matmul_forward, weight_only_matmul_reference, MatmulConfig, choose_config,
-kernel_fits, WeightOnlyMatmulFunction.
+kernel_fits, sum_split_k, WeightOnlyMatmulFunction.
 """
 
 from __future__ import annotations
@@ -229,11 +229,16 @@ def weight_only_matmul_forward(x: torch.Tensor, qweight: torch.Tensor, scales: t
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if config.split_k > 1:
-        total = out.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y2.copy_(total)
+        sum_split_k(out, y2, bias)
     return y
+
+
+def sum_split_k(partials: torch.Tensor, y2: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A split-K launch's float32 partial sums (split_k, m, n), added up (with the bias) into y2 (m, n)."""
+    total = partials.sum(0)
+    if bias is not None:
+        total += bias.float()
+    y2.copy_(total)
 
 
 def weight_only_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

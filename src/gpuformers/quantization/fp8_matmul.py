@@ -35,7 +35,7 @@ from torch.library import custom_op
 
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision
 from gpuformers.kernels.ops import NAMESPACE
-from gpuformers.kernels.weight_only_matmul import MatmulConfig, choose_config
+from gpuformers.kernels.weight_only_matmul import MatmulConfig, choose_config, sum_split_k
 from gpuformers.kernels.weight_only_matmul import kernel_fits as _block_k_fits
 from gpuformers.quantization.fp8 import dequantize_fp8_weight, scale_grid
 
@@ -126,10 +126,7 @@ def fp8_matmul_forward(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
         PRECISION=dot_precision(x.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if config.split_k > 1:
-        total = out.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y2.copy_(total)
+        sum_split_k(out, y2, bias)
     return y
 
 
