@@ -88,3 +88,20 @@ def run_two_processes(worker: str, *args: str, tmp_path, timeout: int = 240) -> 
                            str(script), *args, str(out)], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def count_fused_moe_calls(monkeypatch) -> list[int]:
+    """Skip unless the Triton kernels run here (the interpreter on the CPU); else spy on the fused MoE kernel and
+    return the list each of its calls appends its token count to."""
+    import pytest
+
+    import gpuformers.kernels.moe as moe_kernels
+    from gpuformers.kernels.mapping import kernels_available
+
+    available, why = kernels_available("cpu")
+    if not available:
+        pytest.skip(f"Triton kernels cannot run here: {why}")
+    calls: list[int] = []
+    original = moe_kernels.fused_moe_forward
+    monkeypatch.setattr(moe_kernels, "fused_moe_forward", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    return calls

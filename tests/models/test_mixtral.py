@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.models.parity import run_two_processes  # noqa: E402
+from tests.models.parity import assert_engine_matches_generate, count_fused_moe_calls, run_two_processes  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
@@ -159,25 +159,12 @@ def test_saved_checkpoint_has_the_hub_layout_and_loads_in_transformers(checkpoin
 
 def test_engine_matches_generate(checkpoints):
     model = _load(checkpoints["window-tied-top1"][0])
-    prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77, 12, 9], [11]]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-                .tolist() for p in prompts]
-    outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                                   num_blocks=16)
-    assert [r.generated_tokens for r in outputs.values()] == expected
+    assert_engine_matches_generate(model, [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77, 12, 9], [11]])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test; on a GPU tests/kernels runs the kernel")
 def test_use_kernels_runs_the_fused_moe_kernel_with_the_same_logits(checkpoints, monkeypatch):
-    import gpuformers.kernels.moe as moe_kernels
-    from gpuformers.kernels.mapping import kernels_available
-
-    available, why = kernels_available("cpu")
-    if not available:
-        pytest.skip(f"Triton kernels cannot run here: {why}")
-    calls = []
-    original = moe_kernels.fused_moe_forward
-    monkeypatch.setattr(moe_kernels, "fused_moe_forward", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    calls = count_fused_moe_calls(monkeypatch)
     folder, hf = checkpoints["gqa"]
     fast = _load(folder, use_kernels=True)
     ids = _batch()[0]

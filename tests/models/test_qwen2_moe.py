@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint
-from tests.models.parity import assert_engine_matches_generate, left_padded, load, run_two_processes
+from tests.models.parity import (assert_engine_matches_generate, count_fused_moe_calls, left_padded, load,
+                                 run_two_processes)
 
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -153,15 +154,7 @@ def test_engine_matches_generate(checkpoints):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test; on a GPU tests/kernels runs the kernel")
 def test_use_kernels_runs_the_fused_routed_experts_and_adds_the_shared_expert(checkpoints, monkeypatch):
-    import gpuformers.kernels.moe as moe_kernels
-    from gpuformers.kernels.mapping import kernels_available
-
-    available, why = kernels_available("cpu")
-    if not available:
-        pytest.skip(f"Triton kernels cannot run here: {why}")
-    calls = []
-    original = moe_kernels.fused_moe_forward
-    monkeypatch.setattr(moe_kernels, "fused_moe_forward", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    calls = count_fused_moe_calls(monkeypatch)
     folder, hf = checkpoints["gqa"]
     fast = load(folder, use_kernels=True)
     ids = left_padded(seq=12)[0]
