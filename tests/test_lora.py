@@ -262,7 +262,6 @@ def test_trainer_resumes_a_lora_run(checkpoint, tmp_path):
     (dict(r=0), ValueError, ["r=0", "positive integer"]),
     (dict(bias="all"), NotImplementedError, ["bias='all'", 'bias="none"']),
     (dict(lora_dropout=1.5), ValueError, ["lora_dropout=1.5"]),
-    (dict(use_dora=True), NotImplementedError, ["DoRA"]),
     (dict(fan_in_fan_out=True), NotImplementedError, ["fan_in_fan_out=True"]),
     (dict(modules_to_save="lm_head"), ValueError, ["modules_to_save='lm_head'", '["lm_head", "embed_tokens"]']),
 ])

@@ -9,6 +9,9 @@ WeightOnlyLinear) is wrapped in a LoraLinear that adds a low-rank update to its 
 
     scaling = lora_alpha / r        (lora_alpha / sqrt(r) with use_rslora)
 
+With use_dora=True (DoRA, dora.py) a plain nn.Linear target becomes a DoraLinear: the weight W + scaling * B @ A
+is rescaled row by row to a trained magnitude vector, as peft's DoRA does.
+
 The wrapper nests like peft's: PeftModel.base_model is a LoraModel, LoraModel.model is the user's model. So a
 LoRA parameter's name is `base_model.model.<module>.lora_A.weight`, which is the key peft writes to
 adapter_model.safetensors (peft drops its adapter name, "default", from the saved key; we have one adapter and
@@ -23,15 +26,16 @@ runs in its place. The copy is saved under the module's own name (`base_model.mo
 and is what merge_and_unload() and unload() leave in the model. On a model whose head is tied to its embeddings,
 each copy trains apart (peft warns), unless ensure_weight_tying=True makes the head's copy the embedding's.
 
-Not here yet (each raises NotImplementedError naming it): bias other than "none", DoRA, LoRA on embedding layers
+Not here yet (each raises NotImplementedError naming it): bias other than "none", DoRA over quantized layers, LoRA on embedding layers
 (so ensure_weight_tying with a tied layer in target_modules), nested modules_to_save, several adapters on one
 model, rank/alpha patterns and the other peft extras.
 
-Offers: LoraConfig, LoraLinear, ModulesToSaveWrapper, LoraModel, PeftModel (alias PeftModelForCausalLM),
+Offers: LoraConfig, LoraLinear, DoraLinear, ModulesToSaveWrapper, LoraModel, PeftModel (alias PeftModelForCausalLM),
 get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict, prepare_model_for_kbit_training.
 """
 
 from gpuformers.lora.config import LoraConfig
+from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.layers import LoraLinear, LoraModel
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import (
@@ -43,5 +47,5 @@ from gpuformers.lora.peft_model import (
     set_peft_model_state_dict,
 )
 
-__all__ = ["LoraConfig", "LoraLinear", "LoraModel", "ModulesToSaveWrapper", "PeftModel", "PeftModelForCausalLM",
+__all__ = ["DoraLinear", "LoraConfig", "LoraLinear", "LoraModel", "ModulesToSaveWrapper", "PeftModel", "PeftModelForCausalLM",
            "get_peft_model", "get_peft_model_state_dict", "prepare_model_for_kbit_training", "set_peft_model_state_dict"]

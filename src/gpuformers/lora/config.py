@@ -16,7 +16,7 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what peft wrote with safe_serialization=False
 ALL_LINEAR = "all-linear"
-_LORA_PARTS = (".lora_A.", ".lora_B.")
+_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector")  # in the names of trained adapter tensors
 # peft's names for the layers tied in language models (peft.utils.constants.EMBEDDING_LAYER_NAMES): a
 # modules_to_save or target_modules entry ending in one of them asks about weight tying.
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
@@ -98,8 +98,6 @@ class LoraConfig:
         if self.fan_in_fan_out:
             raise NotImplementedError("fan_in_fan_out=True (GPT-2 style Conv1D weights) is not supported: "
                                       "gpuformers' layers are nn.Linear; use fan_in_fan_out=False")
-        if self.use_dora:
-            raise NotImplementedError("use_dora=True (DoRA) is not supported yet; use plain LoRA (use_dora=False)")
         targets = self.target_modules
         if isinstance(targets, (set, frozenset, tuple)):
             targets = sorted(targets)  # peft stores a set; a sorted list writes the same file every time

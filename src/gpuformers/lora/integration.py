@@ -201,11 +201,16 @@ class PeftAdapterMixin:
         return [m for m in self.modules() if isinstance(m, (LoraLinear, ModulesToSaveWrapper))]
 
     def _set_lora_requires_grad(self, requires_grad: bool) -> None:
-        """The adapter's weights (lora_A, lora_B, the modules_to_save copies) train or not; the base never."""
+        """The adapter's weights (lora_A, lora_B, DoRA's magnitude, the modules_to_save copies) train or not; the
+        base never."""
         for module in self._adapter_modules():
-            trained = (module.lora_A, module.lora_B) if isinstance(module, LoraLinear) else (module.modules_to_save,)
+            if isinstance(module, LoraLinear):
+                trained = (module.lora_A, module.lora_B, getattr(module, "lora_magnitude_vector", None))
+            else:
+                trained = (module.modules_to_save,)
             for part in trained:
-                part.requires_grad_(requires_grad)
+                if part is not None:
+                    part.requires_grad_(requires_grad)
 
 
 def _take_out(wrapper: PeftModel) -> None:

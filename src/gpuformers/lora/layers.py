@@ -9,6 +9,8 @@ WeightOnlyLinear). Over a quantized layer the LoRA layer does what peft's bitsan
     forward           base_layer(x) + (B(A(dropout(x in the adapters' dtype))) * scaling in the output's dtype)
     merge / unmerge   dequantize, add (subtract) B @ A * scaling, quantize again: lossy, as peft's
 
+With use_dora=True the layers are dora.py's DoraLinear, a LoraLinear with DoRA's trained magnitude (nn.Linear only).
+
 Offers: LoraLinear, LoraModel, quantized_linear_types.
 """
 
@@ -192,8 +194,16 @@ class LoraModel(nn.Module):
                     f"and, for QLoRA, its own quantized linear layers (bitsandbytes 4-bit / 8-bit as loaded with "
                     f"quantization_config, WeightOnlyLinear) only; "
                     f"choose target_modules among the model's linear layers")
+            if config.use_dora and type(module) is not nn.Linear:
+                raise NotImplementedError(
+                    f"DoRA (use_dora=True) on {name} ({type(module).__name__}) is not supported: gpuformers' DoRA "
+                    f"wraps unquantized torch.nn.Linear layers only; load the model without quantization_config, "
+                    f"or use plain LoRA (use_dora=False)")
+        from gpuformers.lora.dora import DoraLinear  # here: dora.py builds on this module's LoraLinear
+
+        layer_class = DoraLinear if config.use_dora else LoraLinear
         for name in names:
-            _replace(model, name, LoraLinear(model.get_submodule(name), config, autocast_adapter_dtype))
+            _replace(model, name, layer_class(model.get_submodule(name), config, autocast_adapter_dtype))
         for name in to_save:
             _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name)))
         if to_tie:  # after the embedding's wrapper: the tied modules share its copy's weight

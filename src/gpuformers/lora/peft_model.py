@@ -122,8 +122,8 @@ class PeftModel(nn.Module):
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
                          adapter_names: list[str] | None = None) -> nn.Module:
-        """Add each B @ A * scaling to its base weight and return the plain model (LoRA layers gone); each
-        modules_to_save module is its trained copy."""
+        """Add each B @ A * scaling to its base weight (DoRA: and rescale its rows to the magnitude) and return the
+        plain model (LoRA layers gone); each modules_to_save module is its trained copy."""
         _check_adapter_names(self, adapter_names)
         return self.base_model._restore(merge=True, safe_merge=safe_merge)
 
@@ -209,8 +209,8 @@ def _check_adapter_names(model: PeftModel, names: list[str] | None) -> None:
 
 def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",
                    autocast_adapter_dtype: bool = True) -> PeftModel:
-    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B and the copies of the
-    modules_to_save train."""
+    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B (and DoRA's magnitude) and the
+    copies of the modules_to_save train."""
     return PeftModel(model, peft_config, adapter_name, autocast_adapter_dtype)
 
 
