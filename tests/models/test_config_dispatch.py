@@ -15,7 +15,7 @@ FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "Mo
                   "qwen3_moe": "Qwen3MoeConfig", "smollm3": "SmolLM3Config", "granite": "GraniteConfig",
                   "olmo2": "Olmo2Config", "mixtral": "MixtralConfig", "phi3": "Phi3Config", "gemma": "GemmaConfig",
                   "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "gpt_oss": "GptOssConfig"}
+                  "gpt_oss": "GptOssConfig", "olmoe": "OlmoeConfig", "glm": "Glm4Config", "glm4": "Glm4Config"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CLASSES))

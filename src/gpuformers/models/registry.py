@@ -34,6 +34,9 @@ MODEL_TYPES = {
     "gemma2": ("gpuformers.models.gemma:Gemma2ForCausalLM", "gpuformers.models.gemma:Gemma2Config"),
     "gemma3_text": ("gpuformers.models.gemma:Gemma3ForCausalLM", "gpuformers.models.gemma:Gemma3TextConfig"),
     "gpt_oss": ("gpuformers.models.gpt_oss:GptOssForCausalLM", "gpuformers.models.gpt_oss:GptOssConfig"),
+    "glm": ("gpuformers.models.glm4:GlmForCausalLM", "gpuformers.models.glm4:Glm4Config"),
+    "glm4": ("gpuformers.models.glm4:Glm4ForCausalLM", "gpuformers.models.glm4:Glm4Config"),
+    "olmoe": ("gpuformers.models.olmoe:OlmoeForCausalLM", "gpuformers.models.olmoe:OlmoeConfig"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to
