@@ -105,3 +105,13 @@ def count_fused_moe_calls(monkeypatch) -> list[int]:
     original = moe_kernels.fused_moe_forward
     monkeypatch.setattr(moe_kernels, "fused_moe_forward", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     return calls
+
+
+def assert_expert_grads_match(experts, stacked_grad: torch.Tensor, gate: str = "gate_proj",
+                              up: str = "up_proj") -> None:
+    """Our per-expert gate / up Linears' gradients against transformers' stacked gate_up_proj gradient (experts,
+    2 * intermediate, hidden): gate rows, then up rows. An expert no token reached has no gradient: zeros."""
+    for e, expert in enumerate(experts):
+        weights = [getattr(expert, name).weight for name in (gate, up)]
+        grads = [w.grad if w.grad is not None else torch.zeros_like(w) for w in weights]
+        torch.testing.assert_close(torch.cat(grads), stacked_grad[e], atol=1e-6, rtol=1e-5)

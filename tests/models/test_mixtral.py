@@ -13,7 +13,8 @@ import torch
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.models.parity import assert_engine_matches_generate, count_fused_moe_calls, run_two_processes  # noqa: E402
+from tests.models.parity import (  # noqa: E402
+    assert_engine_matches_generate, assert_expert_grads_match, count_fused_moe_calls, run_two_processes)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
@@ -114,12 +115,8 @@ def test_aux_loss_router_logits_and_gradients_match_transformers(tmp_path):
         moe = layer.block_sparse_moe
         torch.testing.assert_close(moe.gate.weight.grad, hf_params[f"model.layers.{i}.mlp.gate.weight"].grad,
                                    atol=1e-6, rtol=1e-5)
-        # transformers stacks the experts: (experts, 2 * intermediate, hidden) = w1 rows then w3 rows
-        gate_up = hf_params[f"model.layers.{i}.mlp.experts.gate_up_proj"].grad
-        for e, expert in enumerate(moe.experts):
-            ours_grad = torch.cat([g if g is not None else torch.zeros_like(w) for g, w in (
-                (expert.w1.weight.grad, expert.w1.weight), (expert.w3.weight.grad, expert.w3.weight))])
-            torch.testing.assert_close(ours_grad, gate_up[e], atol=1e-6, rtol=1e-5)
+        assert_expert_grads_match(moe.experts, hf_params[f"model.layers.{i}.mlp.experts.gate_up_proj"].grad,
+                                  gate="w1", up="w3")
 
 
 def test_router_jitter_noise_in_training_only(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint
-from tests.models.parity import assert_engine_matches_generate, count_fused_moe_calls, left_padded, load
+from tests.models.parity import (assert_engine_matches_generate, assert_expert_grads_match, count_fused_moe_calls,
+                                 left_padded, load)
 
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -145,12 +146,9 @@ def test_aux_loss_router_logits_and_gradients_match_transformers(tmp_path):
     for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight",
                  "model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.v_proj.weight"):
         torch.testing.assert_close(ours_params[name].grad, hf_params[name].grad, atol=1e-6, rtol=1e-5)
-    # transformers stacks the experts: (experts, 2 * intermediate, hidden) = gate_proj rows then up_proj rows
-    gate_up = hf_params["model.layers.1.mlp.experts.gate_up_proj"].grad
-    for e, expert in enumerate(ours.model.layers[1].mlp.experts):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                 for p in (expert.gate_proj.weight, expert.up_proj.weight)]
-        torch.testing.assert_close(torch.cat(grads), gate_up[e], atol=1e-6, rtol=1e-5)
+    # transformers stacks the experts: (experts, 2 * intermediate, hidden)
+    assert_expert_grads_match(ours.model.layers[1].mlp.experts,
+                              hf_params["model.layers.1.mlp.experts.gate_up_proj"].grad)
 
 
 def test_saved_checkpoint_has_the_hub_layout_and_loads_in_transformers(checkpoints, tmp_path):
