@@ -1,6 +1,7 @@
 """load_best_model_at_end, metric_for_best_model and EarlyStoppingCallback: the same best checkpoint, the same stop
 step and the same weights at the end as transformers' Trainer on the same data; the best checkpoint survives the
-rotation and a resume; the argument checks transformers makes.
+rotation and a resume, the early-stopping count too (saved in transformers' "stateful_callbacks" shape); the argument
+checks transformers makes.
 
 The data makes the best evaluation fall mid-run: the eval rows alternate 5 9 5 9 ..., the first 8 training rows
 (steps 1-2, batches of 4 in order) too, the rest repeat 5 (after a 5 comes a 5, not a 9). The eval loss falls until
@@ -24,7 +25,8 @@ import torch
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import (DataCollatorForCausalLM, EarlyStoppingCallback, Trainer, TrainerCallback,
                                  TrainingArguments)
-from gpuformers.training.callbacks import TrainerControl, TrainerState
+from gpuformers.training.callbacks import (TrainerControl, TrainerState, callback_states,
+                                          restore_callback_states)
 from tests.training.helpers import tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,6 +128,98 @@ def test_resume_keeps_the_best_checkpoint_and_loads_it_at_the_end(runs, tiny_che
     best = AutoModelForCausalLM.from_pretrained(out / "ours" / "checkpoint-3", progress=False).state_dict()
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(value, best[name]), name
+
+
+class StopAt(TrainerCallback):
+    """Ends the run after `step` (its evaluation and checkpoint included), as an interruption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop |= state.global_step == self.step
+
+
+def test_a_resumed_run_stops_early_at_the_step_an_uninterrupted_run_stops_at(runs, tiny_checkpoint, tmp_path):
+    _, uninterrupted, _ = runs
+    # stopped after step 4, one evaluation worse than step 3's: checkpoint-4 records the patience count 1
+    _ours(tiny_checkpoint, tmp_path, [EarlyStoppingCallback(early_stopping_patience=2), StopAt(4)]).train()
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == {
+        "early_stopping_patience_counter": 1}
+    # By default (transformers' too) the callbacks start afresh: the count restarts at 0 and the run goes on to
+    # step 6. restore_callback_states_from_checkpoint=True takes the count back (and the saved patience, over the 5
+    # given now): step 5's evaluation is the second worse one in a row, so it stops there, as the uninterrupted run.
+    for restore, stop in ((False, 6), (True, 5)):
+        callback = EarlyStoppingCallback(early_stopping_patience=2 if not restore else 5)
+        resumed = _ours(tiny_checkpoint, tmp_path / str(restore), [callback],
+                        restore_callback_states_from_checkpoint=restore)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+        assert resumed.state.global_step == stop, restore
+        assert callback.early_stopping_patience_counter == 2 and callback.early_stopping_patience == 2
+    assert uninterrupted.state.global_step == 5
+    assert _evals(resumed) == pytest.approx(_evals(uninterrupted), rel=1e-5)
+
+
+def test_a_second_train_call_trains_again_after_a_stop(tiny_checkpoint, tmp_path):
+    """As transformers' on_train_begin: the stop asked during the first train() does not end the second at once."""
+    stop = StopAt(2)
+    trainer = _ours(tiny_checkpoint, tmp_path, [stop], load_best_model_at_end=False, eval_strategy="no",
+                    save_strategy="no")
+    trainer.train()
+    assert trainer.state.global_step == 2
+    trainer.remove_callback(stop)
+    trainer.train()
+    assert trainer.state.global_step == 8
+
+
+def test_callback_states_are_saved_as_transformers_saves_them(runs):
+    """Each checkpoint's trainer_state.json has transformers' "stateful_callbacks" entry, key for key, and
+    transformers reads the file; transformers' callback restores itself from ours, and ours from transformers'."""
+    import transformers
+
+    _, _, out = runs
+    for step in (3, 5):
+        ours_path, theirs_path = (out / run / f"checkpoint-{step}" / "trainer_state.json" for run in ("ours", "hf"))
+        ours, theirs = TrainerState.load_from_json(ours_path), TrainerState.load_from_json(theirs_path)
+        # transformers' Trainer reads the whole file (its TrainerState takes no unknown key)
+        assert transformers.TrainerState.load_from_json(ours_path).stateful_callbacks == ours.stateful_callbacks
+        assert set(ours.stateful_callbacks) == set(theirs.stateful_callbacks) == {"EarlyStoppingCallback",
+                                                                                   "TrainerControl"}
+        assert ours.stateful_callbacks["EarlyStoppingCallback"] == theirs.stateful_callbacks["EarlyStoppingCallback"]
+        assert ours.stateful_callbacks["EarlyStoppingCallback"]["attributes"] == {
+            "early_stopping_patience_counter": {3: 0, 5: 2}[step]}
+        # the same keys; should_log and should_evaluate differ (transformers' handler clears them in on_log and
+        # on_evaluate, ours after the save), which no resume reads
+        ours_control, theirs_control = (s.stateful_callbacks["TrainerControl"] for s in (ours, theirs))
+        assert {k: set(v) for k, v in ours_control.items()} == {k: set(v) for k, v in theirs_control.items()}
+        for flag in ("should_training_stop", "should_epoch_stop", "should_save"):
+            assert ours_control["args"][flag] == theirs_control["args"][flag], flag
+        restored = transformers.EarlyStoppingCallback.from_state(ours.stateful_callbacks["EarlyStoppingCallback"])
+        assert restored.early_stopping_patience_counter == {3: 0, 5: 2}[step]
+        control = transformers.TrainerControl.from_state(ours.stateful_callbacks["TrainerControl"])
+        assert control.should_training_stop == (step == 5)
+        callback = EarlyStoppingCallback(early_stopping_patience=2)
+        restore_callback_states([callback, TrainerCallback()], theirs.stateful_callbacks)
+        assert callback.early_stopping_patience_counter == {3: 0, 5: 2}[step]
+
+
+def test_callback_states_of_several_callbacks_of_one_class_and_of_absent_ones(caplog):
+    first, second = EarlyStoppingCallback(3), EarlyStoppingCallback(4)
+    first.early_stopping_patience_counter, second.early_stopping_patience_counter = 1, 2
+    states = callback_states([first, TrainerCallback(), second, TrainerControl(should_training_stop=True)])
+    assert [entry["attributes"] for entry in states["EarlyStoppingCallback"]] == [
+        {"early_stopping_patience_counter": 1}, {"early_stopping_patience_counter": 2}]
+    assert states["TrainerControl"] == {"args": {"should_training_stop": True, "should_epoch_stop": False,
+                                                 "should_save": False, "should_evaluate": False,
+                                                 "should_log": False}, "attributes": {}}
+    again = [EarlyStoppingCallback(5), EarlyStoppingCallback(6)]
+    restore_callback_states(again, {**states, "SomeoneElsesCallback": {"args": {}, "attributes": {"n": 1}}})
+    # the saved patience and counts come back in order, as transformers' rebuilt callbacks would have them
+    assert [(c.early_stopping_patience, c.early_stopping_patience_counter) for c in again] == [(3, 1), (4, 2)]
+    rebuilt = EarlyStoppingCallback.from_state(states["EarlyStoppingCallback"][1])  # transformers' way: all of it
+    assert (rebuilt.early_stopping_patience, rebuilt.early_stopping_patience_counter) == (4, 2)
+    assert "SomeoneElsesCallback (ignored)" in caplog.text
 
 
 def test_save_total_limit_1_keeps_only_the_best_checkpoint_at_the_end(tiny_checkpoint, tmp_path):

@@ -3,12 +3,13 @@
     from gpuformers.training import Trainer, TrainingArguments
 
 Offers: TrainingArguments, Trainer, TrainerCallback, TrainerState, TrainerControl, EarlyStoppingCallback,
-DataCollatorForCausalLM, DataCollatorForLanguageModeling, PackedCollator, tokenize_chat, tokenize_text,
-get_last_checkpoint.
+ExportableState, DataCollatorForCausalLM, DataCollatorForLanguageModeling, PackedCollator, tokenize_chat,
+tokenize_text, get_last_checkpoint.
 """
 
 from gpuformers.training.arguments import TrainingArguments
-from gpuformers.training.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
+from gpuformers.training.callbacks import (EarlyStoppingCallback, ExportableState, TrainerCallback, TrainerControl,
+                                          TrainerState)
 from gpuformers.training.checkpoint import get_last_checkpoint
 from gpuformers.training.data import (DataCollatorForCausalLM, DataCollatorForLanguageModeling, tokenize_chat,
                                       tokenize_text)
@@ -16,5 +17,5 @@ from gpuformers.training.packing import PackedCollator
 from gpuformers.training.trainer import Trainer, TrainOutput
 
 __all__ = ["TrainingArguments", "Trainer", "TrainOutput", "TrainerCallback", "TrainerControl", "TrainerState",
-           "EarlyStoppingCallback", "DataCollatorForCausalLM", "DataCollatorForLanguageModeling", "PackedCollator",
-           "tokenize_chat", "tokenize_text", "get_last_checkpoint"]
+           "EarlyStoppingCallback", "ExportableState", "DataCollatorForCausalLM", "DataCollatorForLanguageModeling",
+           "PackedCollator", "tokenize_chat", "tokenize_text", "get_last_checkpoint"]

@@ -107,6 +107,7 @@ class TrainingArguments:
     metric_for_best_model: str | None = None  # an evaluate() key, "eval_" optional; "loss" with load_best_model_at_end
     greater_is_better: bool | None = None  # default: False for a metric ending in "loss", True otherwise
     ignore_data_skip: bool = False
+    restore_callback_states_from_checkpoint: bool = False  # a resume restores stateful callbacks (early stopping)
     seed: int = 42
     data_seed: int | None = None
     use_cpu: bool = False

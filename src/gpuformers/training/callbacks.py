@@ -5,8 +5,20 @@ A callback subclasses TrainerCallback and overrides any of the hooks below; each
 processing_class, and `logs` (on_log) or `metrics` (on_evaluate / on_predict). A hook may return a
 TrainerControl (or set fields of the one it got) to ask for a log, save, evaluation or stop.
 
-Offers: TrainerState, TrainerControl, TrainerCallback, CallbackHandler, EarlyStoppingCallback, ProgressCallback,
-JSONLLoggerCallback, TensorBoardCallback, PrinterCallback.
+A callback that is an ExportableState (EarlyStoppingCallback, TrainerControl; transformers' too) has its state()
+written into each checkpoint's trainer_state.json under "stateful_callbacks", in transformers' shape:
+
+    "stateful_callbacks": {"EarlyStoppingCallback": {"args": {"early_stopping_patience": 2, ...},
+                                                     "attributes": {"early_stopping_patience_counter": 1}},
+                           "TrainerControl": {"args": {"should_training_stop": false, ...}, "attributes": {}}}
+
+(a list of such entries when several callbacks share a class). With restore_callback_states_from_checkpoint=True
+(default False, as in transformers) a resume sets the saved arguments and attributes back on the callbacks of the
+same class, so that a resumed run stops early where an uninterrupted one does; else they start afresh.
+
+Offers: TrainerState, TrainerControl, TrainerCallback, ExportableState, CallbackHandler, EarlyStoppingCallback,
+ProgressCallback, JSONLLoggerCallback, TensorBoardCallback, PrinterCallback, callback_states,
+restore_callback_states.
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ HOOKS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_
 
 @dataclass
 class TrainerState:
-    """What a checkpoint's trainer_state.json holds: where training is and what it logged so far."""
+    """What a checkpoint's trainer_state.json holds: where training is and what it logged so far. Its fields are
+    transformers' (a resume derives the data position from global_step), so transformers reads the file too."""
 
     epoch: float = 0.0
     global_step: int = 0
@@ -45,9 +58,8 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
-    # Data position, so that a resume knows which batch comes next (also derivable from global_step).
-    epochs_completed: int = 0
-    steps_in_epoch_completed: int = 0
+    # class name -> ExportableState.state() (or a list of them), written at each save: see the module docstring
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
 
     def save_to_json(self, path: str | os.PathLike) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -61,8 +73,24 @@ class TrainerState:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+class ExportableState:
+    """A callback whose state a checkpoint keeps: state() returns {"args": the constructor's keyword arguments,
+    "attributes": what changed since}, plain JSON values (transformers' ExportableState, the same contract)."""
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__} is an ExportableState and must define state(), returning "
+                                  '{"args": {...}, "attributes": {...}}')
+
+    @classmethod
+    def from_state(cls, state: dict[str, dict[str, Any]]):
+        instance = cls(**state["args"])
+        for name, value in state["attributes"].items():
+            setattr(instance, name, value)
+        return instance
+
+
 @dataclass
-class TrainerControl:
+class TrainerControl(ExportableState):
     should_training_stop: bool = False
     should_epoch_stop: bool = False
     should_save: bool = False
@@ -71,6 +99,9 @@ class TrainerControl:
 
     def _new_step(self) -> None:
         self.should_save = self.should_evaluate = self.should_log = False
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        return {"args": dataclasses.asdict(self), "attributes": {}}
 
 
 class TrainerCallback:
@@ -115,13 +146,13 @@ class CallbackHandler:
         return control
 
 
-class EarlyStoppingCallback(TrainerCallback):
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stops training once `metric_for_best_model` has failed `early_stopping_patience` evaluations in a row to beat
     the best so far by more than `early_stopping_threshold` (transformers' callback, the same rule).
 
     It compares each evaluation with state.best_metric before the Trainer updates it, so it needs
-    metric_for_best_model (load_best_model_at_end=True sets it to "loss"). Its patience count starts at 0 again
-    when a run resumes from a checkpoint."""
+    metric_for_best_model (load_best_model_at_end=True sets it to "loss"). Its patience count is saved in each
+    checkpoint and comes back on resume."""
 
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0):
         self.early_stopping_patience = early_stopping_patience
@@ -154,6 +185,53 @@ class EarlyStoppingCallback(TrainerCallback):
         self.check_metric_value(args, state, control, value)
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}
+
+
+def _is_exportable(callback) -> bool:
+    # by name, so that transformers' ExportableState callbacks count without importing transformers
+    return any(klass.__name__ == "ExportableState" for klass in type(callback).__mro__)
+
+
+def callback_states(callbacks) -> dict[str, Any]:
+    """TrainerState.stateful_callbacks for these callbacks (and the TrainerControl, when passed): class name ->
+    state(), a list of them when several callbacks share a class (transformers' layout)."""
+    states: dict[str, Any] = {}
+    for callback in callbacks:
+        if not _is_exportable(callback):
+            continue
+        name, value = type(callback).__name__, callback.state()
+        if name not in states:
+            states[name] = value
+        elif isinstance(states[name], list):
+            states[name].append(value)
+        else:
+            states[name] = [states[name], value]
+    return states
+
+
+def restore_callback_states(callbacks, saved: dict[str, Any]) -> None:
+    """Set the arguments and attributes saved in a checkpoint's stateful_callbacks back on the callbacks of the same
+    class, the n-th saved entry on the n-th such callback (transformers rebuilds each from them: the same for
+    callbacks whose arguments are attributes, as EarlyStoppingCallback's). The TrainerControl is not restored: its
+    flags belong to the step that saved them."""
+    ignored = []
+    for name, entries in saved.items():
+        if name == "TrainerControl":
+            continue
+        matching = [callback for callback in callbacks if type(callback).__name__ == name]
+        if not matching:
+            ignored.append(name)
+        for callback, entry in zip(matching, entries if isinstance(entries, list) else [entries]):
+            for attribute, value in {**(entry.get("args") or {}), **(entry.get("attributes") or {})}.items():
+                setattr(callback, attribute, value)
+    if ignored:
+        logger.warning("the checkpoint holds the state of callbacks this Trainer does not have: %s (ignored)",
+                       ", ".join(ignored))
 
 
 class ProgressCallback(TrainerCallback):

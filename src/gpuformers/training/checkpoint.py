@@ -5,7 +5,7 @@
         config.json, model.safetensors      the model, loadable by from_pretrained and by transformers
         optimizer.pt, scheduler.pt          their state_dicts (scaler.pt too with fp16)
         rng_state.pth                       python, numpy, torch CPU and CUDA generators
-        trainer_state.json                  global step, epoch, data position, log history
+        trainer_state.json                  global step, epoch, data position, log history, callback states
         training_args.json                  the arguments, for people
       .tmp-checkpoint-N-<pid>/             a save in progress; never read
 

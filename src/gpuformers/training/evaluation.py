@@ -11,16 +11,23 @@ only, not its batch's padding), gathered from all processes and put back in data
 gets the whole set's, exactly as one process would (`preprocess_logits_for_metrics` shrinks them per batch before
 they are kept, e.g. to argmax ids).
 
-Offers: EvalPrediction, PredictionOutput, eval_batches, RowCollector.
+EvaluationMixin gives the Trainer evaluate() and predict() over that: the token-weighted mean loss of the set
+(each batch's summed token losses over all target tokens, in every process), its perplexity, and compute_metrics'
+results.
+
+Offers: EvalPrediction, PredictionOutput, eval_batches, RowCollector, EvaluationMixin.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from gpuformers import distributed
 from gpuformers.training.data import IGNORE_INDEX
 
 
@@ -88,6 +95,79 @@ class RowCollector:
         logits = [row[1] for row in self.rows]
         labels = [row[2] for row in self.rows]
         return _pad_rows(logits), None if any(l is None for l in labels) else _pad_rows(labels)
+
+
+class EvaluationMixin:
+    """The Trainer's evaluate() and predict(); they run its compute_loss, batching and callbacks."""
+
+    @torch.no_grad()
+    def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
+        """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
+        process: see the module docstring) when asked for."""
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum, count, rows = 0.0, 0, RowCollector()
+        world, rank = self._data_parallel
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing")
+        batches, repeats = eval_batches(len(dataset), self.args.eval_batch_size, world, rank)
+        if self.args.dataloader_drop_last and batches and len(batches[-1]) < self.args.eval_batch_size:
+            batches.pop()  # (every process has as many batches, of the same sizes)
+            repeats.pop(len(batches), None)
+        for index, batch in enumerate(self._loader(dataset, batches)):
+            if index in repeats:  # rows repeated only to give every process as many batches: no targets
+                batch["labels"] = batch["labels"].clone()
+                batch["labels"][repeats[index]] = IGNORE_INDEX
+            targets = self._count_targets(batch)
+            inputs = self._prepare_inputs(batch)
+            with self._autocast():
+                # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
+                loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
+            if targets and self._model_counts_items:
+                loss_sum, count = loss_sum + float(loss), count + targets
+            elif targets:
+                loss_sum, count = loss_sum + float(loss) * targets, count + targets
+            if keep_logits:
+                logits, labels = outputs.logits, batch.get("labels")
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
+                rows.add(batches[index], logits, labels, batch.get("attention_mask"), skip=repeats.get(index, ()))
+            self.control = self._call("on_prediction_step")
+        self.model.train(was_training)
+        if world > 1:
+            loss_sum = float(distributed.all_reduce_sum(loss_sum, self.args.device))
+            count = int(distributed.all_reduce_sum(count, self.args.device))
+        if keep_logits:
+            rows.gather(world)
+        return (loss_sum / count if count else float("nan")), rows
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
+        start = time.perf_counter()
+        loss, rows = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
+        metrics = {f"{metric_key_prefix}_loss": loss,
+                   f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+        if self.compute_metrics is not None:
+            extra = self.compute_metrics(EvalPrediction(*rows.arrays()))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
+        self.log(metrics)
+        self.control = self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
+        loss, rows = self._eval_loop(test_dataset, keep_logits=True)
+        predictions, label_ids = rows.arrays()
+        metrics = {f"{metric_key_prefix}_loss": loss}
+        if self.compute_metrics is not None and label_ids is not None:
+            extra = self.compute_metrics(EvalPrediction(predictions, label_ids))
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
+        self.control = self._call("on_predict", metrics=metrics)
+        return PredictionOutput(predictions, label_ids, metrics)
 
 
 def _pad_rows(rows: list[torch.Tensor]) -> np.ndarray:

@@ -14,7 +14,9 @@ and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, w
 
 Beyond the loop, as transformers does them: label_smoothing_factor and neftune_noise_alpha (regularizers.py), and
 load_best_model_at_end / metric_for_best_model (best_model.py: state.best_metric and best_model_checkpoint tracked
-at each evaluation, the best checkpoint kept by the rotation and loaded at the end).
+at each evaluation, the best checkpoint kept by the rotation and loaded at the end). The Trainer's other parts sit
+beside it: model_setup.py (what cannot be trained is refused, gradient checkpointing, DDP / FSDP2 wrapping),
+sampling.py (each epoch's batches), evaluation.py (evaluate, predict), checkpointing.py (save, resume).
 
 Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
 clip_grad_norm).
@@ -24,12 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import math
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -42,13 +42,14 @@ from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
                                            update_best_metric)
+from gpuformers.training.checkpointing import CheckpointMixin
 from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
-from gpuformers.training.evaluation import EvalPrediction, PredictionOutput, RowCollector, eval_batches
+from gpuformers.training.evaluation import EvalPrediction, EvaluationMixin, PredictionOutput  # noqa: F401 (offered)
+from gpuformers.training.model_setup import check_trainable, enable_gradient_checkpointing, wrap_for_training
 from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
 from gpuformers.training.regularizers import add_neftune_noise, label_smoothed_loss
-
-logger = logging.getLogger(__name__)
+from gpuformers.training.sampling import epoch_batches
 
 
 class TrainOutput(NamedTuple):
@@ -70,7 +71,7 @@ def _interval(value: float | None, max_steps: int) -> int:
     return max(1, math.ceil(max_steps * value)) if value < 1 else int(value)
 
 
-class Trainer:
+class Trainer(EvaluationMixin, CheckpointMixin):
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None,
                  compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
@@ -87,24 +88,15 @@ class Trainer:
         distributed.init_distributed(self.args.device, cpu_offload=offload)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
-        placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-        if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
-            raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
-                                      "model on one device for now: load it with device_map=None or one device")
         from gpuformers.tensor_parallel import is_tensor_parallel
 
         # A tensor-parallel model is split over the processes, which all train it on the same batches: no data
         # parallelism, so one data-parallel "process" (see _data_parallel).
         self._tensor_parallel = is_tensor_parallel(model)
-        if self._tensor_parallel:
-            _check_tensor_parallel_args(self.args, model)
-        if getattr(model, "is_quantized", False) and not _has_lora(model):
-            raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
-                             "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
-                             "without quantization_config")
+        check_trainable(model, self.args, self._tensor_parallel)
         self.model = model.to(self.args.device)
         if self.args.gradient_checkpointing:
-            _enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+            enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         if self.args.load_best_model_at_end or self.args.save_strategy == "best":
             check_best_model_setup(self.args, self.eval_dataset, self.model, self._gathers_states)
@@ -148,27 +140,10 @@ class Trainer:
     # --- data -----------------------------------------------------------------------------------------------
 
     def _batches(self, dataset, batch_size: int, epoch: int, shuffle: bool, shard: bool = False) -> list[list[int]]:
-        """Index lists of one epoch: a permutation seeded by (data_seed or seed) + epoch, cut into batches. With
-        `shard` under torchrun, this process's rows only: every world_size-th row of the permutation (padded by
-        wrapping around so that all processes get as many), so the processes' batches of step k together are the
-        rows one process would take with batches world_size times larger."""
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"the dataset ({type(dataset).__name__}) must have a length and indexing (a list of "
-                            "rows or a datasets.Dataset); iterable datasets are not supported yet")
-        n = len(dataset)
-        if shuffle:
-            generator = torch.Generator().manual_seed((self.args.data_seed or self.args.seed) + epoch)
-            order = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = list(range(n))
-        world, rank = self._data_parallel
-        if shard and world > 1:
-            order = (order + order[:(-len(order)) % world])[rank::world]
-            n = len(order)
-        batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
-        if batches and self.args.dataloader_drop_last and len(batches[-1]) < batch_size:
-            batches.pop()
-        return batches
+        """Index lists of one epoch (sampling.py); with `shard`, this process's share under torchrun."""
+        world, rank = self._data_parallel if shard else (1, 0)
+        return epoch_batches(dataset, batch_size, (self.args.data_seed or self.args.seed) + epoch, shuffle, world,
+                             rank, self.args.dataloader_drop_last)
 
     @property
     def _data_parallel(self) -> tuple[int, int]:
@@ -325,13 +300,8 @@ class Trainer:
             resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
-        fsdp = args.distributed_strategy == "fsdp"
         if self.model_wrapped is None:
-            if resume_from_checkpoint and fsdp:  # whole weights go in before the model is sharded
-                ckpt.load_model_weights_in_place(self.model, Path(resume_from_checkpoint))
-            strategy = None if self._tensor_parallel else args.distributed_strategy
-            self.model_wrapped = (distributed.wrap_model(self.model, strategy, args.device, args.fsdp_options)
-                                  if strategy else self.model)
+            self.model_wrapped = wrap_for_training(self.model, args, self._tensor_parallel, resume_from_checkpoint)
         self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(args.device.type)
@@ -348,6 +318,7 @@ class Trainer:
         model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
         self.model.train()
         neftune = add_neftune_noise(self.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
+        self.control.should_training_stop = False  # as transformers: a second train() on this Trainer trains again
         self.control = self._call("on_train_begin")
         since_log = {"loss": 0.0, "steps": 0}
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
@@ -403,29 +374,6 @@ class Trainer:
             neftune.remove()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
-    def _resume(self, checkpoint: str | os.PathLike) -> Any:
-        """The model's weights, the optimizer, scheduler and scaler states and the trainer state from `checkpoint`;
-        returns its RNG state, which the loop restores just before the next batch."""
-        gathered = self._gathers_states
-        loaded = ckpt.load_training_state(checkpoint, model=None if gathered else self.model,
-                                          optimizer=None if gathered else self.optimizer,
-                                          scheduler=self.lr_scheduler, scaler=self.scaler)
-        if self._tensor_parallel:  # every process reads the whole weights and keeps its slices
-            distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(checkpoint))
-        if gathered and (state := ckpt.load_optimizer_state(checkpoint)) is not None:
-            # every process reads the whole state and keeps its shard
-            distributed.load_full_optimizer_state_dict(self.model, self.optimizer, state)
-        saved = cb.TrainerState.load_from_json(loaded["state_path"])
-        self.state.global_step, self.state.log_history = saved.global_step, saved.log_history
-        self.state.num_input_tokens_seen, self.state.epoch = saved.num_input_tokens_seen, saved.epoch
-        self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
-        self.state.best_model_checkpoint = saved.best_model_checkpoint
-        if saved.best_model_checkpoint is not None and not os.path.isdir(saved.best_model_checkpoint):
-            logger.warning("the best checkpoint %s recorded in %s is gone: it is not the best one in this run",
-                           saved.best_model_checkpoint, checkpoint)
-            self.state.best_model_checkpoint = None
-        return loaded["rng"]
-
     def _log_save_evaluate(self, since_log: dict, grad_norm, learning_rate: float, epoch_end: bool) -> None:
         args, step = self.args, self.state.global_step
         if epoch_end:
@@ -466,161 +414,9 @@ class Trainer:
         total = float(distributed.all_reduce_sum(value, self.args.device))
         return total if (self._model_counts_items or self.compute_loss_func) else total / world
 
-    def _save_checkpoint(self) -> Path:
-        args = self.args
-        # Whole states are gathered (every process takes part); process 0 alone writes.
-        gathered = self._gathers_states
-        model_state = distributed.full_model_state_dict(self.model) if gathered else None
-        optimizer_state = (distributed.full_optimizer_state_dict(self.model, self.optimizer)
-                           if gathered and not args.save_only_model else None)
-        path = Path(args.output_dir) / f"{ckpt.CHECKPOINT_PREFIX}-{self.state.global_step}"
-        if self.state.best_global_step == self.state.global_step:  # recorded in this checkpoint's own state
-            self.state.best_model_checkpoint = os.path.join(args.output_dir, path.name)
-        if distributed.is_main_process():
-            path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
-                                                 state=self.state, args=args, optimizer=self.optimizer,
-                                                 scheduler=self.lr_scheduler, scaler=self.scaler,
-                                                 save_only_model=args.save_only_model, model_state_dict=model_state,
-                                                 optimizer_state_dict=optimizer_state)
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(path)
-            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit,
-                                    keep=(path, self.state.best_model_checkpoint))
-        distributed.barrier()  # no process goes on (or resumes) before the checkpoint is complete
-        self.control = self._call("on_save")
-        return path
-
     def log(self, logs: dict[str, float]) -> None:
         logs = {**logs, "epoch": self.state.epoch} if "epoch" not in logs else dict(logs)
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._call("on_log", logs=logs)
-
-    # --- evaluation -----------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
-        """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
-        process: evaluation.py) when asked for."""
-        was_training = self.model.training
-        self.model.eval()
-        loss_sum, count, rows = 0.0, 0, RowCollector()
-        world, rank = self._data_parallel
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing")
-        batches, repeats = eval_batches(len(dataset), self.args.eval_batch_size, world, rank)
-        if self.args.dataloader_drop_last and batches and len(batches[-1]) < self.args.eval_batch_size:
-            batches.pop()  # (every process has as many batches, of the same sizes)
-            repeats.pop(len(batches), None)
-        for index, batch in enumerate(self._loader(dataset, batches)):
-            if index in repeats:  # rows repeated only to give every process as many batches: no targets
-                batch["labels"] = batch["labels"].clone()
-                batch["labels"][repeats[index]] = IGNORE_INDEX
-            targets = self._count_targets(batch)
-            inputs = self._prepare_inputs(batch)
-            with self._autocast():
-                # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
-                loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
-            if targets and self._model_counts_items:
-                loss_sum, count = loss_sum + float(loss), count + targets
-            elif targets:
-                loss_sum, count = loss_sum + float(loss) * targets, count + targets
-            if keep_logits:
-                logits, labels = outputs.logits, batch.get("labels")
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
-                rows.add(batches[index], logits, labels, batch.get("attention_mask"), skip=repeats.get(index, ()))
-            self.control = self._call("on_prediction_step")
-        self.model.train(was_training)
-        if world > 1:
-            loss_sum = float(distributed.all_reduce_sum(loss_sum, self.args.device))
-            count = int(distributed.all_reduce_sum(count, self.args.device))
-        if keep_logits:
-            rows.gather(world)
-        return (loss_sum / count if count else float("nan")), rows
-
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
-        start = time.perf_counter()
-        loss, rows = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
-        metrics = {f"{metric_key_prefix}_loss": loss,
-                   f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)),
-                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
-        if self.compute_metrics is not None:
-            extra = self.compute_metrics(EvalPrediction(*rows.arrays()))
-            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
-        self.log(metrics)
-        self.control = self._call("on_evaluate", metrics=metrics)
-        return metrics
-
-    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
-        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
-        loss, rows = self._eval_loop(test_dataset, keep_logits=True)
-        predictions, label_ids = rows.arrays()
-        metrics = {f"{metric_key_prefix}_loss": loss}
-        if self.compute_metrics is not None and label_ids is not None:
-            extra = self.compute_metrics(EvalPrediction(predictions, label_ids))
-            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
-        self.control = self._call("on_predict", metrics=metrics)
-        return PredictionOutput(predictions, label_ids, metrics)
-
-    # --- saving ---------------------------------------------------------------------------------------------
-
-    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
-        """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
-        output_dir = Path(output_dir or self.args.output_dir)
-        state = distributed.full_model_state_dict(self.model) if self._gathers_states else None  # a collective
-        if distributed.is_main_process():
-            if state is None:
-                self.model.save_pretrained(output_dir)
-            else:
-                self.model.save_pretrained(output_dir, state_dict=state)
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(output_dir)
-            (output_dir / "training_args.json").write_text(self.args.to_json_string(), encoding="utf-8")
-        distributed.barrier()
-
-
-def _enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dict | None) -> None:
-    """Recompute decoder layers' activations in the backward pass instead of keeping them, as transformers' Trainer
-    asks the model: gradient_checkpointing_kwargs' every_n_layers and offload go to activation_checkpointing_enable,
-    the rest to torch.utils.checkpoint (use_reentrant=False unless said)."""
-    kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
-    layers = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
-    if hasattr(model, "activation_checkpointing_enable"):  # gpuformers' models (and LoRA's), transformers 5's
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
-    elif hasattr(model, "gradient_checkpointing_enable"):  # older transformers models
-        if layers != {"every_n_layers": 1, "offload": False}:
-            raise NotImplementedError(f"gradient_checkpointing_kwargs {layers} need a model with "
-                                      f"activation_checkpointing_enable, which {type(model).__name__} lacks; drop them")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        from gpuformers.models.modeling import checkpoint_decoder_layers
-
-        checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
-
-
-def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
-    from gpuformers.tensor_parallel import has_local_splits
-
-    if has_local_splits(model):
-        raise NotImplementedError("training a tensor-parallel mixture-of-experts model is not supported yet (its "
-                                  "experts' outputs are summed over the processes without a backward); train it "
-                                  "without tp_plan (FSDP2: fsdp='full_shard'), or serve and generate with it")
-    if args.fsdp:
-        raise NotImplementedError(f"fsdp={args.fsdp!r} with a tensor-parallel model (2-D parallelism: FSDP2 across "
-                                  "tensor-parallel groups) is not supported yet; drop fsdp, or load the model "
-                                  "without tp_plan")
-    if args.mixed_precision == torch.float16:
-        raise NotImplementedError("fp16=True with a tensor-parallel model is not supported (the gradient scaler "
-                                  "cannot unscale split gradients); use bf16=True")
-
-
-def _has_lora(model) -> bool:
-    from gpuformers.lora.layers import LoraLinear
-
-    return any(isinstance(m, LoraLinear) for m in model.modules())

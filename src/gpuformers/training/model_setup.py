@@ -1,0 +1,87 @@
+"""How the Trainer readies a model: the checks that refuse what it cannot train (yet), gradient checkpointing, and
+the data-parallel wrapping (DDP / FSDP2) that the first train() puts around it.
+
+Each refusal names what was asked and what to do instead: NotImplementedError for what is not done yet (a model
+spread by device_map, tensor parallelism with FSDP2, MoE or fp16), ValueError for what cannot be trained (quantized
+linear layers without LoRA adapters).
+
+Offers: check_trainable, enable_gradient_checkpointing, wrap_for_training.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from gpuformers import distributed
+from gpuformers.training import checkpoint as ckpt
+from gpuformers.training.arguments import TrainingArguments
+
+
+def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> None:
+    """Refuse a model spread over devices, a tensor-parallel model with what tensor parallelism cannot train yet,
+    and a quantized model without LoRA adapters."""
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
+        raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
+                                  "model on one device for now: load it with device_map=None or one device")
+    if tensor_parallel:
+        _check_tensor_parallel_args(args, model)
+    if getattr(model, "is_quantized", False) and not _has_lora(model):
+        raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
+                         "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
+                         "without quantization_config")
+
+
+def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
+    from gpuformers.tensor_parallel import has_local_splits
+
+    if has_local_splits(model):
+        raise NotImplementedError("training a tensor-parallel mixture-of-experts model is not supported yet (its "
+                                  "experts' outputs are summed over the processes without a backward); train it "
+                                  "without tp_plan (FSDP2: fsdp='full_shard'), or serve and generate with it")
+    if args.fsdp:
+        raise NotImplementedError(f"fsdp={args.fsdp!r} with a tensor-parallel model (2-D parallelism: FSDP2 across "
+                                  "tensor-parallel groups) is not supported yet; drop fsdp, or load the model "
+                                  "without tp_plan")
+    if args.mixed_precision == torch.float16:
+        raise NotImplementedError("fp16=True with a tensor-parallel model is not supported (the gradient scaler "
+                                  "cannot unscale split gradients); use bf16=True")
+
+
+def _has_lora(model) -> bool:
+    from gpuformers.lora.layers import LoraLinear
+
+    return any(isinstance(m, LoraLinear) for m in model.modules())
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dict | None) -> None:
+    """Recompute decoder layers' activations in the backward pass instead of keeping them, as transformers' Trainer
+    asks the model: gradient_checkpointing_kwargs' every_n_layers and offload go to activation_checkpointing_enable,
+    the rest to torch.utils.checkpoint (use_reentrant=False unless said)."""
+    kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
+    layers = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
+    if hasattr(model, "activation_checkpointing_enable"):  # gpuformers' models (and LoRA's), transformers 5's
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
+    elif hasattr(model, "gradient_checkpointing_enable"):  # older transformers models
+        if layers != {"every_n_layers": 1, "offload": False}:
+            raise NotImplementedError(f"gradient_checkpointing_kwargs {layers} need a model with "
+                                      f"activation_checkpointing_enable, which {type(model).__name__} lacks; drop them")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        from gpuformers.models.modeling import checkpoint_decoder_layers
+
+        checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
+
+
+def wrap_for_training(model: torch.nn.Module, args: TrainingArguments, tensor_parallel: bool,
+                      resume_from_checkpoint: str | os.PathLike | None) -> torch.nn.Module:
+    """The model made data-parallel as args.distributed_strategy says (DDP, FSDP2), or the model itself in one
+    process and for a tensor-parallel model (its processes all take the same batches)."""
+    if resume_from_checkpoint and args.distributed_strategy == "fsdp":
+        # whole weights go in before the model is sharded
+        ckpt.load_model_weights_in_place(model, Path(resume_from_checkpoint))
+    strategy = None if tensor_parallel else args.distributed_strategy
+    return distributed.wrap_model(model, strategy, args.device, args.fsdp_options) if strategy else model
