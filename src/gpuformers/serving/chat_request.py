@@ -1,0 +1,195 @@
+"""The /v1/chat/completions body: messages (with earlier tool calls and tool answers), tools, tool_choice,
+chat_template_kwargs and reasoning_effort, on top of the fields completions share.
+
+Offers: parse_chat, MAX_TOP_LOGPROBS, ROLES, REASONING_EFFORTS (and, to responses_request.py, _message).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gpuformers.serving.api_error import APIError
+from gpuformers.serving.completion_request import _COMMON, CompletionRequest, _common
+from gpuformers.serving.request_fields import _bool, _int, _text_only, _type_name
+
+MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+                          "tool_choice", "chat_template_kwargs", "reasoning_effort"}
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+# What the server itself gives apply_chat_template (or the template sees under these names): a request's
+# chat_template_kwargs may not set them
+_SERVER_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "chat_template", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs", "sanitize_control_tokens"}
+
+
+def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...],
+             tool_fields: bool = False) -> dict:
+    """One {role, content} message as the chat template takes it: text parts joined, developer as system; with
+    `tool_fields` also an assistant's tool_calls and a tool message's tool_call_id (and name). `where` names the
+    message in errors (`messages[2]`)."""
+    if not isinstance(message, dict):
+        raise APIError(400, f"{where} must be an object, got {_type_name(message)}", where)
+    role = message.get("role")
+    if role not in roles:
+        raise APIError(400, f"{where}.role {role!r} is not one of: {', '.join(roles)}", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
+        if not all(isinstance(p, dict) and p.get("type") in part_types and isinstance(p.get("text"), str)
+                   for p in content):
+            kinds = " or ".join(f'{{"type": "{t}", "text": ...}}' for t in part_types)
+            raise APIError(400, f"{where}.content parts must all be {kinds}; this server takes text only",
+                           f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str) and not (content is None and role == "assistant"):
+        raise APIError(400, f"{where}.content must be a string, got {_type_name(content)}", f"{where}.content")
+    normalised = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if tool_fields and role == "assistant" and message.get("tool_calls") is not None:
+        normalised["tool_calls"] = _message_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if tool_fields and role == "tool":
+        call_id, name = message.get("tool_call_id"), message.get("name")
+        if not isinstance(call_id, str) or not call_id:
+            raise APIError(400, f"{where}.tool_call_id must be the id of the call this message answers, got "
+                                f"{_type_name(call_id)} {call_id!r}"[:300], f"{where}.tool_call_id")
+        normalised["tool_call_id"] = call_id
+        if name is not None:  # the called function's name, which some templates print
+            if not isinstance(name, str):
+                raise APIError(400, f"{where}.name must be a string, got {_type_name(name)}", f"{where}.name")
+            normalised["name"] = name
+    return normalised
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template. Arguments that are a JSON object are
+    given to it as a dict, as vLLM does: some templates iterate over them (others print a string as it is)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of {{id, type, function}} objects, got {_type_name(calls)}",
+                       where)
+    normalised = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+            raise APIError(400, f'{where}[{i}] must be {{"id": ..., "type": "function", "function": {{"name": '
+                                f'string, "arguments": JSON string}}}}, got {call!r}'[:300], f"{where}[{i}]")
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = function["arguments"]
+        entry = {"type": "function", "function": {"name": function["name"],
+                                                  "arguments": arguments if isinstance(arguments, dict)
+                                                  else function["arguments"]}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        normalised.append(entry)
+    return normalised
+
+
+def parse_chat(body: Any) -> CompletionRequest:
+    """A validated /v1/chat/completions request."""
+    request = _common(body, _CHAT_FIELDS, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}"[:300],
+                       "messages")
+    request.messages = [_message(m, f"messages[{i}]", ROLES, ("text",), tool_fields=True)
+                        for i, m in enumerate(messages)]
+    request.logprobs = _bool(body, "logprobs")
+    request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        _text_only(response_format, "response_format", "response_format", "the prompt")
+    request.tools = _tools(body.get("tools"))
+    request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
+    request.chat_template_kwargs = _chat_template_kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        # OpenAI's field; the chat template reads it under the same name (gpt-oss's does; others ignore it)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort {effort!r} is not one of: {', '.join(REASONING_EFFORTS)}",
+                           "reasoning_effort")
+        request.chat_template_kwargs = {"reasoning_effort": effort, **request.chat_template_kwargs}
+    return request
+
+
+def _chat_template_kwargs(value: Any) -> dict:
+    """vLLM's chat_template_kwargs: an object of extra chat template variables ({"enable_thinking": false} for
+    Qwen3), none of them one the server sets itself."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(400, 'chat_template_kwargs must be an object of template variables (e.g. '
+                            f'{{"enable_thinking": false}}), got {_type_name(value)} {value!r}'[:300],
+                       "chat_template_kwargs")
+    clashes = sorted(set(value) & _SERVER_TEMPLATE_ARGUMENTS)
+    if clashes:
+        them = "them" if len(clashes) > 1 else "it"
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clashes)}: the server sets {them} from the "
+                            f"request itself (messages, tools, ...); leave {them} out",
+                       f"chat_template_kwargs.{clashes[0]}")
+    return value
+
+
+_FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    """Chat's `tools`: function tools {"type": "function", "function": {name, description?, parameters?, strict?}},
+    kept as sent (the chat template renders them). `strict` is accepted but not enforced: no constrained decoding."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, got "
+                            f"{_type_name(tools)}", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise APIError(400, f"{where} must be an object, got {_type_name(tool)}", where)
+        if tool.get("type") != "function":
+            raise APIError(400, f"{where}.type {tool.get('type')!r} is not supported: only \"function\" tools are",
+                           f"{where}.type")
+        unknown = sorted(set(tool) - {"type", "function"})
+        if unknown:
+            raise APIError(400, f"{where} has unknown field(s): {', '.join(unknown)}; known: function, type",
+                           f"{where}.{unknown[0]}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise APIError(400, f"{where}.function must be an object with name (and description, parameters), got "
+                                f"{_type_name(function)}", f"{where}.function")
+        unknown = sorted(set(function) - set(_FUNCTION_FIELDS))
+        if unknown:
+            raise APIError(400, f"{where}.function has unknown field(s): {', '.join(unknown)}; known: "
+                                f"{', '.join(sorted(_FUNCTION_FIELDS))}", f"{where}.function.{unknown[0]}")
+        for name, kind in _FUNCTION_FIELDS.items():
+            value = function.get(name)
+            if (value is not None or name == "name") and not isinstance(value, kind):
+                raise APIError(400, f"{where}.function.{name} must be {'an object' if kind is dict else kind.__name__}"
+                                    f", got {_type_name(value)} {value!r}"[:300], f"{where}.function.{name}")
+        if not function["name"] or function["name"] in names:
+            raise APIError(400, f"{where}.function.name {function['name']!r} must be non-empty and unique among "
+                                "the tools", f"{where}.function.name")
+        names.add(function["name"])
+    return tools
+
+
+def _tool_choice(choice: Any, tools: list[dict] | None) -> str:
+    """"auto" (the default with tools) or "none"; "none" still shows the tools to the model, as vLLM does, so that a
+    conversation holding earlier calls renders the same. Forcing calls needs constrained decoding: refused."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none"):
+        return choice if tools else "none"
+    forced = (choice == "required" or isinstance(choice, dict) and choice.get("type") == "function")
+    if forced:
+        what = '"required"' if choice == "required" else f"naming a function {choice!r}"[:200]
+        raise APIError(400, f"tool_choice {what} is not supported: forcing a tool call needs constrained decoding, "
+                            "which this server does not have; use tool_choice \"auto\" and ask for the call in the "
+                            "prompt", "tool_choice")
+    raise APIError(400, f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
+                        f'{{"name": ...}}}}, got {choice!r}'[:300], "tool_choice")

@@ -1,0 +1,161 @@
+"""CompletionRequest, the validated request every endpoint's body becomes, and the /v1/completions body.
+
+The fields completions and chat share (sampling, logit adjustments, n, stop, stream) are read here once; chat and
+the Responses API add theirs in chat_request.py and responses_request.py.
+
+Offers: CompletionRequest, parse_completion, MAX_N, MAX_COMPLETION_LOGPROBS (and, to the other request modules,
+_common, _sampling, _COMMON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuformers.serving.api_error import APIError
+from gpuformers.serving.request_fields import _bool, _float, _int, _model, _stop, _type_name
+
+MAX_N = 16  # choices per request: each is a full engine request
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI allows
+
+
+@dataclass
+class CompletionRequest:
+    """A validated request. Exactly one of `prompt_ids` (completions) and `messages` (chat, responses) is set."""
+
+    model: str
+    chat: bool
+    responses: bool = False  # a Responses API request (chat=True too): answered as a Response object
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None  # chat: the function tools, as the client sent them (rendered by the template)
+    tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
+    # chat: extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": False} for Qwen3
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    ignore_eos: bool = False
+    # Logit adjustments (OpenAI's, then vLLM's extensions); None: not sent (the model's generation config decides)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    # The request fields a Response object repeats (instructions, max_output_tokens, metadata, ...); responses only
+    response_fields: dict = field(default_factory=dict)
+
+    @property
+    def prompt_field(self) -> str:
+        """The request field that holds the prompt, for error messages."""
+        return "input" if self.responses else "messages" if self.chat else "prompt"
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The request field that bounds the answer's length, for error messages."""
+        return "max_output_tokens" if self.responses else "max_tokens"
+
+
+# Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce).
+_IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", "best_of", "suffix"}
+_ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
+           "logprobs", "ignore_eos"} | _ADJUSTMENTS
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+
+
+def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
+    model = _model(body, allowed, _IGNORED)
+    max_tokens = _int(body, "max_tokens", 1)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", 1)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise APIError(400, f"stream_options must be an object with only include_usage, got {stream_options!r}",
+                           "stream_options")
+        if not body.get("stream"):
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        include_usage = _bool(stream_options, "include_usage")
+    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=_int(body, "n", 1, MAX_N, 1),
+                             stop=_stop(body), stream=_bool(body, "stream"), include_usage=include_usage,
+                             **_sampling(body), **_adjustments(body, max_tokens))
+
+
+def _sampling(body: dict) -> dict:
+    """The sampling fields of every endpoint (top_k, seed and ignore_eos are extensions to OpenAI's)."""
+    return dict(temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
+                top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
+                top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
+                seed=_int(body, "seed", default=None), ignore_eos=_bool(body, "ignore_eos"))
+
+
+def _adjustments(body: dict, max_tokens: int | None) -> dict:
+    """The logit adjustments of completions and chat: OpenAI's frequency_penalty, presence_penalty (in [-2, 2])
+    and logit_bias ({"token id": bias in [-100, 100]}), and vLLM's repetition_penalty (in (0, 2]), min_p and
+    min_tokens (at most max_tokens). Each is None when not sent."""
+    min_tokens = _int(body, "min_tokens", 0)
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens={min_tokens} must be at most max_tokens ({max_tokens})", "min_tokens")
+    return dict(frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, None),
+                presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, None), logit_bias=_logit_bias(body),
+                repetition_penalty=_float(body, "repetition_penalty", 0.0, 2.0, None, low_open=True),
+                min_p=_float(body, "min_p", 0.0, 1.0, None), min_tokens=min_tokens)
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, f'logit_bias must be an object of {{"token id": bias}}, got {_type_name(value)}',
+                       "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} must be a token id (a string of digits)"[:300], "logit_bias")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+            raise APIError(400, f"logit_bias[{key!r}]={amount!r} must be a number in [-100, 100]"[:300],
+                           "logit_bias")
+        bias[int(key)] = float(amount)
+    return bias
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """A validated /v1/completions request; `prompt` is a string or a list of token ids (one prompt)."""
+    request = _common(body, _COMPLETION_FIELDS, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt is empty; give at least one character or token id", "prompt")
+        request.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.prompt_ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
+                            "(send one request per prompt)", "prompt")
+    else:
+        raise APIError(400, f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:300],
+                       "prompt")
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if logprobs is not None:
+        request.logprobs, request.top_logprobs = True, logprobs
+    request.echo = _bool(body, "echo")
+    if request.echo and request.stream and request.logprobs:
+        raise APIError(400, "echo=true with logprobs is not supported with stream=true (the prompt's logprobs come "
+                            "only in a whole response); drop stream, echo or logprobs", "echo")
+    return request

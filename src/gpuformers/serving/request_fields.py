@@ -1,0 +1,92 @@
+"""The checks of one request field, shared by every endpoint's validation: integers, numbers and booleans in
+range, stop strings, the model name and the set of known fields, and "text only" output formats.
+
+Each failure is an APIError naming the field, its value and what is allowed.
+
+Offers: MAX_STOP, _type_name, _int, _float, _bool, _stop, _model, _text_only (private to serving's request
+modules).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpuformers.serving.api_error import APIError
+
+MAX_STOP = 4  # stop strings, as OpenAI allows
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(body: dict, name: str, low: int | None = None, high: int | None = None, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"{name} must be an integer, got {_type_name(value)} {value!r}", name)
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise APIError(400, f"{name}={value} must be {bounds}", name)
+    return value
+
+
+def _float(body: dict, name: str, low: float, high: float, default: float | None,
+           low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise APIError(400, f"{name} must be a finite number, got {_type_name(value)} {value!r}", name)
+    if value > high or value < low or (low_open and value == low):
+        raise APIError(400, f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}]", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {_type_name(value)} {value!r}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"stop must be a string or a list of strings, got {value!r}", "stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP} are allowed", "stop")
+    if any(s == "" for s in stops):
+        raise APIError(400, "stop sequences must not be empty strings", "stop")
+    return stops
+
+
+def _model(body: Any, allowed: set[str], ignored: set[str]) -> str:
+    """The model name of a JSON object body whose fields are all `allowed` or `ignored`."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_type_name(body)}")
+    unknown = sorted(set(body) - allowed - ignored)
+    if unknown:
+        raise APIError(400, f"unknown field(s): {', '.join(unknown)}; known: {', '.join(sorted(allowed))}",
+                       unknown[0])
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "model is required: give the name /v1/models lists", "model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {model!r}", "model")
+    return model
+
+
+def _text_only(spec, name: str, param: str, where: str) -> None:
+    """An output format (a {"type": ...} object or a bare type) must be plain text: no constrained decoding here."""
+    kind = spec.get("type") if isinstance(spec, dict) else spec
+    if kind != "text":
+        raise APIError(400, f"{name} {kind!r} is not supported: this server has no constrained decoding; use type "
+                            f"\"text\" (or leave it out) and ask for JSON in {where}", param)
