@@ -15,7 +15,10 @@ FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "Mo
                   "qwen3_moe": "Qwen3MoeConfig", "smollm3": "SmolLM3Config", "granite": "GraniteConfig",
                   "olmo2": "Olmo2Config", "mixtral": "MixtralConfig", "phi3": "Phi3Config", "gemma": "GemmaConfig",
                   "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "gpt_oss": "GptOssConfig", "olmoe": "OlmoeConfig", "glm": "Glm4Config", "glm4": "Glm4Config"}
+                  "gpt_oss": "GptOssConfig", "olmoe": "OlmoeConfig", "glm": "Glm4Config", "glm4": "Glm4Config",
+                  "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
+                  "ernie4_5": "Ernie4_5Config", "seed_oss": "SeedOssConfig",
+                  "exaone4": "Exaone4Config"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CLASSES))

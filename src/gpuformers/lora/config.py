@@ -23,7 +23,8 @@ EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 # peft's default targets when target_modules is None, for the model types gpuformers runs.
 # peft's default targets per model_type (its table; qwen3_moe is ours, like qwen3); peft has none for phi3, granite,
-# olmo2, olmoe, smollm3, glm or glm4, and neither do we: target_modules must be given for them.
+# olmo2, olmoe, smollm3, glm, glm4, exaone4, ernie4_5, seed_oss, ministral or ministral3, and neither do we:
+# target_modules must be given for them.
 _DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
                                                       "gemma", "gemma2", "gemma3_text")}
 

@@ -251,6 +251,13 @@ class ModelConfig:
             raise ValueError(
                 f"config.json has no model_type; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "mistral" and "layer_types" in data:
+            # transformers' AutoConfig rule: a Mistral config with layer_types (Ministral-8B's alternating sliding
+            # and full layers) is a Ministral one; read as Mistral, every layer would slide.
+            model_type = "ministral"
+            architectures = [name.replace("MistralForCausalLM", "MinistralForCausalLM")
+                             for name in data.get("architectures") or []]
+            data = {**data, "model_type": model_type, **({"architectures": architectures} if architectures else {})}
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"

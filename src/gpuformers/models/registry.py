@@ -37,6 +37,11 @@ MODEL_TYPES = {
     "glm": ("gpuformers.models.glm4:GlmForCausalLM", "gpuformers.models.glm4:Glm4Config"),
     "glm4": ("gpuformers.models.glm4:Glm4ForCausalLM", "gpuformers.models.glm4:Glm4Config"),
     "olmoe": ("gpuformers.models.olmoe:OlmoeForCausalLM", "gpuformers.models.olmoe:OlmoeConfig"),
+    "ministral": ("gpuformers.models.ministral:MinistralForCausalLM", "gpuformers.models.ministral:MinistralConfig"),
+    "ministral3": ("gpuformers.models.ministral:Ministral3ForCausalLM", "gpuformers.models.ministral:Ministral3Config"),
+    "exaone4": ("gpuformers.models.exaone4:Exaone4ForCausalLM", "gpuformers.models.exaone4:Exaone4Config"),
+    "ernie4_5": ("gpuformers.models.ernie4_5:Ernie4_5ForCausalLM", "gpuformers.models.ernie4_5:Ernie4_5Config"),
+    "seed_oss": ("gpuformers.models.seed_oss:SeedOssForCausalLM", "gpuformers.models.seed_oss:SeedOssConfig"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to
