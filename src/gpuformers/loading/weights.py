@@ -12,7 +12,10 @@ the model: peak resident memory is about the model's size plus one chunk.
 Names in the model and in the checkpoint are the same (model.layers.0.self_attn.q_proj.weight, ...).
 Tied parameters (the same Parameter object in two modules, or a `tied` target -> source pair) are loaded
 once and shared. A module that defines `load_from_checkpoint(name, tensor)` (a quantized Linear, say)
-receives its tensors instead, and owns how they are stored.
+receives its tensors instead, and owns how they are stored. A model class whose checkpoints may store several of
+its tensors in one (transformers' fused MoE experts) lists `checkpoint_fan_out` rules (loading/fan_out.py): a
+checkpoint key the model lacks that a rule matches is cut into pieces, each read from the file like a tensor of
+its own (into its parameter, or handed to its load_from_checkpoint module).
 
 `device` is one device, or a placement per tensor (a device_map dict resolved by longest module prefix, or a
 function name -> device); the target "disk" writes the tensor to an offload folder (`DiskOffload`) and leaves a
@@ -34,6 +37,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from gpuformers.loading.fan_out import FanOut, Piece
 from gpuformers.loading.safetensors import SafetensorsFile, TensorInfo, byte_view
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -242,20 +246,26 @@ def load_weights(
       in `LoadingInfo.missing` for the caller to initialise. Any other missing name is an error.
     shard_fn(name, full_shape) -> slices or None: load only that slice of a tensor (tensor parallelism); a
       slice along dim 0 reads only those rows from a safetensors file.
+    The model's `checkpoint_fan_out` (a tuple of loading.fan_out.FanOut, default none) maps a checkpoint key it
+      lacks to several of its tensors; a tensor found under its own name is never taken from a fan-out.
     Non-persistent buffers are left on the meta device: the caller computes them.
     """
     place = _placement(device, offload)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype {dtype} is not a floating dtype; pass torch.float32, torch.float16 or torch.bfloat16")
     targets, hooked = _collect_targets(model, tied or {})
+    fan_out: tuple[FanOut, ...] = tuple(getattr(model, "checkpoint_fan_out", ()))  # any nn.Module loads
     checkpoint_keys = set(files.keys())
     info = LoadingInfo()
 
     # Choose each target's source key before reading anything, so that a missing tensor fails fast and a
-    # tied target's own copy is never preferred over its source.
+    # tied target's own copy is never preferred over its source; a fused tensor fills what no key names.
     unique = list({id(t): t for t in targets.values()}.values())
     for target in unique:
         target.key = next((n for n in target.names if n in checkpoint_keys), None)
+        if target.key is None:
+            target.key = next((k for rule in fan_out for n in target.names
+                               if (k := rule.source_of(n)) in checkpoint_keys), None)
     _check_missing([t.names[0] for t in unique if t.key is None], ignore_missing, files)
 
     stagings: dict[str, _Staging] = {}
@@ -263,20 +273,28 @@ def load_weights(
     for path in _progress(files.files, "Loading checkpoint shards", progress and many):
         with files.open(path) as reader:
             for key in _progress(reader.keys(), "Loading weights", progress and not many):
-                target = targets.get(key)
-                if target is None:
-                    if not _hand_to_module(hooked, key, reader, place):
+                stored = reader.info(key)
+                pieces = [Piece(key, 0, stored.shape)] if key in targets else _fan_out(fan_out, key, stored.shape)
+                if pieces is None:
+                    if not _hand_to_module(hooked, key, lambda: reader.read(key), place):
                         info.unexpected.append(key)
                     continue
-                if key != target.key or target.loaded:
-                    continue  # a tied copy, or a key listed twice
-                where = place(target.names[0])
-                load_device = _CPU if where == "disk" else where
-                staging = stagings.setdefault(load_device.type, _Staging(load_device))
-                value = _read_tensor(reader, key, target, dtype, load_device, shard_fn, staging)
-                _assign(target, value, where, offload)
-                info.num_loaded += 1
-                info.bytes_read += value.numel() * reader.info(key).dtype.itemsize
+                for piece in pieces:
+                    target = targets.get(piece.name)
+                    if target is None:  # a piece of a module that loads itself, or of none (more experts than ours)
+                        if (not _hand_to_module(hooked, piece.name, lambda: _read_piece(reader, key, piece), place)
+                                and key not in info.unexpected):
+                            info.unexpected.append(key)
+                        continue
+                    if key != target.key or target.loaded:
+                        continue  # a tied copy, a key listed twice, or a piece the checkpoint also has on its own
+                    where = place(target.names[0])
+                    load_device = _CPU if where == "disk" else where
+                    staging = stagings.setdefault(load_device.type, _Staging(load_device))
+                    value = _read_tensor(reader, key, piece, target, dtype, load_device, shard_fn, staging)
+                    _assign(target, value, where, offload)
+                    info.num_loaded += 1
+                    info.bytes_read += value.numel() * stored.dtype.itemsize
 
     # What is still on the meta device: keys an index promised but a shard lacked, allowed missing keys,
     # and tensors a load_from_checkpoint module did not fill.
@@ -367,18 +385,28 @@ def _check_missing(missing: list[str], ignore_missing: Sequence[str], files: Che
         )
 
 
-def _hand_to_module(hooked: dict[str, nn.Module], key: str, reader, place) -> bool:
-    """Give `key` to the innermost enclosing module that defines load_from_checkpoint; False if there is none."""
-    parts = key.split(".")
+def _fan_out(fan_out: tuple[FanOut, ...], key: str, shape: tuple[int, ...]) -> list[Piece] | None:
+    """The pieces the first matching rule cuts checkpoint tensor `key` into; None when no rule matches it."""
+    for rule in fan_out:
+        pieces = rule.pieces(key, shape)
+        if pieces is not None:
+            return pieces
+    return None
+
+
+def _hand_to_module(hooked: dict[str, nn.Module], name: str, read: Callable[[], torch.Tensor], place) -> bool:
+    """Give tensor `name` (read() reads it) to the innermost enclosing module that defines load_from_checkpoint;
+    False if there is none."""
+    parts = name.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         module = hooked.get(".".join(parts[:cut]))
         if module is not None:
             # Stored dtype, on the load device: the module decides how to convert or quantize it.
-            device = place(key)
+            device = place(name)
             if device == "disk":
-                raise NotImplementedError(f"{key!r} belongs to a module that loads itself (a quantized layer); "
+                raise NotImplementedError(f"{name!r} belongs to a module that loads itself (a quantized layer); "
                                           f"offloading such modules to disk is not supported: put it on a device")
-            module.load_from_checkpoint(".".join(parts[cut:]), reader.read(key).to(device))
+            module.load_from_checkpoint(".".join(parts[cut:]), read().to(device))
             return True
     return False
 
@@ -428,13 +456,19 @@ def _assign(target: _Target, value: torch.Tensor, where, offload) -> None:
     target.assign(value)
 
 
-def _read_tensor(reader, key: str, target: _Target, dtype, device, shard_fn, staging: _Staging) -> torch.Tensor:
-    """Allocate `target`'s tensor in its final dtype on `device` and fill it with checkpoint tensor `key`."""
+def _read_tensor(reader, key: str, piece: Piece, target: _Target, dtype, device, shard_fn,
+                 staging: _Staging) -> torch.Tensor:
+    """Allocate `target`'s tensor in its final dtype on `device` and fill it with `piece` of checkpoint tensor `key`
+    (the whole tensor, or a run of its elements: loading/fan_out.py)."""
     stored = reader.info(key)
-    slices = shard_fn(key, stored.shape) if shard_fn is not None else None
-    shape = stored.shape if slices is None else tuple(torch.empty(stored.shape, device="meta")[slices].shape)
+    slices = shard_fn(piece.name, piece.shape) if shard_fn is not None else None
+    shape = piece.shape if slices is None else tuple(torch.empty(piece.shape, device="meta")[slices].shape)
     if shape != tuple(target.meta.shape):
-        what = f"shape {list(stored.shape)}" + (f" (slice {list(shape)})" if slices is not None else "")
+        what = f"shape {list(stored.shape)}"
+        if piece.name != key:
+            what += f", whose piece for {piece.name!r} is {list(piece.shape)}"
+        if slices is not None:
+            what += f" (slice {list(shape)})"
         raise ValueError(
             f"tensor {key!r} in {reader.path.name} has {what}, but the model's {target.names[0]!r} has shape "
             f"{list(target.meta.shape)}; is config.json the one of these weights?"
@@ -446,20 +480,38 @@ def _read_tensor(reader, key: str, target: _Target, dtype, device, shard_fn, sta
         # read twice, and resident memory stays at one copy of the weights).
         mapped = reader.mapped(key)
         if mapped is not None:
-            return mapped
+            return _cut(mapped, piece)
     out = torch.empty(shape, dtype=final, device=device)
     if not out.numel():
         return out
 
-    rows = _row_range(slices, stored.shape)
+    rows = _row_range(slices, piece.shape)
     if isinstance(reader, SafetensorsFile) and rows is not None:
-        row_bytes = prod(stored.shape[1:]) * stored.dtype.itemsize
-        _fill(reader, stored.start + rows[0] * row_bytes, stored.dtype, out, staging)
+        row_bytes = prod(piece.shape[1:]) * stored.dtype.itemsize
+        _fill(reader, stored.start + piece.first * stored.dtype.itemsize + rows[0] * row_bytes, stored.dtype, out,
+              staging)
     else:
-        # General slices, or a .bin file (already a tensor): read the whole tensor, then copy what is needed.
-        source = reader.read(key)
+        # General slices, or a .bin file (already a tensor): read the piece, then copy what is needed.
+        source = _read_piece(reader, key, piece)
         out.copy_(source[slices] if slices is not None else source)
     return out
+
+
+def _read_piece(reader, key: str, piece: Piece) -> torch.Tensor:
+    """`piece` of checkpoint tensor `key` as a CPU tensor of its stored dtype (from a safetensors file, only the
+    piece's bytes are read)."""
+    if not isinstance(reader, SafetensorsFile):
+        return _cut(reader.read(key), piece)
+    stored = reader.info(key)
+    out = torch.empty(piece.shape, dtype=stored.dtype)
+    if out.numel():
+        reader.read_bytes_into(stored.start + piece.first * stored.dtype.itemsize, byte_view(out))
+    return out
+
+
+def _cut(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The view of `tensor` (contiguous) that `piece` names."""
+    return tensor.reshape(-1)[piece.first : piece.first + prod(piece.shape)].view(piece.shape)
 
 
 def _row_range(slices: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[int, int] | None:

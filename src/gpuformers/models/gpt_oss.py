@@ -257,6 +257,7 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
     decoder_layer_class = GptOssDecoderLayer
     no_split_modules = ("GptOssDecoderLayer",)
     tp_plan_auto = None
+    checkpoint_fan_out = ()  # its experts are fused in the checkpoint and in the model alike
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """As PreTrainedModel's, and MXFP4 experts (an MXFP4 checkpoint just loaded) dequantized: the model is then

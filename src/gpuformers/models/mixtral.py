@@ -5,19 +5,21 @@
                        summed with those weights
 
 Only Mixtral's differences live here: the checkpoint names (model.layers.{i}.block_sparse_moe.gate.weight and
-block_sparse_moe.experts.{e}.w1/w2/w3.weight, the Hub's layout and what transformers 5's save_pretrained writes;
-transformers fuses the experts into 3-D tensors in memory only), every layer sparse, router_jitter_noise (training
+block_sparse_moe.experts.{e}.w1/w2/w3.weight, the Hub's layout and what transformers 5's save_pretrained writes by
+default; transformers fuses the experts into 3-D tensors in memory), every layer sparse, router_jitter_noise (training
 only, as in transformers), and its tensor-parallel plan (MIXTRAL_TP_PLAN: every expert split). The router, the
 experts' loop, the fused kernel (use_kernels=True) and training with output_router_logits (the load-balancing aux
 loss, router_aux_loss_coef) are Qwen3-MoE's, whose forward Mixtral inherits: transformers computes both families'
 aux loss with the same function. Attention is Mistral's: a sliding window on every layer when config.sliding_window
 is set.
 
-A checkpoint written with transformers' save_pretrained(save_original_format=False) keeps the fused in-memory layout
-(mlp.experts.gate_up_proj); loading it fails on the missing block_sparse_moe keys: save it with transformers'
-default instead.
+transformers' fused in-memory layout, which its save_pretrained writes with save_original_format=False, for an
+offloaded model or with an adapter (mlp.gate.weight, mlp.experts.gate_up_proj (experts, 2 * intermediate, hidden):
+w1 rows then w3 rows, mlp.experts.down_proj), loads too: MIXTRAL_FAN_OUT renames the router and cuts the experts
+into w1 / w3 / w2 as they stream in (loading/fan_out.py).
 
-Offers: MixtralConfig, MixtralExpert, MixtralSparseMoeBlock, MixtralDecoderLayer, MixtralForCausalLM, MIXTRAL_TP_PLAN.
+Offers: MixtralConfig, MixtralExpert, MixtralSparseMoeBlock, MixtralDecoderLayer, MixtralForCausalLM, MIXTRAL_TP_PLAN,
+MIXTRAL_FAN_OUT.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from gpuformers.layers.moe import SparseMoeBlock
 from gpuformers.layers.norm import add_rms_norm
+from gpuformers.loading.fan_out import FanOut, fused_experts
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
 from gpuformers.models.modeling import plain_calls
@@ -132,6 +135,11 @@ MIXTRAL_TP_PLAN = {
 }
 
 
+# transformers' fused layout (module doc) -> our block_sparse_moe names
+MIXTRAL_FAN_OUT = (*fused_experts("model.layers.*.block_sparse_moe.experts", gate="w1", up="w3", down="w2"),
+                   FanOut("model.layers.*.mlp.gate.weight", ("model.layers.*.block_sparse_moe.gate.weight",)))
+
+
 class MixtralForCausalLM(Qwen3MoeForCausalLM):
     """Qwen3-MoE's forward (router logits, aux loss) over Mixtral's decoder layers."""
 
@@ -139,3 +147,4 @@ class MixtralForCausalLM(Qwen3MoeForCausalLM):
     decoder_layer_class = MixtralDecoderLayer
     no_split_modules = ("MixtralDecoderLayer",)
     tp_plan_auto = MIXTRAL_TP_PLAN
+    checkpoint_fan_out = MIXTRAL_FAN_OUT

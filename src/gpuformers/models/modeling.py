@@ -131,6 +131,9 @@ def _checkpointed_call(forward, offload: bool, checkpoint_kwargs: dict, *args, *
 class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin, TokenEmbeddingsMixin, PeftAdapterMixin):
     config_class = ModelConfig
     no_split_modules: tuple[str, ...] = ()
+    # Checkpoint keys that fan out into several of our parameters (loading/fan_out.py: transformers' fused MoE
+    # experts); none for a model whose parameters keep the checkpoint's names.
+    checkpoint_fan_out: tuple = ()
 
     def __init__(self, config: ModelConfig):
         super().__init__()

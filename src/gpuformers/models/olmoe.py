@@ -9,10 +9,11 @@ here.
                when norm_topk_prob, default off), each expert a gated MLP of intermediate_size; no shared expert
 
 No sliding window, no dense layers. Checkpoint keys are what the Hub holds and transformers' save_pretrained writes
-(mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight; transformers fuses the experts into 3-D tensors in
-memory only), so the block is Qwen3-MoE's, with its fused kernel under use_kernels=True; router logits and the aux
-loss (output_router_logits, router_aux_loss_coef, default 0.01) are Qwen3-MoE's forward, which this model inherits:
-transformers computes both families' aux loss with the same function.
+by default (mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight; transformers' fused layout, mlp.experts.
+gate_up_proj / down_proj, loads too, through Qwen3-MoE's checkpoint_fan_out), so the block is Qwen3-MoE's, with
+its fused kernel under use_kernels=True; router logits and the aux loss (output_router_logits,
+router_aux_loss_coef, default 0.01) are Qwen3-MoE's forward, which this model inherits: transformers computes both
+families' aux loss with the same function.
 
 transformers sizes q_norm by hidden_size: a config whose head_dim is not hidden_size / num_attention_heads is
 refused, as transformers could not build it. tp_plan="auto" is refused: q_norm / k_norm reduce over every head,

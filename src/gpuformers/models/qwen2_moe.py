@@ -11,8 +11,9 @@ expert that every token goes through.
 Only the differences live here: the shared expert, the q/k/v biases of config.json's qkv_bias (default true; never a
 bias on o_proj), transformers' sliding-window rule for this family (with use_sliding_window, the even layers below
 max_window_layers slide: the opposite side of Qwen2's rule), its defaults, and its tensor-parallel plan. Checkpoint
-keys are what transformers' save_pretrained writes and the Hub holds: mlp.gate.weight, mlp.experts.{e}.{gate,up,
-down}_proj.weight, mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight.
+keys are what transformers' save_pretrained writes by default and the Hub holds: mlp.gate.weight, mlp.experts.{e}.
+{gate,up,down}_proj.weight, mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight; its fused
+experts (mlp.experts.gate_up_proj / down_proj) load too, through Qwen3-MoE's checkpoint_fan_out.
 
 The block's own forward is the routed experts only (SparseMoeBlock's, which use_kernels=True swaps for the fused
 Triton experts); the decoder layer adds the block's shared_expert_output, so the shared expert counts with or

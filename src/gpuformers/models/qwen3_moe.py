@@ -10,6 +10,11 @@ the Switch-Transformer load-balancing loss over them (padding excluded via atten
 loss is LM loss + router_aux_loss_coef * aux_loss, as in transformers; the chunked LM-head loss of the Trainer
 included. Forwards without it (inference, generate's cached steps, the engine) record nothing.
 
+Checkpoints: the experts load from the Hub's per-expert keys (mlp.experts.{e}.{gate,up,down}_proj.weight) or from
+transformers' fused ones (mlp.experts.gate_up_proj, mlp.experts.down_proj: what its save_pretrained writes with
+save_original_format=False, offloaded or with an adapter), cut into our per-expert Linears as they stream in
+(`checkpoint_fan_out`, loading/fan_out.py); Qwen2-MoE, OLMoE and Mixtral inherit this.
+
 Offers: Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM.
 """
 
@@ -21,6 +26,7 @@ import torch
 
 from gpuformers.generation.cache import Cache
 from gpuformers.layers.moe import SparseMoeBlock, TopKRouter, load_balancing_loss
+from gpuformers.loading.fan_out import fused_experts
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
 from gpuformers.models.outputs import MoeCausalLMOutput
@@ -64,6 +70,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = Qwen3MoeConfig
     decoder_layer_class = Qwen3MoeDecoderLayer
     no_split_modules = ("Qwen3MoeDecoderLayer",)
+    checkpoint_fan_out = fused_experts()  # transformers' fused experts -> mlp.experts.{e}.*_proj (module doc)
 
     def forward(
         self,
