@@ -85,6 +85,12 @@ CASES = [
     ("suppress_at_begin", lambda: L.SuppressTokensAtBeginLogitsProcessor([2, 6], 12),
      "SuppressTokensAtBeginLogitsProcessor", dict(begin_suppress_tokens=[2, 6], begin_index=12)),
     ("normalization", lambda: L.LogitNormalization(), "LogitNormalization", {}),
+    ("top_h", lambda: L.TopHLogitsWarper(0.5), "TopHLogitsWarper", dict(top_h=0.5)),
+    ("sequence_bias", lambda: L.SequenceBiasLogitsProcessor([[[1, 2], -2.0], [[4], 3.5], [[5, 3], 1.0]]),
+     "SequenceBiasLogitsProcessor", dict(sequence_bias=[[[1, 2], -2.0], [[4], 3.5], [[5, 3], 1.0]])),
+    ("exponential_decay", lambda: L.ExponentialDecayLengthPenalty((1, 1.5), [3, 8], 10),
+     "ExponentialDecayLengthPenalty", dict(exponential_decay_length_penalty=(1, 1.5), eos_token_id=[3, 8],
+                                           input_ids_seq_length=10)),
 ]
 
 
@@ -159,6 +165,12 @@ def test_constructor_errors_name_the_setting():
         L.RepetitionPenaltyLogitsProcessor(-1.0)
     with pytest.raises(ValueError, match="bad_words_ids"):
         L.NoBadWordsLogitsProcessor([])
+    with pytest.raises(ValueError, match="top_h"):
+        L.TopHLogitsWarper(0.0)
+    with pytest.raises(ValueError, match="sequence_bias"):
+        L.SequenceBiasLogitsProcessor([[3, -1.0]])
+    with pytest.raises(ValueError, match="exponential_decay_length_penalty"):
+        L.ExponentialDecayLengthPenalty((2, 1.5), None, 10)
 
 
 # --- the whole list --------------------------------------------------------------------------------------------------
@@ -172,6 +184,8 @@ LIST_CONFIGS = [
     dict(min_length=14, eos_token_id=[3, 8], suppress_tokens=[9], begin_suppress_tokens=[4], forced_eos_token_id=3,
          max_new_tokens=5),
     dict(num_beams=3, do_sample=True, top_k=2, top_p=0.5, length_penalty=0.8, remove_invalid_values=True),
+    dict(do_sample=True, temperature=0.8, top_h=0.6, top_k=20, sequence_bias=[[[1, 2], -2.0], [[4], 3.5]],
+         exponential_decay_length_penalty=(2, 1.3), remove_invalid_values=True, suppress_tokens=[9]),
 ]
 
 

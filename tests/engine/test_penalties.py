@@ -240,6 +240,9 @@ def test_generation_config_fields_the_engine_cannot_follow_are_refused(setup):
         model.generate_batch(prompts[:1], num_beams=4, bad_words_ids=[[3]], progress_bar=False)
     with pytest.raises(NotImplementedError, match="typical_p=0.5"):
         model.generate_batch(prompts[:1], do_sample=True, typical_p=0.5, progress_bar=False)
+    with pytest.raises(NotImplementedError, match=r"top_h=0.5, sequence_bias=.*exponential_decay_length_penalty"):
+        model.generate_batch(prompts[:1], do_sample=True, top_h=0.5, sequence_bias=[[[3], 1.0]],
+                             exponential_decay_length_penalty=(2, 1.5), progress_bar=False)
     cb = ContinuousBatchingConfig()
     # typical_p without sampling changes nothing (generate() skips it too); the honoured fields are mapped.
     params = sampling_params_from(GenerationConfig(typical_p=0.5, repetition_penalty=1.2, min_p=0.1, min_length=10,

@@ -13,7 +13,7 @@ readable (`GenerationConfig().top_k == 50`) and still allows transformers' prior
 
 Offers: GenerationConfig (from_dict, from_model_config, from_pretrained, to_dict, to_diff_dict, save_pretrained,
 update, merged_with, validate, copy, is_set, eos_token_ids, max_length_for, min_length_for), CompileConfig,
-CACHE_IMPLEMENTATIONS, ASSISTANT_TOKEN_SCHEDULES, GENERATION_CONFIG_NAME.
+sequence_bias_as_dict, CACHE_IMPLEMENTATIONS, ASSISTANT_TOKEN_SCHEDULES, GENERATION_CONFIG_NAME.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import json
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -40,11 +41,10 @@ CACHE_IMPLEMENTATIONS = (
 # transformers fields gpuformers does not implement, with the value that means "off". Setting one to anything else
 # warns instead of being silently ignored (and does not fail, so a checkpoint that sets one still loads).
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "top_h": None, "sequence_bias": None, "exponential_decay_length_penalty": None, "guidance_scale": None,
-    "watermarking_config": None, "token_healing": False, "encoder_repetition_penalty": 1.0,
+    "guidance_scale": None, "watermarking_config": None, "token_healing": False, "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0, "decoder_start_token_id": None, "penalty_alpha": None, "dola_layers": None,
     "num_beam_groups": 1, "diversity_penalty": 0.0, "constraints": None, "force_words_ids": None, "low_memory": None,
-    "use_mtp": None, "assistant_early_exit": None, "prefill_chunk_size": None,
+    "use_mtp": None, "assistant_early_exit": None,
 }
 
 # Values of num_assistant_tokens_schedule (transformers'): how the draft length changes from round to round.
@@ -97,6 +97,7 @@ class GenerationConfig:
     top_k: int = 50  # 0 turns it off
     top_p: float = 1.0
     min_p: float | None = None
+    top_h: float | None = None  # in (0, 1]: keep the top tokens whose entropy stays within top_h * H (Top-H)
     typical_p: float = 1.0
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
@@ -104,6 +105,10 @@ class GenerationConfig:
     length_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     bad_words_ids: list[list[int]] | None = None
+    # added to the last token's score where the sequence would complete: [[[10, 45], -2.0]] or {(10, 45): -2.0}
+    sequence_bias: list | dict | None = None
+    # (start_index, decay_factor): past start_index new tokens, eos scores grow by decay_factor ** (tokens past it)
+    exponential_decay_length_penalty: tuple[int, float] | None = None
     renormalize_logits: bool = False
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | list[int] | None = None
@@ -124,6 +129,7 @@ class GenerationConfig:
     # --- performance ------------------------------------------------------------------------------------------
     compile_config: CompileConfig | None = None
     disable_compile: bool = False
+    prefill_chunk_size: int | None = None  # prompt tokens per prefill forward: same tokens, less activation memory
     # Keys that are not fields (metadata such as transformers_version, custom entries), written back as they came
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -151,6 +157,9 @@ class GenerationConfig:
             object.__setattr__(self, "compile_config", CompileConfig(**self.compile_config))
         if isinstance(self.eos_token_id, tuple):
             object.__setattr__(self, "eos_token_id", list(self.eos_token_id))
+        # JSON has no tuple: a pair read from a file is a list
+        if isinstance(self.exponential_decay_length_penalty, list):
+            object.__setattr__(self, "exponential_decay_length_penalty", tuple(self.exponential_decay_length_penalty))
 
     def _warn_unsupported(self) -> None:
         for name, off_value in _UNSUPPORTED_FIELDS.items():
@@ -204,6 +213,9 @@ class GenerationConfig:
         for f in _FIELDS:
             value = getattr(self, f.name)
             if include_defaults or f.name in self._explicit or value != f.default:
+                if f.name == "sequence_bias" and isinstance(value, dict):
+                    # JSON keys are strings: the dict form is written as transformers' list of [ids, bias] pairs
+                    value = [[list(ids), bias] for ids, bias in value.items()]
                 out[f.name] = value.to_dict() if isinstance(value, CompileConfig) else copy.deepcopy(value)
         out.update(copy.deepcopy(self.extra))
         return out
@@ -312,6 +324,8 @@ class GenerationConfig:
         _check_int("num_assistant_tokens", self.num_assistant_tokens, minimum=1)
         _check_int("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, minimum=1, optional=True)
         _check_int("max_matching_ngram_size", self.max_matching_ngram_size, minimum=1, optional=True)
+        _check_int("prefill_chunk_size", self.prefill_chunk_size, minimum=1, optional=True,
+                   hint="; it is the number of prompt tokens per prefill forward, None prefills in one piece")
         if self.num_assistant_tokens_schedule not in ASSISTANT_TOKEN_SCHEDULES:
             raise ValueError(
                 f"generation config field num_assistant_tokens_schedule {self.num_assistant_tokens_schedule!r} is not "
@@ -340,6 +354,8 @@ class GenerationConfig:
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.min_p is not None:
             _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.top_h is not None:
+            _check_number("top_h", self.top_h, low=0.0, high=1.0, low_open=True, hint="; typical values are 0.3-0.6")
         _check_number("typical_p", self.typical_p, low=0.0, high=1.0, low_open=True)
         _check_number("epsilon_cutoff", self.epsilon_cutoff, low=0.0, high=1.0)
         _check_number("eta_cutoff", self.eta_cutoff, low=0.0, high=1.0)
@@ -381,6 +397,17 @@ class GenerationConfig:
                     f"generation config field bad_words_ids must be a list of non-empty lists of token ids, e.g. "
                     f"[[12], [7, 8]], got {self.bad_words_ids!r}"
                 )
+        if self.sequence_bias is not None:
+            sequence_bias_as_dict(self.sequence_bias, name="generation config field sequence_bias")
+        decay = self.exponential_decay_length_penalty
+        if decay is not None and not (
+            isinstance(decay, (list, tuple)) and len(decay) == 2 and isinstance(decay[0], int)
+            and not isinstance(decay[0], bool) and _is_number(decay[1])
+        ):
+            raise ValueError(
+                f"generation config field exponential_decay_length_penalty must be a pair (start_index, decay_factor) "
+                f"of an integer and a number, e.g. (15, 1.6), got {decay!r}"
+            )
         if self.stop_strings is not None:
             strings = self.stop_string_list
             if not strings or not all(isinstance(s, str) and s for s in strings):
@@ -417,6 +444,42 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False, hint
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"generation config field {name} must be an integer >= {minimum}, got {value!r}{hint}")
+
+
+def sequence_bias_as_dict(sequence_bias: Any, name: str = "sequence_bias") -> dict[tuple[int, ...], float]:
+    """transformers' two forms of `sequence_bias`, a list of [token ids, bias] pairs (`[[[10, 45], -2.0]]`, what
+    generation_config.json holds) or a dict (`{(10, 45): -2.0}`), as the dict; a later pair for the same ids wins,
+    as in transformers. Raises ValueError naming `name` for anything else.
+
+    Two deviations: an int bias is accepted (-2 means -2.0; transformers wants a float), and an entry without token
+    ids is refused (transformers takes it and never applies it).
+    """
+    form = "a list of [token ids, bias] pairs, e.g. [[[10, 45], -2.0], [[64], 7.5]], or a dict {(10, 45): -2.0}"
+    if isinstance(sequence_bias, dict):
+        if not all(isinstance(ids, tuple) for ids in sequence_bias):
+            raise ValueError(f"{name} must be {form}: dict keys are tuples of token ids, e.g. (64,); "
+                             f"got {sequence_bias!r}")
+        pairs = list(sequence_bias.items())
+    elif isinstance(sequence_bias, (list, tuple)) and all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], (list, tuple))
+        for pair in sequence_bias
+    ):
+        pairs = [(tuple(ids), bias) for ids, bias in sequence_bias]
+    else:
+        raise ValueError(f"{name} must be {form}, got {sequence_bias!r}")
+    if not pairs:
+        raise ValueError(f"{name} is empty; give at least one pair, as {form}, or leave it None")
+    for ids, bias in pairs:
+        if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"{name}: each entry's token ids must be a non-empty list of integers >= 0, "
+                             f"got {list(ids)!r}")
+        if not _is_number(bias):
+            raise ValueError(f"{name}: the bias of {list(ids)!r} must be a number, got {bias!r}")
+    return {tuple(int(t) for t in ids): float(bias) for ids, bias in pairs}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _check_number(name: str, value: Any, low: float | None = None, high: float | None = None,

@@ -22,6 +22,11 @@ Cache rebuild: before each forward the loop asks the model `cache_must_be_rebuil
 ints, no host sync); where it says so (Phi-3's longrope passing original_max_position_embeddings, as transformers'
 Phi-3 decides by the padded length) the cache is emptied and the whole sequence recomputed once, as prefill.
 
+Chunked prefill: with `prefill_chunk_size=n` the prompt goes through the model n tokens per forward (the last
+chunk's logits start decoding), so activation memory is bounded by n instead of the prompt length; the cache ends
+up holding the same keys, so the tokens are those of an unchunked prefill. As in transformers it needs a cache
+(use_cache=False is refused) and assisted generation prefills in one piece.
+
 Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache).
 On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed shapes and is compiled with
 `torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
@@ -79,10 +84,15 @@ class _StepInputs:
     """
 
     def __init__(self, attention_mask: torch.Tensor | None, rows: int, prompt_length: int, max_length: int,
-                 cache: Cache | None, device: torch.device, cache_must_be_rebuilt):
+                 cache: Cache | None, device: torch.device, model, prefill_chunk_size: int | None = None):
+        if prefill_chunk_size is not None and cache is None:
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size} prefills the prompt into the cache chunk by "
+                             f"chunk, so it needs a cache; drop use_cache=False or prefill_chunk_size")
         self.cache = cache
+        self.model = model  # runs the prefill chunks before the last one
+        self.prefill_chunk_size = prefill_chunk_size
         # the model's GenerationMixin.cache_must_be_rebuilt, asked with Python ints before each forward
-        self.cache_must_be_rebuilt = cache_must_be_rebuilt
+        self.cache_must_be_rebuilt = model.cache_must_be_rebuilt
         # a fixed-shape static cache attends over all its slots
         self.full_mask = isinstance(cache, StaticCache) and cache.fixed_shape
         self.slots: torch.Tensor | None = None  # arange(max_cache_len): cache positions for fixed-shape steps
@@ -100,15 +110,27 @@ class _StepInputs:
         return self.mask[:, :length]
 
     def prefill(self, input_ids: torch.Tensor) -> dict[str, Any]:
-        """The whole prompt, minus what a cache passed in by the user already holds (all of it when the model
-        says that cache must be rebuilt at this length)."""
+        """The inputs of the forward that ends the prompt: the whole prompt, minus what a cache passed in by the
+        user already holds (all of it when the model says that cache must be rebuilt at this length).
+
+        With prefill_chunk_size=n the rest is cut into n-token chunks from the first uncached token, as
+        transformers' torch.split does; the chunks before the last run here, into the cache, and the inputs
+        returned are the last chunk's. A chunk the model says needs a rebuilt cache recomputes from token 0.
+        """
         done = self.cache.get_seq_length() if self.cache is not None else 0
         length = input_ids.shape[1]
-        if done and self.cache_must_be_rebuilt(done, length):
-            self.cache.crop(0)
-            done = 0
-        return dict(input_ids=input_ids[:, done:], position_ids=self.positions[:, done:length],
-                    attention_mask=self._mask_until(length))
+        while True:
+            end = length if self.prefill_chunk_size is None else min(length, done + self.prefill_chunk_size)
+            if done and self.cache_must_be_rebuilt(done, end):
+                self.cache.crop(0)
+                done = 0
+            inputs = dict(input_ids=input_ids[:, done:end], position_ids=self.positions[:, done:end],
+                          attention_mask=self._mask_until(end))
+            if end == length:
+                return inputs
+            # only the cache is wanted from this chunk: keep one position of logits, then drop them
+            self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            done = end
 
     def step(self, sequences: torch.Tensor, length: int) -> dict[str, Any]:
         """The newest token (the whole sequence without a cache); `length` tokens exist so far."""
@@ -244,7 +266,7 @@ class GenerationMixin:
         with torch.inference_mode() if private else contextlib.nullcontext():
             cache = self._prepare_cache(cache, config, rows, max_length)
             step_inputs = _StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device,
-                                      self.cache_must_be_rebuilt)
+                                      self, config.prefill_chunk_size)
             forward = self._decode_forward(config, cache)
             if assisted:
                 out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors, criteria,

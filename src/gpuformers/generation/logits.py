@@ -1,4 +1,5 @@
-"""Logits processors: the steps between the model's next-token logits and the choice of a token.
+"""Logits processors: the penalties and constraints between the model's next-token logits and the choice of a
+token, and the list generate() applies.
 
 Each processor is a callable `(input_ids (batch, seq) LongTensor, scores (batch, vocab) float) -> scores` with the
 name and behaviour of the transformers class of the same name, so processed scores match transformers' on the same
@@ -6,74 +7,48 @@ input. Every decision that depends on data stays on the device (masks, `torch.wh
 the host already knows, choose a branch, so no processor waits on the GPU.
 
 `build_logits_processors(generation_config, prompt_length)` builds the list generate() applies, in transformers'
-order: penalties and constraints first, then (only with do_sample=True) the sampling warpers
-temperature -> top_k -> top_p -> min_p -> typical_p -> epsilon -> eta, then renormalisation.
+order: penalties and constraints first (sequence_bias first of all), then (only with do_sample=True) the sampling
+warpers of generation/warpers.py, temperature -> top_h -> top_k -> top_p -> min_p -> typical_p -> epsilon -> eta,
+then renormalisation. The base classes live in generation/logits_processor.py; both they and the warpers are
+re-exported here, so every processor can be imported from this module.
 
 PrefixConstrainedLogitsProcessor (generate(prefix_allowed_tokens_fn=...)) lives in generation/prefix_constrained.py;
 it calls the user's Python function per row, so it is the one processor that waits for the device.
 
 Offers: LogitsProcessor, LogitsProcessorList, build_logits_processors, and the processors:
-RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor, MinLengthLogitsProcessor,
-MinNewTokensLengthLogitsProcessor, ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor,
-InfNanRemoveLogitsProcessor, SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, LogitNormalization,
-TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor,
+NoBadWordsLogitsProcessor, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, ForcedBOSTokenLogitsProcessor,
+ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, ExponentialDecayLengthPenalty,
+SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, LogitNormalization; and, from warpers.py,
+TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
 EpsilonLogitsWarper, EtaLogitsWarper.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
-from gpuformers.generation.config import GenerationConfig
-
-NEG_INF = -math.inf
-
-
-class LogitsProcessor:
-    """Base class: subclasses implement `__call__(input_ids, scores) -> scores` and never modify `scores` in place
-    (generate() may keep the raw scores for `output_logits`)."""
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__(input_ids, scores)")
-
-
-class LogitsProcessorList(list):
-    """A list of processors that is itself a processor: applies each in order."""
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        for processor in self:
-            scores = processor(input_ids, scores)
-        return scores
-
-
-class _TokenMask:
-    """A fixed set of token ids as a (vocab,) bool mask, built once per vocab size and device, so each step costs one
-    `torch.where` instead of a `torch.isin`."""
-
-    def __init__(self, token_ids: Sequence[int] | int | torch.Tensor):
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.reshape(-1).tolist()  # built once, before decoding starts
-        self.token_ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-        self._mask: torch.Tensor | None = None
-
-    def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        if self._mask is None or self._mask.shape[0] != vocab_size or self._mask.device != device:
-            mask = torch.zeros(vocab_size, dtype=torch.bool)
-            ids = [t for t in self.token_ids if 0 <= t < vocab_size]  # ids past the lm head can never be produced
-            mask[ids] = True
-            self._mask = mask.to(device)
-        return self._mask
-
-
-def _keep_top_tokens(scores: torch.Tensor, remove: torch.Tensor, min_tokens_to_keep: int) -> torch.Tensor:
-    """Clear `remove` for each row's `min_tokens_to_keep` highest scores. remove: (batch, vocab) bool."""
-    k = min(min_tokens_to_keep, scores.shape[-1])
-    kth_best = torch.topk(scores, k).values[..., -1:]  # (batch, 1)
-    return remove & (scores < kth_best)
-
+from gpuformers.generation.config import GenerationConfig, sequence_bias_as_dict
+# re-exported: the base classes and the warpers have always been importable from this module
+from gpuformers.generation.logits_processor import (  # noqa: F401
+    NEG_INF,
+    LogitsProcessor,
+    LogitsProcessorList,
+    _as_list,
+    _TokenMask,
+)
+from gpuformers.generation.warpers import (  # noqa: F401
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 # --- penalties and constraints --------------------------------------------------------------------------------------
 
@@ -174,6 +149,57 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
         return scores.masked_fill(banned, NEG_INF)
 
 
+class SequenceBiasLogitsProcessor(LogitsProcessor):
+    """Add a bias to the score of a sequence's last token wherever the next token would complete the sequence: a
+    one-token sequence is biased in every row, a longer one in the rows that end with the rest of it. Biases of
+    sequences that end in the same token add up.
+
+    sequence_bias: transformers' list of [token ids, bias] pairs, `[[[10, 45], -2.0], [[64], 7.5]]`, or its dict
+    form `{(10, 45): -2.0, (64,): 7.5}`. A token id the scores have no column for raises ValueError on the first
+    call, as in transformers (the vocabulary size is only known then).
+    """
+
+    def __init__(self, sequence_bias: list | dict):
+        self.sequence_bias = sequence_bias_as_dict(sequence_bias)
+        self._single = {ids[0]: bias for ids, bias in self.sequence_bias.items() if len(ids) == 1}
+        by_prefix_length: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+        for ids, bias in self.sequence_bias.items():
+            if len(ids) > 1:
+                by_prefix_length.setdefault(len(ids) - 1, []).append((ids, bias))
+        # per prefix length: (prefixes (k, prefix_len), last tokens (k,), biases (k,)), moved on first use
+        self._groups = [
+            (torch.tensor([ids[:-1] for ids, _ in group]), torch.tensor([ids[-1] for ids, _ in group]),
+             torch.tensor([bias for _, bias in group], dtype=torch.float32))
+            for group in by_prefix_length.values()
+        ]
+        self._single_bias: torch.Tensor | None = None  # (vocab,) float32, built on the first call
+        self._built_for: tuple[int, torch.device] | None = None  # (vocab size, device) of _single_bias
+
+    def _prepare(self, vocab_size: int, device: torch.device) -> None:
+        too_large = sorted({t for ids in self.sequence_bias for t in ids if t >= vocab_size})
+        if too_large:
+            raise ValueError(f"sequence_bias biases token ids {too_large}, but the scores have {vocab_size} columns "
+                             f"(ids 0-{vocab_size - 1}); drop those entries")
+        single_bias = torch.zeros(vocab_size, dtype=torch.float32)
+        single_bias[list(self._single)] = torch.tensor(list(self._single.values()), dtype=torch.float32)
+        self._single_bias = single_bias.to(device)
+        self._groups = [tuple(t.to(device) for t in group) for group in self._groups]
+        self._built_for = (vocab_size, device)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        batch, vocab_size = scores.shape
+        if self._built_for != (vocab_size, scores.device):
+            self._prepare(vocab_size, scores.device)
+        bias = self._single_bias.to(scores.dtype).expand(batch, vocab_size)
+        for prefixes, last, biases in self._groups:
+            k = prefixes.shape[1]
+            if k > input_ids.shape[1]:
+                continue
+            ends_with = (input_ids[:, None, -k:] == prefixes[None]).all(-1)  # (batch, entries)
+            bias = bias.index_add(1, last, torch.where(ends_with, biases, 0.0).to(scores.dtype))
+        return scores + bias
+
+
 class MinLengthLogitsProcessor(LogitsProcessor):
     """Forbid eos while the sequence (prompt included) is shorter than `min_length`."""
 
@@ -241,6 +267,47 @@ class InfNanRemoveLogitsProcessor(LogitsProcessor):
         return torch.nan_to_num(scores, nan=0.0, posinf=finfo.max, neginf=finfo.min)
 
 
+class ExponentialDecayLengthPenalty(LogitsProcessor):
+    """Make eos more and more likely once `start_index` tokens have been generated, so that generation tends to end
+    soon after, without a hard cut: at length prompt + start_index + i (i >= 1), each finite eos score s becomes
+    s + |s| * (decay_factor ** i - 1); |s| makes a negative score rise too.
+
+    exponential_decay_length_penalty: (start_index, decay_factor). input_ids_seq_length: the prompt length.
+    """
+
+    def __init__(self, exponential_decay_length_penalty: tuple[int, float],
+                 eos_token_id: int | list[int] | torch.Tensor, input_ids_seq_length: int):
+        pair = exponential_decay_length_penalty
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
+                and isinstance(pair[1], (int, float))):
+            raise ValueError(f"exponential_decay_length_penalty must be a pair (start_index, decay_factor), e.g. "
+                             f"(15, 1.6), got {pair!r}")
+        eos = _as_list(eos_token_id)
+        if not eos or any(t < 0 for t in eos):
+            raise ValueError(f"exponential_decay_length_penalty raises the eos scores, so it needs eos token ids >= 0, "
+                             f"got {eos_token_id!r}; set eos_token_id")
+        self.regulation_start = pair[0] + input_ids_seq_length
+        self.regulation_factor = float(pair[1])
+        self.eos_token_ids = list(dict.fromkeys(eos))  # a repeated id is raised once
+        self._eos: torch.Tensor | None = None  # the ids below the vocab size, on the scores' device
+        self._eos_built_for: tuple[int, torch.device] | None = None  # (vocab size, device) of _eos
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        steps_past_start = input_ids.shape[-1] - self.regulation_start
+        if steps_past_start <= 0:
+            return scores
+        vocab_size = scores.shape[-1]
+        if self._eos_built_for != (vocab_size, scores.device):
+            # ids past the lm head can never be produced
+            ids = [t for t in self.eos_token_ids if t < vocab_size]
+            self._eos = torch.tensor(ids, dtype=torch.long, device=scores.device)
+            self._eos_built_for = (vocab_size, scores.device)
+        eos_scores = scores[:, self._eos]  # (batch, n_eos)
+        rise = eos_scores.abs() * (self.regulation_factor ** steps_past_start - 1)
+        rise = rise.masked_fill(~torch.isfinite(eos_scores), 0.0)
+        return scores.index_add(1, self._eos, rise)
+
+
 class SuppressTokensLogitsProcessor(LogitsProcessor):
     """Never produce the given tokens."""
 
@@ -271,149 +338,6 @@ class LogitNormalization(LogitsProcessor):
         return scores.log_softmax(dim=-1)
 
 
-# --- sampling warpers (only with do_sample=True) ---------------------------------------------------------------------
-
-
-class TemperatureLogitsWarper(LogitsProcessor):
-    """Divide the scores by `temperature`: below 1 sharpens the distribution, above 1 flattens it."""
-
-    def __init__(self, temperature: float):
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-            raise ValueError(f"temperature must be a number > 0, got {temperature!r}; "
-                             f"for deterministic output use do_sample=False")
-        self.temperature = float(temperature)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores / self.temperature
-
-
-class TopKLogitsWarper(LogitsProcessor):
-    """Keep the `top_k` highest-scoring tokens (ties with the k-th included), remove the rest."""
-
-    def __init__(self, top_k: int, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer, got {top_k!r}; generate() treats 0 as 'off'")
-        self.top_k = max(top_k, min_tokens_to_keep)
-        self.filter_value = filter_value
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        k = min(self.top_k, scores.shape[-1])
-        kth_best = torch.topk(scores, k).values[..., -1:]  # (batch, 1)
-        return scores.masked_fill(scores < kth_best, self.filter_value)
-
-
-class TopPLogitsWarper(LogitsProcessor):
-    """Nucleus sampling (arXiv:1904.09751): keep the smallest set of most likely tokens whose probabilities add up
-    to at least `top_p`."""
-
-    def __init__(self, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        top_p = float(top_p)
-        if not 0.0 <= top_p <= 1.0:
-            raise ValueError(f"top_p must be between 0 and 1, got {top_p!r}")
-        _check_min_tokens(min_tokens_to_keep)
-        self.top_p = top_p
-        self.filter_value = filter_value
-        self.min_tokens_to_keep = min_tokens_to_keep
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        # Ascending order: the mass of the least likely tokens accumulates first, and a token is dropped while
-        # everything up to and including it stays within the 1 - top_p tail.
-        ascending, order = torch.sort(scores, dim=-1)  # (batch, vocab)
-        tail_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = tail_mass <= 1.0 - self.top_p
-        drop_sorted[:, -self.min_tokens_to_keep:] = False  # the most likely tokens sit at the end
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        return scores.masked_fill(drop, self.filter_value)
-
-
-class MinPLogitsWarper(LogitsProcessor):
-    """Keep tokens whose probability is at least `min_p` times the most likely token's (arXiv:2407.01082)."""
-
-    def __init__(self, min_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be between 0 and 1, got {min_p!r}")
-        _check_min_tokens(min_tokens_to_keep)
-        self.min_p = min_p
-        self.filter_value = filter_value
-        self.min_tokens_to_keep = min_tokens_to_keep
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.softmax(dim=-1)
-        threshold = self.min_p * probs.amax(dim=-1, keepdim=True)  # (batch, 1)
-        drop = probs < threshold
-        k = min(self.min_tokens_to_keep, probs.shape[-1])
-        drop = drop.scatter(1, torch.topk(probs, k).indices, False)
-        return scores.masked_fill(drop, self.filter_value)
-
-
-class TypicalLogitsWarper(LogitsProcessor):
-    """Locally typical sampling (arXiv:2202.00666): rank tokens by how far their surprisal is from the
-    distribution's entropy, keep the closest ones until their mass reaches `mass`."""
-
-    def __init__(self, mass: float = 0.9, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        mass = float(mass)
-        if not 0.0 < mass < 1.0:
-            raise ValueError(f"typical_p must be between 0 and 1 (exclusive), got {mass!r}")
-        _check_min_tokens(min_tokens_to_keep)
-        self.mass = mass
-        self.filter_value = filter_value
-        self.min_tokens_to_keep = min_tokens_to_keep
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        log_probs = scores.log_softmax(dim=-1)
-        entropy = -(log_probs * log_probs.exp()).nansum(-1, keepdim=True)  # (batch, 1)
-        distance = (-log_probs - entropy).abs()
-        distance_sorted, order = torch.sort(distance, dim=-1)
-        mass_so_far = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
-        # index of the last token needed to reach the mass
-        last = (mass_so_far < self.mass).sum(dim=1).clamp(max=scores.shape[-1] - 1)  # (batch,)
-        drop_sorted = distance_sorted > distance_sorted.gather(1, last[:, None])
-        drop_sorted[:, : self.min_tokens_to_keep] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        return scores.masked_fill(drop, self.filter_value)
-
-
-class EpsilonLogitsWarper(LogitsProcessor):
-    """Epsilon sampling (arXiv:2210.15191): drop tokens with probability below `epsilon`."""
-
-    def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        epsilon = float(epsilon)
-        if not 0.0 < epsilon < 1.0:
-            raise ValueError(f"epsilon_cutoff must be between 0 and 1 (exclusive), got {epsilon!r}")
-        _check_min_tokens(min_tokens_to_keep)
-        self.epsilon = epsilon
-        self.filter_value = filter_value
-        self.min_tokens_to_keep = min_tokens_to_keep
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        drop = scores.softmax(dim=-1) < self.epsilon
-        drop = _keep_top_tokens(scores, drop, self.min_tokens_to_keep)
-        return scores.masked_fill(drop, self.filter_value)
-
-
-class EtaLogitsWarper(LogitsProcessor):
-    """Eta sampling (arXiv:2210.15191): drop tokens with probability below min(eta, sqrt(eta) * exp(-entropy))."""
-
-    def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        epsilon = float(epsilon)
-        if not 0.0 < epsilon < 1.0:
-            raise ValueError(f"eta_cutoff must be between 0 and 1 (exclusive), got {epsilon!r}")
-        _check_min_tokens(min_tokens_to_keep)
-        self.epsilon = epsilon
-        # sqrt taken in float32, as the reference does; a host float, so no tensor is copied to the device per step
-        self._sqrt_epsilon = torch.tensor(epsilon, dtype=torch.float32).sqrt().item()
-        self.filter_value = filter_value
-        self.min_tokens_to_keep = min_tokens_to_keep
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        log_probs = scores.log_softmax(dim=-1)
-        probs = log_probs.exp()
-        entropy = -(probs * log_probs).nansum(dim=-1, keepdim=True)  # (batch, 1)
-        eta = (self._sqrt_epsilon * torch.exp(-entropy)).clamp(max=self.epsilon)
-        drop = _keep_top_tokens(scores, probs < eta, self.min_tokens_to_keep)
-        return scores.masked_fill(drop, self.filter_value)
-
-
 # --- the list generate() uses ----------------------------------------------------------------------------------------
 
 
@@ -435,6 +359,8 @@ def build_logits_processors(
     gc = generation_config
     eos = gc.eos_token_ids
     processors = LogitsProcessorList()
+    if gc.sequence_bias is not None:
+        processors.append(SequenceBiasLogitsProcessor(gc.sequence_bias))
     if gc.repetition_penalty != 1.0:
         padding = None
         if attention_mask is not None:
@@ -462,6 +388,12 @@ def build_logits_processors(
         processors.append(ForcedEOSTokenLogitsProcessor(gc.max_length_for(prompt_length), gc.forced_eos_token_id))
     if gc.remove_invalid_values:
         processors.append(InfNanRemoveLogitsProcessor())
+    if gc.exponential_decay_length_penalty is not None:
+        if not eos:
+            raise ValueError(f"generation config field exponential_decay_length_penalty="
+                             f"{gc.exponential_decay_length_penalty!r} raises the eos scores, but there is no "
+                             f"eos_token_id; set one or drop the penalty")
+        processors.append(ExponentialDecayLengthPenalty(gc.exponential_decay_length_penalty, eos, prompt_length))
     if gc.suppress_tokens is not None:
         processors.append(SuppressTokensLogitsProcessor(gc.suppress_tokens))
     if gc.begin_suppress_tokens is not None:
@@ -473,6 +405,8 @@ def build_logits_processors(
         keep = len(eos) + 1 if gc.num_beams > 1 and eos else 2 if gc.num_beams > 1 else 1
         if gc.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(gc.temperature))
+        if gc.top_h is not None:
+            processors.append(TopHLogitsWarper(gc.top_h))
         if gc.top_k != 0:
             processors.append(TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep))
         if gc.top_p < 1.0:
@@ -488,16 +422,3 @@ def build_logits_processors(
     if gc.renormalize_logits:
         processors.append(LogitNormalization())
     return processors
-
-
-def _as_list(token_ids: int | list[int] | torch.Tensor | None) -> list[int]:
-    if token_ids is None:
-        return []
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.reshape(-1).tolist()
-    return [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-
-
-def _check_min_tokens(min_tokens_to_keep: int) -> None:
-    if not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
-        raise ValueError(f"min_tokens_to_keep must be a positive integer, got {min_tokens_to_keep!r}")
