@@ -11,7 +11,14 @@
 
 A save writes everything into the temporary folder, flushes it to disk, then renames it to checkpoint-N: a
 rename is atomic, so a crash at any moment leaves either no checkpoint-N or a complete one. Reading uses
-torch.load(weights_only=True) only, so a checkpoint cannot run code.
+torch.load(weights_only=True) only, so a checkpoint cannot run code (transformers' rng_state.pth holds a NumPy
+array: the few NumPy globals that rebuild it are allowed for that file, nothing else).
+
+This is transformers' Trainer's layout, file for file, and each Trainer resumes from the other's checkpoints
+(transformers writes training_args.bin, which no resume reads, and rng_state_<process>.pth under torchrun), but
+for a LoRA model: transformers keeps an empty no-decay optimizer group, ours does not, so transformers refuses
+ours. Its DeepSpeed and FSDP checkpoints, and another optimizer's or scheduler's state, are refused with the file
+and the reason.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
 rotate_checkpoints, load_model_weights_in_place, load_optimizer_state, capture_rng_state, restore_rng_state,
@@ -30,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuformers.training.arguments import OPTIMIZERS, SCHEDULERS
+
 CHECKPOINT_PREFIX = "checkpoint"
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 _TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}-"
@@ -41,30 +50,34 @@ OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME, RNG_NAME = "optimizer.pt", "schedul
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Every generator a training step may draw from, in types torch.load(weights_only=True) accepts."""
-    version, mt_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": [version, list(mt_state), gauss],
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "cpu": torch.get_rng_state(),
-    }
+    """Every generator a training step may draw from, in the layout transformers' Trainer reads (so that it resumes
+    from our checkpoints) and in types torch.load(weights_only=True) accepts: NumPy's state is the dict form of
+    np.random.get_state with its key as a list (transformers saves the tuple, with an array), the CUDA state is
+    the one GPU's (every GPU's when several are visible)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    state = {"python": random.getstate(), "numpy": numpy_state, "cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        several = torch.cuda.device_count() > 1
+        state["cuda"] = torch.cuda.get_rng_state_all() if several else torch.cuda.get_rng_state()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what capture_rng_state or transformers' Trainer saved (or our earlier layout: lists, and NumPy's
+    state as a dict with a tensor)."""
     version, mt_state, gauss = state["python"]
     random.setstate((version, tuple(mt_state), gauss))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    if isinstance(n, dict) and "kind" in n:  # our earlier layout
+        n = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.set_state(n)  # a tuple (transformers) or the dict form
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]
-        if len(saved) == torch.cuda.device_count():
+        if torch.is_tensor(saved):  # one GPU's state
+            torch.cuda.set_rng_state(saved)
+        elif len(saved) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(saved)
         else:  # another number of visible GPUs: restore what lines up, the rest keep their seed
             for index, rng in enumerate(saved[: torch.cuda.device_count()]):
@@ -179,6 +192,19 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _numpy_rng_globals() -> list:
+    """What unpickling np.random.get_state() needs, and nothing more: transformers' rng_state.pth holds that tuple
+    (a uint32 array), which torch.load(weights_only=True) refuses unless these are allowed (transformers' own
+    trainer_pt_utils.safe_globals allows the same)."""
+    core = np._core if hasattr(np, "_core") else np.core  # NumPy 2 renamed numpy.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _load_rng(path: Path) -> dict[str, Any]:
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        return _load(path)
+
+
 def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files, on the CPU."""
     from safetensors.torch import load_file
@@ -210,24 +236,100 @@ def load_model_weights_in_place(model, folder: Path) -> None:
                          f"{result.unexpected_keys[:5]}; resume with the model the checkpoint was trained from")
 
 
+def _refuse_foreign_layouts(folder: Path) -> None:
+    """A checkpoint-N that transformers' Trainer wrote under DeepSpeed or accelerate's FSDP keeps its optimizer
+    (and maybe its weights) in their own sharded formats, which this Trainer cannot read: refused before anything
+    is loaded, rather than resumed with a fresh optimizer."""
+    deepspeed = sorted(folder.glob("global_step*")) + [path for path in [folder / "latest"] if path.is_file()]
+    if deepspeed:
+        raise ValueError(f"{deepspeed[0]}: {folder} is a DeepSpeed checkpoint (transformers' Trainer with "
+                         f"deepspeed=...), whose optimizer state is in DeepSpeed's ZeRO files, which gpuformers cannot "
+                         f"read; resume it with transformers and DeepSpeed, or start a new run from its weights "
+                         f"(from_pretrained; under ZeRO-3 after its zero_to_fp32.py)")
+    fsdp = sorted(folder.glob("pytorch_model_fsdp*")) + sorted(folder.glob("optimizer_*")) + [
+        path for path in [folder / "optimizer.bin"] if path.exists()]
+    if fsdp:
+        raise ValueError(f"{fsdp[0]}: {folder} was written by transformers' Trainer under FSDP (accelerate's "
+                         f"state dicts), which gpuformers cannot read; resume it with transformers, or start a new "
+                         f"run from its weights (from_pretrained)")
+
+
+# what each optimizer keeps per parameter, to refuse another optimizer's state before it breaks the first step
+_OPTIMIZER_STATE_KEYS = {torch.optim.Adam: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},  # AdamW too
+                         torch.optim.SGD: {"momentum_buffer"}}
+
+
+def _load_optimizer(optimizer, state: dict, path: Path) -> list[int]:
+    """optimizer.load_state_dict, after checking that `state` is this optimizer's kind over these parameters.
+    Returns the indices of the saved groups left out: transformers keeps a group even when it is empty (the
+    no-decay group of a LoRA model, which has no bias or norm to train), ours does not."""
+    expected = next((keys for kind, keys in _OPTIMIZER_STATE_KEYS.items() if isinstance(optimizer, kind)), None)
+    saved = set().union(*(entry.keys() for entry in state["state"].values()))
+    if expected is not None and not saved <= expected:
+        raise ValueError(f"{path} holds the state of another optimizer (per parameter: {sorted(saved)}; "
+                         f"{type(optimizer).__name__} keeps {sorted(expected)}): resume with the optim the checkpoint "
+                         f"was trained with (gpuformers has {', '.join(OPTIMIZERS)})")
+    dropped = []
+    if len(state["param_groups"]) > len(optimizer.param_groups):
+        dropped = [index for index, group in enumerate(state["param_groups"]) if not group["params"]]
+        state = {**state, "param_groups": [group for group in state["param_groups"] if group["params"]]}
+    groups = [group["params"] for group in state["param_groups"]]
+    ours = [group["params"] for group in optimizer.param_groups]
+    if [len(g) for g in groups] != [len(g) for g in ours]:
+        raise ValueError(f"{path} holds {[len(g) for g in groups]} parameters per group, the optimizer has "
+                         f"{[len(g) for g in ours]}: resume with the model, the trainable parameters and the "
+                         f"weight_decay groups the checkpoint was trained with")
+    # the ids are positions: a shape tells a parameter from another (for the optimizers above, whose state has the
+    # parameter's shape; Adafactor's factored rows and columns do not)
+    for saved_ids, params in zip(groups, ours) if expected is not None else ():
+        for index, param in zip(saved_ids, params):
+            for value in state["state"].get(index, {}).values():
+                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                    raise ValueError(f"{path}: the state of parameter {index} has shape {tuple(value.shape)}, the "
+                                     f"model's parameter {tuple(param.shape)}: resume with the model the checkpoint "
+                                     f"was trained with")
+    optimizer.load_state_dict(state)
+    return dropped
+
+
+def _load_scheduler(scheduler, path: Path, dropped_groups: list[int]) -> None:
+    """scheduler.load_state_dict, less the values of the optimizer groups that _load_optimizer left out."""
+    state = _load(path)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):  # one value per optimizer group
+        if key in state:
+            state[key] = [value for index, value in enumerate(state[key]) if index not in dropped_groups]
+    # private fields (_last_lr, _is_initial, ...) come and go with torch versions; public ones name the scheduler
+    unknown = sorted(key for key in state if not key.startswith("_") and key not in scheduler.state_dict())
+    if unknown:
+        raise ValueError(f"{path} holds the state of another kind of scheduler than {type(scheduler).__name__} "
+                         f"({', '.join(unknown)}): resume with the lr_scheduler_type the checkpoint was trained "
+                         f"with (gpuformers has {', '.join(SCHEDULERS)})")
+    scheduler.load_state_dict(state)
+
+
 def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None, scheduler=None,
-                        scaler=None) -> dict[str, Any]:
+                        scaler=None, process_index: int = 0) -> dict[str, Any]:
     """Load model weights, optimizer, scheduler and scaler states into the given objects; return
-    {"state_path": ..., "rng": rng state or None} for the caller to restore at the right moment."""
+    {"state_path": ..., "rng": rng state or None} for the caller to restore at the right moment. Reads checkpoints
+    of transformers' Trainer too (one process or DDP: rng_state_<process_index>.pth)."""
     folder = Path(checkpoint)
     if not (folder / STATE_NAME).is_file():
         raise FileNotFoundError(f"{folder} is not a complete training checkpoint (no {STATE_NAME}); pass a "
                                 f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
+    _refuse_foreign_layouts(folder)
     if model is not None:
         load_model_weights_in_place(model, folder)
+    dropped_groups = []
     if optimizer is not None and (state := load_optimizer_state(folder)) is not None:
-        optimizer.load_state_dict(state)
+        dropped_groups = _load_optimizer(optimizer, state, folder / OPTIMIZER_NAME)
     if scheduler is not None and (folder / SCHEDULER_NAME).is_file():
-        scheduler.load_state_dict(_load(folder / SCHEDULER_NAME))
+        _load_scheduler(scheduler, folder / SCHEDULER_NAME, dropped_groups)
     if scaler is not None and (folder / SCALER_NAME).is_file():
         scaler.load_state_dict(_load(folder / SCALER_NAME))
-    rng = _load(folder / RNG_NAME) if (folder / RNG_NAME).is_file() else None
-    return {"state_path": folder / STATE_NAME, "rng": rng}
+    # transformers' Trainer under torchrun writes one RNG file per process
+    rng_path = next((path for path in (folder / RNG_NAME, folder / f"rng_state_{process_index}.pth")
+                     if path.is_file()), None)
+    return {"state_path": folder / STATE_NAME, "rng": _load_rng(rng_path) if rng_path else None}
 
 
 def load_optimizer_state(checkpoint: str | os.PathLike) -> dict | None:

@@ -59,7 +59,8 @@ class CheckpointMixin:
         gathered = self._gathers_states
         loaded = ckpt.load_training_state(checkpoint, model=None if gathered else self.model,
                                           optimizer=None if gathered else self.optimizer,
-                                          scheduler=self.lr_scheduler, scaler=self.scaler)
+                                          scheduler=self.lr_scheduler, scaler=self.scaler,
+                                          process_index=self.args.process_index)
         if self._tensor_parallel:  # every process reads the whole weights and keeps its slices
             distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(checkpoint))
         if gathered and (state := ckpt.load_optimizer_state(checkpoint)) is not None:
