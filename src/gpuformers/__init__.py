@@ -64,6 +64,9 @@ _LAZY = {
     "BitsAndBytesConfig": "gpuformers.quantization.config",
     "WeightOnlyConfig": "gpuformers.quantization.config",
     "FineGrainedFP8Config": "gpuformers.quantization.config",
+    "GPTQConfig": "gpuformers.quantization.gptq_awq",
+    "AwqConfig": "gpuformers.quantization.gptq_awq",
+    "CompressedTensorsConfig": "gpuformers.quantization.compressed_tensors",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -80,8 +80,8 @@ def test_weight_only_config_defaults_and_errors():
         WeightOnlyConfig(bits=3)
     with pytest.raises(ValueError, match="group_size=0"):
         WeightOnlyConfig(group_size=0)
-    with pytest.raises(NotImplementedError, match="'gptq' is not supported"):
-        quantization_config_from({"quant_method": "gptq", "bits": 4})
+    with pytest.raises(NotImplementedError, match="'hqq' is not supported"):
+        quantization_config_from({"quant_method": "hqq", "nbits": 4})
     with pytest.raises(TypeError, match="quantization_config must be"):
         quantization_config_from("int8")
 

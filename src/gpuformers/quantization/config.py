@@ -14,11 +14,15 @@ for the method's quantized layer, which then quantizes each weight as the loader
 is quantized while loading (peak memory about one layer), a pre-quantized one is read as it is. The LM head is kept
 in full precision unless named otherwise, as transformers does.
 
-Other methods transformers knows (gptq, awq, hqq, torchao, compressed-tensors, quanto, ...) raise
-NotImplementedError naming the method.
+- `CompressedTensorsConfig` (quant_method "compressed-tensors"): checkpoints written by llm-compressor, read by
+  quantization/compressed_tensors.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
+- `GPTQConfig` / `AwqConfig` (quant_method "gptq" / "awq"): GPTQ and AWQ checkpoints, read by
+  quantization/gptq_awq.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
 
-Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, quantization_config_from,
-checkpoint_quantization, quantize_linear_layers, finish_loading.
+Other methods transformers knows (hqq, torchao, quanto, ...) raise NotImplementedError naming the method.
+
+Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig, GPTQConfig, AwqConfig,
+quantization_config_from, checkpoint_quantization, quantize_linear_layers, finish_loading.
 """
 
 from __future__ import annotations
@@ -30,6 +34,19 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gpuformers.quantization.compressed_tensors import (
+    CompressedTensorsConfig,
+    finish_compressed_loading,
+    swap_compressed_layers,
+)
+from gpuformers.quantization.gptq_awq import (
+    AwqConfig,
+    GPTQConfig,
+    finish_gptq_awq_loading,
+    gptq_awq_quantization,
+    swap_gptq_awq_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,16 +209,21 @@ class FineGrainedFP8Config:
         return cls(**values)
 
 
-_METHODS = {"bitsandbytes": BitsAndBytesConfig, "weight_only": WeightOnlyConfig, "fp8": FineGrainedFP8Config}
-QuantizationConfig = BitsAndBytesConfig | WeightOnlyConfig | FineGrainedFP8Config
+_METHODS = {"bitsandbytes": BitsAndBytesConfig, "weight_only": WeightOnlyConfig, "fp8": FineGrainedFP8Config,
+            "compressed-tensors": CompressedTensorsConfig, "gptq": GPTQConfig, "awq": AwqConfig}
+QuantizationConfig = (BitsAndBytesConfig | WeightOnlyConfig | FineGrainedFP8Config | CompressedTensorsConfig
+                      | GPTQConfig | AwqConfig)
 
 
 def quantization_config_from(value) -> QuantizationConfig:
     """A config object, or its dict form (config.json, or transformers' BitsAndBytesConfig.to_dict()) -> ours."""
-    if isinstance(value, (BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config)):
+    if isinstance(value, (BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig,
+                          GPTQConfig, AwqConfig)):
         return value
     if not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
-        value = value.to_dict()  # transformers' own BitsAndBytesConfig / FineGrainedFP8Config object
+        # transformers' own config objects; its CompressedTensorsConfig leaves the `dequantize` flag out of to_dict()
+        flag = {"dequantize": value.dequantize} if isinstance(getattr(value, "dequantize", None), bool) else {}
+        value = {**value.to_dict(), **flag}
     if not isinstance(value, dict):
         raise TypeError(f"quantization_config must be a BitsAndBytesConfig, a WeightOnlyConfig, a "
                         f"FineGrainedFP8Config or a dict, not {type(value).__name__}")
@@ -220,12 +242,21 @@ def checkpoint_quantization(stored, requested) -> QuantizationConfig | None:
     and from_pretrained's (`requested`). A stored config wins, as in transformers; for FP8 the requested
     `dequantize` and `modules_to_not_convert` apply to it (transformers' loading attributes)."""
     stored = quantization_config_from(stored) if stored is not None else None
+    if isinstance(stored, CompressedTensorsConfig):
+        return stored.for_loading(quantization_config_from(requested) if requested is not None else None)
+    asked = quantization_config_from(requested) if requested is not None else None
+    if isinstance(stored, (GPTQConfig, AwqConfig)) or (stored is None and isinstance(asked, (GPTQConfig, AwqConfig))):
+        return gptq_awq_quantization(stored, asked)
     if stored is not None and not isinstance(stored, FineGrainedFP8Config):
         if requested is not None:
             logger.warning("the checkpoint is already quantized (config.json has a quantization_config): its "
                            "settings are used and the quantization_config passed to from_pretrained is ignored")
         return stored
     requested = quantization_config_from(requested) if requested is not None else None
+    if isinstance(requested, CompressedTensorsConfig) and stored is None:
+        raise NotImplementedError("CompressedTensorsConfig loads checkpoints llm-compressor already quantized; "
+                                  "quantizing while loading is not supported by gpuformers: use WeightOnlyConfig "
+                                  "or BitsAndBytesConfig")
     if isinstance(requested, FineGrainedFP8Config):
         if stored is None:
             raise NotImplementedError("FineGrainedFP8Config loads checkpoints already in FP8; quantizing a model to "
@@ -269,6 +300,10 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     loader hands them over. `loaded=True` quantizes a model whose weights are already there (a GGUF file,
     dequantized on load), one layer at a time, each new layer on its weight's device.
     """
+    if isinstance(config, CompressedTensorsConfig):  # its config groups choose the layers
+        return swap_compressed_layers(model, config, dtype, loaded)
+    if isinstance(config, (GPTQConfig, AwqConfig)):  # pre-quantized layers, or unquantized ones as stored
+        return swap_gptq_awq_layers(model, config, dtype, loaded)
     if isinstance(config, BitsAndBytesConfig):
         from gpuformers.quantization.bnb import bnb_linear
 
@@ -321,6 +356,10 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
                    unexpected: list[str]) -> QuantizationConfig | None:
     """After the weights loaded: the quantization the model keeps (None for an FP8 checkpoint dequantized into
     plain nn.Linear layers, which then saves unquantized). `unexpected`: checkpoint keys nothing took."""
+    if isinstance(config, CompressedTensorsConfig):
+        return finish_compressed_loading(model)
+    if isinstance(config, (GPTQConfig, AwqConfig)):
+        return finish_gptq_awq_loading(model, config)
     if not isinstance(config, FineGrainedFP8Config):
         return config
     from gpuformers.quantization.fp8 import check_fp8_devices, restore_linear_layers
