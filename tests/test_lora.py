@@ -260,7 +260,7 @@ def test_trainer_resumes_a_lora_run(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(r=0), ValueError, ["r=0", "positive integer"]),
-    (dict(bias="all"), NotImplementedError, ["bias='all'", 'bias="none"']),
+    (dict(bias="some"), ValueError, ["bias='some'", '"lora_only"', 'use "none"']),
     (dict(lora_dropout=1.5), ValueError, ["lora_dropout=1.5"]),
     (dict(fan_in_fan_out=True), NotImplementedError, ["fan_in_fan_out=True"]),
     (dict(modules_to_save="lm_head"), ValueError, ["modules_to_save='lm_head'", '["lm_head", "embed_tokens"]']),

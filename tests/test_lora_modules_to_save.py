@@ -248,8 +248,6 @@ def test_errors_name_the_value_and_the_fix(tmp_path):
         get_peft_model(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_haed"]))
     with pytest.raises(ValueError, match=r"only layers inside modules_to_save"):
         get_peft_model(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["self_attn"]))
-    with pytest.raises(NotImplementedError, match=r"ensure_weight_tying=True.*modules_to_save instead"):
-        get_peft_model(model, LoraConfig(target_modules=["lm_head"], ensure_weight_tying=True))
     with pytest.raises(NotImplementedError, match=r"nested"):
         get_peft_model(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["layers.0", "mlp"]))
     assert not any(isinstance(m, ModulesToSaveWrapper) for m in model.modules())  # each error left it untouched

@@ -290,11 +290,13 @@ def test_unload_gives_back_the_quantized_base(bnb, folder):
     torch.testing.assert_close(_logits(plain), want, atol=0, rtol=0)
 
 
-def test_targets_that_are_not_linear_layers_are_still_refused(bnb, folder):
+def test_embedding_targets_adapt_and_unknown_quantized_subclasses_are_refused(bnb, folder):
+    from gpuformers.lora.embedding import LoraEmbedding
+
+    # the embeddings stay unquantized: peft's embedding LoRA applies to them as to any model's
+    adapted = get_peft_model(_ours(folder), LoraConfig(target_modules=["embed_tokens", "q_proj"]))
+    assert isinstance(adapted.base_model.model.model.embed_tokens, LoraEmbedding)
     model = _ours(folder)
-    with pytest.raises(NotImplementedError, match=r"embed_tokens \(Embedding\).*nn\.Linear.*quantized"):
-        get_peft_model(model, LoraConfig(target_modules=["embed_tokens"]))
-    assert not any(isinstance(m, LoraLinear) for m in model.modules())
 
     class Linear4bit(nn.Linear):  # someone else's quantized subclass: its forward and merge are unknown to us
         pass

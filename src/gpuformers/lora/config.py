@@ -16,7 +16,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what peft wrote with safe_serialization=False
 ALL_LINEAR = "all-linear"
-_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector")  # in the names of trained adapter tensors
+# in the names of trained adapter tensors (an embedding's LoRA: `...embed_tokens.lora_embedding_A`, peft's key)
+_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector", ".lora_embedding_A", ".lora_embedding_B")
 # peft's names for the layers tied in language models (peft.utils.constants.EMBEDDING_LAYER_NAMES): a
 # modules_to_save or target_modules entry ending in one of them asks about weight tying.
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
@@ -79,11 +80,9 @@ class LoraConfig:
             raise ValueError(f"lora_alpha={self.lora_alpha!r} must be a number, e.g. lora_alpha=16 (2 * r)")
         if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout={self.lora_dropout!r} must be a probability in [0, 1), e.g. 0.05")
-        if self.bias != "none":
-            if self.bias in ("all", "lora_only"):
-                raise NotImplementedError(f'bias={self.bias!r} is not supported yet (no biases are trained with '
-                                          f'LoRA in gpuformers); use bias="none"')
-            raise ValueError(f'bias={self.bias!r} is not one of peft\'s "none", "all", "lora_only"; use "none"')
+        if self.bias not in ("none", "all", "lora_only"):
+            raise ValueError(f'bias={self.bias!r} is not one of peft\'s "none", "all" (train every bias of the '
+                             f'model), "lora_only" (the biases of the LoRA targets); use "none"')
         if self.task_type not in (None, "CAUSAL_LM"):
             raise NotImplementedError(f"task_type={self.task_type!r} is not supported: gpuformers has causal "
                                       f"language models only; use task_type=\"CAUSAL_LM\" (or None)")

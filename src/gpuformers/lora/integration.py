@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
-from gpuformers.lora.layers import LoraLinear
+from gpuformers.lora.layers import LoraLayer
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -197,20 +197,17 @@ class PeftAdapterMixin:
             raise ValueError("this model has no adapter; add one with model.add_adapter(LoraConfig(...)) or "
                              "model.load_adapter(folder)")
 
-    def _adapter_modules(self) -> list[LoraLinear | ModulesToSaveWrapper]:
-        return [m for m in self.modules() if isinstance(m, (LoraLinear, ModulesToSaveWrapper))]
+    def _adapter_modules(self) -> list[LoraLayer | ModulesToSaveWrapper]:
+        return [m for m in self.modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
 
     def _set_lora_requires_grad(self, requires_grad: bool) -> None:
-        """The adapter's weights (lora_A, lora_B, DoRA's magnitude, the modules_to_save copies) train or not; the
-        base never."""
+        """The adapter's weights (lora_A, lora_B, lora_embedding_A / _B, DoRA's magnitude, the modules_to_save
+        copies) train or not; the base never. Biases trained with bias="all" / "lora_only" are left as they are,
+        as peft's layers leave them."""
         for module in self._adapter_modules():
-            if isinstance(module, LoraLinear):
-                trained = (module.lora_A, module.lora_B, getattr(module, "lora_magnitude_vector", None))
-            else:
-                trained = (module.modules_to_save,)
-            for part in trained:
-                if part is not None:
-                    part.requires_grad_(requires_grad)
+            is_lora = isinstance(module, LoraLayer)
+            for part in module.adapter_parameters() if is_lora else module.modules_to_save.parameters():
+                part.requires_grad_(requires_grad)
 
 
 def _take_out(wrapper: PeftModel) -> None:

@@ -10,8 +10,10 @@ WeightOnlyLinear). Over a quantized layer the LoRA layer does what peft's bitsan
     merge / unmerge   dequantize, add (subtract) B @ A * scaling, quantize again: lossy, as peft's
 
 With use_dora=True the layers are dora.py's DoraLinear, a LoraLinear with DoRA's trained magnitude (nn.Linear only).
+An nn.Embedding target becomes embedding.py's LoraEmbedding (and, with ensure_weight_tying, the head tied to it a
+TiedLoraLinear). bias="all" / "lora_only" train every bias of the model / of the LoRA targets in place, as peft does.
 
-Offers: LoraLinear, LoraModel, quantized_linear_types.
+Offers: LoraLayer, LoraLinear, LoraModel, quantized_linear_types.
 """
 
 from __future__ import annotations
@@ -65,7 +67,17 @@ def _adapter_dtype_and_device(base_layer: nn.Module, autocast_adapter_dtype: boo
     return dtype, weight.device
 
 
-class LoraLinear(nn.Module):
+class LoraLayer(nn.Module):
+    """The base of the LoRA layers: a frozen `base_layer` plus an update that is off while `disabled`, folded into
+    the base weight by merge() (then `merged`) and taken out by unmerge()."""
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """The layer's own trained tensors (lora_A, lora_B, DoRA's magnitude, lora_embedding_A / _B): what
+        enable_adapters / disable_adapters switch."""
+        return [p for n, p in self.named_parameters() if not n.startswith("base_layer.")]
+
+
+class LoraLinear(LoraLayer):
     """A frozen linear layer (nn.Linear or a quantized one) plus a trainable low-rank update:
     y = base_layer(x) + B(A(dropout(x))) * scaling."""
 
@@ -173,7 +185,7 @@ class LoraModel(nn.Module):
     def __init__(self, model: nn.Module, config: LoraConfig, adapter_name: str = "default",
                  autocast_adapter_dtype: bool = True, strict: bool = True):
         super().__init__()
-        if any(isinstance(m, (LoraLinear, ModulesToSaveWrapper)) for m in model.modules()):
+        if any(isinstance(m, (LoraLayer, ModulesToSaveWrapper)) for m in model.modules()):
             raise ValueError("this model already has LoRA layers; call merge_and_unload() or unload() on its "
                              "PeftModel first, or pass the model without adapters")
         self.model = model
@@ -181,39 +193,53 @@ class LoraModel(nn.Module):
         self.active_adapter = adapter_name
         _check_placement(model)
         config.modules_to_save = list(config.modules_to_save) if config.modules_to_save is not None else None
-        modules_to_tie = check_tied_modules(model, config)  # may add the embedding to config.modules_to_save
-        names = _find_targets(model, config, strict)
+        # may add the embedding to config.modules_to_save or config.target_modules
+        modules_to_tie, targets_to_tie = check_tied_modules(model, config)
+        heads_to_tie = [n for n, _ in model.named_modules() if n and _is_tied_target(n, targets_to_tie)]
+        names = [n for n in _find_targets(model, config, strict) if n not in heads_to_tie]
         to_save = find_modules_to_save(model, config.modules_to_save or [], names, strict)
         to_tie = find_modules_to_save(model, modules_to_tie, names, strict) if modules_to_tie else []
-        supported = (nn.Linear, *quantized_linear_types())
-        for name in names:  # every target checked before the first is replaced: an error leaves the model as it was
+        supported = (nn.Linear, nn.Embedding, *quantized_linear_types())
+        for name in names + heads_to_tie:  # all checked before the first is replaced: an error leaves the model as is
             module = model.get_submodule(name)
             if type(module) not in supported:
                 raise NotImplementedError(
                     f"LoRA on {name} ({type(module).__name__}) is not supported: gpuformers wraps torch.nn.Linear "
                     f"and, for QLoRA, its own quantized linear layers (bitsandbytes 4-bit / 8-bit as loaded with "
-                    f"quantization_config, WeightOnlyLinear) only; "
-                    f"choose target_modules among the model's linear layers")
+                    f"quantization_config, WeightOnlyLinear) and nn.Embedding only; "
+                    f"choose target_modules among the model's linear and embedding layers")
+            if config.use_dora and type(module) is nn.Embedding:
+                raise NotImplementedError(
+                    f"LoRA on {name} (Embedding) is not supported with DoRA (use_dora=True): gpuformers' DoRA wraps "
+                    f"torch.nn.Linear layers only; leave the embedding out of target_modules, or use plain LoRA")
             if config.use_dora and type(module) is not nn.Linear:
                 raise NotImplementedError(
                     f"DoRA (use_dora=True) on {name} ({type(module).__name__}) is not supported: gpuformers' DoRA "
                     f"wraps unquantized torch.nn.Linear layers only; load the model without quantization_config, "
                     f"or use plain LoRA (use_dora=False)")
-        from gpuformers.lora.dora import DoraLinear  # here: dora.py builds on this module's LoraLinear
+        from gpuformers.lora.dora import DoraLinear  # here: dora.py and embedding.py build on this module
+        from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
 
-        layer_class = DoraLinear if config.use_dora else LoraLinear
         for name in names:
-            _replace(model, name, layer_class(model.get_submodule(name), config, autocast_adapter_dtype))
+            module = model.get_submodule(name)
+            layer_class = (LoraEmbedding if type(module) is nn.Embedding else DoraLinear if config.use_dora
+                           else LoraLinear)
+            _replace(model, name, layer_class(module, config, autocast_adapter_dtype))
+        for name in heads_to_tie:  # after the embedding's LoRA layer, whose tensors the tied heads use
+            _replace(model, name, TiedLoraLinear(model.get_submodule(name), model.get_input_embeddings(), config))
         for name in to_save:
             _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name)))
         if to_tie:  # after the embedding's wrapper: the tied modules share its copy's weight
             embedding_copy = model.get_input_embeddings().modules_to_save
             for name in to_tie:
                 _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name), tied_to=embedding_copy))
-        # Only the adapters and the modules_to_save copies train (bias="none"); a frozen base stays bit-identical.
+        # Only the adapters, the modules_to_save copies and the biases `bias` names train; the rest of the base stays
+        # bit-identical.
         trainable_parts = (*_LORA_PARTS, ".modules_to_save.")
+        biases = set(trained_bias_names(model, config.bias))
         for param_name, param in model.named_parameters():
-            param.requires_grad_(not config.inference_mode and any(p in f".{param_name}" for p in trainable_parts))
+            trained = any(p in f".{param_name}" for p in trainable_parts) or param_name in biases
+            param.requires_grad_(not config.inference_mode and trained)
         self._unpack_hooks = [] if config.inference_mode else _unpack_4bit_weights_for_backward(model)
 
     def __getattr__(self, name: str):
@@ -227,8 +253,8 @@ class LoraModel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
-    def lora_layers(self) -> list[tuple[str, LoraLinear]]:
-        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoraLinear)]
+    def lora_layers(self) -> list[tuple[str, LoraLayer]]:
+        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoraLayer)]
 
     def modules_to_save_wrappers(self) -> list[tuple[str, ModulesToSaveWrapper]]:
         return [(n, m) for n, m in self.model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
@@ -238,12 +264,16 @@ class LoraModel(nn.Module):
         a modules_to_save wrapper leaves its trained copy in the model with or without merge, as peft's does
         (keep_trained_copies=False puts the untouched originals back: a failed load undone)."""
         if merge:
-            shared = _shared_parameter_ids(self.model)
+            from gpuformers.lora.embedding import TiedLoraLinear
+
+            # A weight shared with a TiedLoraLinear head is merged once, for both, by the embedding's LoRA layer.
+            shared = _shared_parameter_ids(self.model) - {id(layer.base_layer.weight) for _, layer in self.lora_layers()
+                                                          if isinstance(layer, TiedLoraLinear)}
             for name, layer in self.lora_layers():
                 if id(getattr(layer.base_layer, "weight", None)) in shared:
                     raise ValueError(f"{name}.weight is tied to another weight (tie_word_embeddings), so merging "
-                                     f"its LoRA would change both; untie the weights first, or call unload() "
-                                     f"and keep the adapter separate")
+                                     f"its LoRA would change both; untie the weights first, call unload() and "
+                                     f"keep the adapter separate, or train with ensure_weight_tying=True")
         for hook in self._unpack_hooks:
             hook.remove()
         for name, layer in self.lora_layers():
@@ -256,6 +286,24 @@ class LoraModel(nn.Module):
         if wrappers and keep_trained_copies:
             _untie_config_if_diverged(self.model)
         return self.model
+
+
+def trained_bias_names(model: nn.Module, bias: str) -> list[str]:
+    """The parameter names (in `model`) of the biases LoraConfig.bias trains, by peft's rule: "all" every parameter
+    named `bias` (a modules_to_save wrapper's are its copy's: trained and saved as the copy), "lora_only" the LoRA
+    targets' (`...base_layer.bias`), "none" none. They train in place and are saved under their own names."""
+    if bias == "all":
+        return [n for n, _ in model.named_parameters() if n.rpartition(".")[2] == "bias"
+                and ".original_module." not in f".{n}" and ".modules_to_save." not in f".{n}"]
+    if bias == "lora_only":
+        return [f"{n}.base_layer.bias" for n, m in model.named_modules()
+                if isinstance(m, LoraLayer) and getattr(m.base_layer, "bias", None) is not None]
+    return []
+
+
+def _is_tied_target(name: str, tied: list[str]) -> bool:
+    """peft's _check_tied_module_exists: the module is one of the heads tied to the LoRA embedding."""
+    return any(name == t or name.endswith("." + t) for t in tied)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

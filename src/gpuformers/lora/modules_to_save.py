@@ -92,14 +92,16 @@ def _module_names_tied_with_embedding(model: nn.Module) -> list[str]:
                    if source.rpartition(".")[0] in embedding_names})
 
 
-def check_tied_modules(model: nn.Module, config: LoraConfig) -> list[str]:
-    """peft 0.21's handling of a tied embedding and LM head (BaseTuner._check_tied_modules and
-    LoraModel._add_modules_to_save_to_tie); returns the modules to tie to the embedding's trainable copy.
+def check_tied_modules(model: nn.Module, config: LoraConfig) -> tuple[list[str], list[str]]:
+    """peft 0.21's handling of a tied embedding and LM head (BaseTuner._check_tied_modules,
+    LoraModel._add_modules_to_save_to_tie and _add_targets_to_tie); returns (the modules to tie to the embedding's
+    trainable copy, the modules to tie to the embedding's LoRA layer).
 
     Without ensure_weight_tying (peft's default), an embedding layer in modules_to_save or target_modules of a tied
-    model gets a warning, and each modules_to_save entry its own copy: the trained embedding and head diverge. With
-    it, the embedding is put in modules_to_save (its full name appended, as peft writes it in the config), the tied
-    modules are taken out, and their copies share the embedding copy's weight."""
+    model gets a warning, and each modules_to_save entry its own copy (or each target its own LoRA): the trained
+    embedding and head diverge. With it, the embedding is put in modules_to_save, or else in target_modules (its full
+    name appended, as peft writes it in the config; a regular expression gets `|^<name>$`), the tied modules are
+    taken out, and they use the embedding's copy (or its LoRA, embedding.py's TiedLoraLinear)."""
     to_save = config.modules_to_save or []
     embedding_to_save = any(m.split(".")[-1] in EMBEDDING_LAYER_NAMES for m in to_save)
     targets = config.target_modules
@@ -114,14 +116,14 @@ def check_tied_modules(model: nn.Module, config: LoraConfig) -> list[str]:
                           "trains a tied layer, without ensure_weight_tying=True: each gets its own trained copy, "
                           "so the two drift apart (merging or saving the model then unties them); set "
                           "ensure_weight_tying=True in LoraConfig to train one shared copy")
-        return []
+        return [], []
     if not tied:
         warnings.warn("ensure_weight_tying=True, but this model ties no module to its input embeddings: the "
                       "setting changes nothing")
-        return []
+        return [], []
+    embedding = model.get_input_embeddings()
+    embedding_name = next(n for n, m in model.named_modules() if m is embedding)
     if embedding_to_save:
-        embedding = model.get_input_embeddings()
-        embedding_name = next(n for n, m in model.named_modules() if m is embedding)
         if embedding_name not in to_save:
             to_save.append(embedding_name)
         for key in tied:  # the tied modules come from the embedding's copy, not from an entry of their own
@@ -130,11 +132,19 @@ def check_tied_modules(model: nn.Module, config: LoraConfig) -> list[str]:
                     to_save.remove(m)
                     break
         config.modules_to_save = to_save
-        return tied
+        return tied, []
     if embedding_in_target:
-        raise NotImplementedError(f"ensure_weight_tying=True with a tied layer in target_modules={targets!r} needs "
-                                  f"LoRA on the embedding layer, which gpuformers does not have yet; put the "
-                                  f"embedding in modules_to_save instead, or set ensure_weight_tying=False")
+        if isinstance(targets, str):
+            config.target_modules = rf"(?:{targets}|^{re.escape(embedding_name)}$)"
+        else:
+            targets = {*targets, embedding_name}
+            for key in tied:  # peft removes the first entry that selects each tied module
+                for t in sorted(targets):
+                    if re.match(rf"(^|.*\.){t}($|\..*)", key):
+                        targets.remove(t)
+                        break
+            config.target_modules = sorted(targets)
+        return [], tied
     warnings.warn("ensure_weight_tying=True, but neither modules_to_save nor target_modules names a tied layer "
                   "(the embedding or the LM head): the setting changes nothing")
-    return []
+    return [], []

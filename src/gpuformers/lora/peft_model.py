@@ -22,7 +22,8 @@ from torch import nn
 
 from gpuformers.lora.config import (ALL_LINEAR, CONFIG_NAME, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME,
                                     _LORA_PARTS, LoraConfig)
-from gpuformers.lora.layers import LoraModel, quantized_linear_types
+from gpuformers.lora.embedding import TiedLoraLinear
+from gpuformers.lora.layers import LoraModel, quantized_linear_types, trained_bias_names
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 
 class PeftModel(nn.Module):
@@ -209,8 +210,8 @@ def _check_adapter_names(model: PeftModel, names: list[str] | None) -> None:
 
 def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",
                    autocast_adapter_dtype: bool = True) -> PeftModel:
-    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B (and DoRA's magnitude) and the
-    copies of the modules_to_save train."""
+    """Wrap `model` with fresh LoRA adapters: base weights frozen, only lora_A / lora_B (lora_embedding_A / _B on an
+    embedding, DoRA's magnitude), the copies of the modules_to_save and the biases `bias` names train."""
     return PeftModel(model, peft_config, adapter_name, autocast_adapter_dtype)
 
 
@@ -219,7 +220,10 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     """The adapter's tensors under the keys peft saves (taken from `state_dict` when given, a state dict of the
     whole PeftModel):
 
-        base_model.model.<module>.lora_A.weight, ...lora_B.weight      each LoRA layer
+        base_model.model.<module>.lora_A.weight, ...lora_B.weight      each LoRA layer (an LM head tied to a LoRA
+                                                                       embedding: the embedding's B^T and A^T)
+        base_model.model.<embedding>.lora_embedding_A, ..._B           each embedding LoRA layer
+        base_model.model.<module>.bias, <target>.base_layer.bias       the biases bias="all" / "lora_only" trains
         base_model.model.<module>.weight (and .bias, ...)             each modules_to_save copy, under the
                                                                        module's own name, as peft saves it
         base_model.model.<embedding module>.<its state>                the input and output embeddings whole,
@@ -230,6 +234,11 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     (the tokens were resized; the base is read from base_model_name_or_path, a folder or the local HF cache)."""
     state = model.state_dict() if state_dict is None else state_dict
     adapter = {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
+    for head_key, embedding_key in _tied_head_keys(model).items():
+        adapter[head_key] = adapter[embedding_key].T.contiguous()
+    config = _single_config(model)
+    if config is not None:
+        adapter.update({k: state[k] for k in trained_bias_names(model, config.bias) if k in state})
     for name, wrapper in model.named_modules():
         if isinstance(wrapper, ModulesToSaveWrapper):
             copy_prefix = f"{name}.modules_to_save."
@@ -263,11 +272,30 @@ def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) 
             raise ValueError(f"adapter weight {key} has shape {tuple(tensor.shape)}, the model's "
                              f"{tuple(targets[key].shape)}; load the adapter onto the base model it was trained on"
                              f"{resized}")
+    for head_key, embedding_key in _tied_head_keys(model).items():  # one pair here: the file's two must agree
+        if not torch.equal(state[head_key], state[embedding_key].T):
+            raise ValueError(f"adapter weight {head_key} is not {embedding_key} transposed, though "
+                             f"ensure_weight_tying ties the LM head's LoRA to the embedding's: they were trained "
+                             f"apart (peft does so over a float16 / bfloat16 base); load the adapter with config= a "
+                             f"LoraConfig with ensure_weight_tying=False and the head in target_modules")
     with torch.no_grad():
         for key in extra:  # first: a copy's own key wins over the embedding state peft saves beside it
             embeddings[key].copy_(state[key])
         for key in own:
             own[key].copy_(state[key])
+
+
+def _tied_head_keys(model: nn.Module) -> dict[str, str]:
+    """{saved key of a tied head's tensor: key of the embedding tensor it is the transpose of}: peft's head lora_A
+    is lora_embedding_B^T and its lora_B is lora_embedding_A^T."""
+    names = {id(m): n for n, m in model.named_modules()}
+    keys = {}
+    for name, head in model.named_modules():
+        if isinstance(head, TiedLoraLinear):
+            embedding = names[id(head.embedding)]
+            keys[f"{name}.lora_A.weight"] = f"{embedding}.lora_embedding_B"
+            keys[f"{name}.lora_B.weight"] = f"{embedding}.lora_embedding_A"
+    return keys
 
 
 def _single_config(model: nn.Module) -> LoraConfig | None:

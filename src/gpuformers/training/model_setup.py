@@ -52,9 +52,9 @@ def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
 
 
 def _has_lora(model) -> bool:
-    from gpuformers.lora.layers import LoraLinear
+    from gpuformers.lora.layers import LoraLayer
 
-    return any(isinstance(m, LoraLinear) for m in model.modules())
+    return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dict | None) -> None:
