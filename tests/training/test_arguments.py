@@ -51,7 +51,7 @@ def test_auto_precision_follows_the_gpu_capability(monkeypatch, capability, expe
     ({"bf16": True, "fp16": True}, ValueError, "both set"),
     ({"fp16": True}, ValueError, "fp16=True needs a CUDA GPU"),
     ({"bf16": "yes"}, ValueError, "bf16='yes' is not one of"),
-    ({"lr_scheduler_type": "polynomial"}, ValueError, "is not one of: linear, cosine"),
+    ({"lr_scheduler_type": "exponential"}, ValueError, "is not one of: linear, cosine"),
     ({"optim": "lion"}, ValueError, 'optim "lion" is not one of'),
     ({"save_strategy": "sometimes"}, ValueError, 'save_strategy "sometimes" is not one of: no, steps, epoch'),
     ({"per_device_train_batch_size": 0}, ValueError, "per_device_train_batch_size 0 must be"),

@@ -19,7 +19,7 @@ keys (the "fsdp_" prefix optional); both become one `distributed.FSDPOptions`:
     defaults min_num_params, state_dict_type, cpu_ram_efficient_loading, xla*. Other keys, FSDP1's included, are
     refused by name.
 
-Offers: TrainingArguments, SCHEDULERS, OPTIMIZERS, STRATEGIES, FSDP_OPTIONS, FSDP_CONFIG_KEYS.
+Offers: TrainingArguments, SCHEDULERS, OPTIMIZERS, REFUSED, STRATEGIES, FSDP_OPTIONS, FSDP_CONFIG_KEYS.
 """
 
 from __future__ import annotations
@@ -31,8 +31,29 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd")
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "adafactor", "sgd", "adagrad", "rmsprop",
+              "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit",
+              "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+              "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")
+_ELSEWHERE = "needs a package gpuformers does not use"
+# transformers' lr_scheduler_type and optim names that gpuformers refuses, and why
+REFUSED = {
+    **dict.fromkeys(("reduce_lr_on_plateau", "greedy"), "it steps on an evaluation metric, and the Trainer steps its "
+                    "schedule once per optimizer step; use e.g. cosine_with_min_lr, or EarlyStoppingCallback"),
+    "adamw_torch_xla": "it is for TPUs (torch_xla)", "adamw_torch_npu_fused": "it is for Ascend NPUs (torch_npu)",
+    "adamw_torch_4bit": f"it {_ELSEWHERE} (torchao); adamw_8bit is bitsandbytes' 8-bit AdamW",
+    "adamw_torch_8bit": f"it {_ELSEWHERE} (torchao); adamw_8bit is bitsandbytes' 8-bit AdamW",
+    "adamw_anyprecision": f"it {_ELSEWHERE} (torchdistx)", "grokadamw": f"it {_ELSEWHERE} (grokadamw)",
+    "stable_adamw": f"it {_ELSEWHERE} (torch-optimi)", "lomo": f"it {_ELSEWHERE} (lomo-optim)",
+    "adalomo": f"it {_ELSEWHERE} (lomo-optim)",
+    **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
+                     "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise"), f"it {_ELSEWHERE} (galore-torch)"),
+    **dict.fromkeys(("apollo_adamw", "apollo_adamw_layerwise"), f"it {_ELSEWHERE} (apollo-torch)"),
+    **dict.fromkeys(("schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd"),
+                    f"it {_ELSEWHERE} (schedulefree)"),
+}
 STRATEGIES = ("no", "steps", "epoch")
 _AUTO = "auto"
 # fsdp option -> reshard_after_forward (None: not a sharding strategy)
@@ -71,6 +92,7 @@ class TrainingArguments:
     warmup_steps: float = 0  # an int of steps, or a float < 1: a ratio of the training steps
     warmup_ratio: float | None = None  # transformers 4.x name; folded into warmup_steps
     optim: str = "adamw_torch_fused"
+    optim_args: str | None = None  # "key=value,..." for sgd, adagrad, rmsprop, ademamix (see optim.py)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -116,7 +138,9 @@ class TrainingArguments:
     dataloader_pin_memory: bool = True
     remove_unused_columns: bool = True
     label_names: list[str] | None = None
-    train_sampling_strategy: str = "random"  # "random" or "sequential"
+    train_sampling_strategy: str = "random"  # "random", "sequential" or "group_by_length"
+    group_by_length: bool = False  # transformers 4's switch: train_sampling_strategy="group_by_length"
+    length_column_name: str = "length"  # a datasets.Dataset column of row lengths, read by group_by_length
     ddp_backend: str | None = None
     fsdp: str | list | bool | None = None
     fsdp_config: dict | None = None
@@ -142,13 +166,20 @@ class TrainingArguments:
             self.warmup_steps = self.warmup_ratio
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps {self.warmup_steps} is negative; pass a step count or a ratio in [0, 1)")
-        if self.lr_scheduler_type not in SCHEDULERS:
-            raise ValueError(f'lr_scheduler_type "{self.lr_scheduler_type}" is not one of: {", ".join(SCHEDULERS)}')
-        if self.optim not in OPTIMIZERS:
-            raise ValueError(f'optim "{self.optim}" is not one of: {", ".join(OPTIMIZERS)}')
-        if self.train_sampling_strategy not in ("random", "sequential"):
+        for name, choices in (("lr_scheduler_type", SCHEDULERS), ("optim", OPTIMIZERS)):
+            value = getattr(self, name)
+            if value in REFUSED:
+                raise ValueError(f'{name} "{value}" is not supported by gpuformers: {REFUSED[value]}')
+            if value not in choices:
+                raise ValueError(f'{name} "{value}" is not one of: {", ".join(choices)}')
+        if self.group_by_length and self.train_sampling_strategy not in ("random", "group_by_length"):
+            raise ValueError("group_by_length=True contradicts train_sampling_strategy="
+                             f'"{self.train_sampling_strategy}"; drop one of them')
+        if self.group_by_length:
+            self.train_sampling_strategy = "group_by_length"
+        if self.train_sampling_strategy not in ("random", "sequential", "group_by_length"):
             raise ValueError(f'train_sampling_strategy "{self.train_sampling_strategy}" is not one of: '
-                             "random, sequential")
+                             "random, sequential, group_by_length")
         self.logging_strategy = _strategy("logging_strategy", self.logging_strategy)
         self.eval_strategy = _strategy("eval_strategy", self.eval_strategy)
         # "best": a checkpoint after each evaluation that beats the best metric so far

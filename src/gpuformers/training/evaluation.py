@@ -11,6 +11,10 @@ only, not its batch's padding), gathered from all processes and put back in data
 gets the whole set's, exactly as one process would (`preprocess_logits_for_metrics` shrinks them per batch before
 they are kept, e.g. to argmax ids).
 
+A stream (an iterable evaluation set, streaming.py) is shared out as in training: process r scores the r-th batch of
+each group of world_size batches, the last group completed with repeats of the first rows; a row's index is its
+position in the stream.
+
 EvaluationMixin gives the Trainer evaluate() and predict() over that: the token-weighted mean loss of the set
 (each batch's summed token losses over all target tokens, in every process), its perplexity, and compute_metrics'
 results.
@@ -29,6 +33,7 @@ import torch
 
 from gpuformers import distributed
 from gpuformers.training.data import IGNORE_INDEX
+from gpuformers.training.streaming import StreamBatches, is_stream
 
 
 class EvalPrediction(NamedTuple):
@@ -104,20 +109,15 @@ class EvaluationMixin:
     def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
         """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
         process: see the module docstring) when asked for."""
+        batches = self._eval_batches(dataset)
         was_training = self.model.training
         self.model.eval()
         loss_sum, count, rows = 0.0, 0, RowCollector()
-        world, rank = self._data_parallel
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing")
-        batches, repeats = eval_batches(len(dataset), self.args.eval_batch_size, world, rank)
-        if self.args.dataloader_drop_last and batches and len(batches[-1]) < self.args.eval_batch_size:
-            batches.pop()  # (every process has as many batches, of the same sizes)
-            repeats.pop(len(batches), None)
-        for index, batch in enumerate(self._loader(dataset, batches)):
-            if index in repeats:  # rows repeated only to give every process as many batches: no targets
+        world = self._data_parallel[0]
+        for indices, repeats, batch in batches:
+            if repeats:  # rows repeated only to give every process as many batches: no targets
                 batch["labels"] = batch["labels"].clone()
-                batch["labels"][repeats[index]] = IGNORE_INDEX
+                batch["labels"][repeats] = IGNORE_INDEX
             targets = self._count_targets(batch)
             inputs = self._prepare_inputs(batch)
             with self._autocast():
@@ -131,7 +131,7 @@ class EvaluationMixin:
                 logits, labels = outputs.logits, batch.get("labels")
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
-                rows.add(batches[index], logits, labels, batch.get("attention_mask"), skip=repeats.get(index, ()))
+                rows.add(indices, logits, labels, batch.get("attention_mask"), skip=repeats)
             self.control = self._call("on_prediction_step")
         self.model.train(was_training)
         if world > 1:
@@ -140,6 +140,23 @@ class EvaluationMixin:
         if keep_logits:
             rows.gather(world)
         return (loss_sum / count if count else float("nan")), rows
+
+    def _eval_batches(self, dataset):
+        """This process's evaluation batches as (row indices, positions in the batch of repeated rows, batch)."""
+        args, (world, rank) = self.args, self._data_parallel
+        if is_stream(dataset):
+            stream = StreamBatches(dataset, args.eval_batch_size, self.data_collator, world, rank,
+                                   args.dataloader_drop_last, args.dataloader_num_workers, device=args.device)
+            return ((positions, [i for i, position in enumerate(positions) if position is None], batch)
+                    for positions, batch in stream.numbered())
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing, or "
+                            "be iterable")
+        batches, repeats = eval_batches(len(dataset), args.eval_batch_size, world, rank)
+        if args.dataloader_drop_last and batches and len(batches[-1]) < args.eval_batch_size:
+            batches.pop()  # (every process has as many batches, of the same sizes)
+        return ((batches[index], repeats.get(index, []), batch)
+                for index, batch in enumerate(self._loader(dataset, batches)))
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""

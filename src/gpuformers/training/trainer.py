@@ -16,7 +16,8 @@ Beyond the loop, as transformers does them: label_smoothing_factor and neftune_n
 load_best_model_at_end / metric_for_best_model (best_model.py: state.best_metric and best_model_checkpoint tracked
 at each evaluation, the best checkpoint kept by the rotation and loaded at the end). The Trainer's other parts sit
 beside it: model_setup.py (what cannot be trained is refused, gradient checkpointing, DDP / FSDP2 wrapping),
-sampling.py (each epoch's batches), evaluation.py (evaluate, predict), checkpointing.py (save, resume).
+sampling.py (each epoch's batches), streaming.py (iterable datasets, read as streams), evaluation.py (evaluate,
+predict), checkpointing.py (save, resume).
 
 Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
 clip_grad_norm).
@@ -29,6 +30,7 @@ import inspect
 import math
 import os
 import random
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -49,7 +51,8 @@ from gpuformers.training.model_setup import check_trainable, enable_gradient_che
 from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
 from gpuformers.training.regularizers import add_neftune_noise, label_smoothed_loss
-from gpuformers.training.sampling import epoch_batches
+from gpuformers.training.sampling import epoch_batches, length_grouped_batches, sequence_lengths
+from gpuformers.training.streaming import StreamBatches, is_stream
 
 
 class TrainOutput(NamedTuple):
@@ -139,11 +142,27 @@ class Trainer(EvaluationMixin, CheckpointMixin):
 
     # --- data -----------------------------------------------------------------------------------------------
 
-    def _batches(self, dataset, batch_size: int, epoch: int, shuffle: bool, shard: bool = False) -> list[list[int]]:
-        """Index lists of one epoch (sampling.py); with `shard`, this process's share under torchrun."""
-        world, rank = self._data_parallel if shard else (1, 0)
-        return epoch_batches(dataset, batch_size, (self.args.data_seed or self.args.seed) + epoch, shuffle, world,
-                             rank, self.args.dataloader_drop_last)
+    def _train_batches(self, epoch: int) -> list[list[int]]:
+        """This process's index lists of one epoch (sampling.py): random, sequential or grouped by length."""
+        args, (world, rank) = self.args, self._data_parallel
+        seed = args.data_seed or args.seed
+        if args.train_sampling_strategy == "group_by_length":
+            if self._lengths is None:  # once per train(): it reads every row
+                names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+                self._lengths = sequence_lengths(self.train_dataset, args.length_column_name, names[0])
+            return length_grouped_batches(self._lengths, args.train_batch_size,
+                                          args.train_batch_size * args.gradient_accumulation_steps, seed, epoch,
+                                          world, rank, args.dataloader_drop_last)
+        return epoch_batches(self.train_dataset, args.train_batch_size, seed + epoch,
+                             args.train_sampling_strategy == "random", world, rank, args.dataloader_drop_last)
+
+    def _epoch_loader(self, epoch: int, skip: int):
+        """This process's batches of one epoch, the first `skip` left out: a stream is read in its own order."""
+        args = self.args
+        if is_stream(self.train_dataset):
+            return StreamBatches(self.train_dataset, args.train_batch_size, self.data_collator, *self._data_parallel,
+                                 args.dataloader_drop_last, args.dataloader_num_workers, epoch, skip, args.device)
+        return self._loader(self.train_dataset, self._train_batches(epoch)[skip:])
 
     @property
     def _data_parallel(self) -> tuple[int, int]:
@@ -288,14 +307,21 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         args = self.args
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs train_dataset")
-        accum = args.gradient_accumulation_steps
-        batches_per_epoch = len(self._batches(self.train_dataset, args.train_batch_size, 0, False, shard=True))
-        if batches_per_epoch == 0:
-            raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
-                             f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
-        updates_per_epoch = math.ceil(batches_per_epoch / accum)
-        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
-        num_epochs = math.ceil(max_steps / updates_per_epoch)
+        accum, stream, self._lengths = args.gradient_accumulation_steps, is_stream(self.train_dataset), None
+        if stream:  # no length: as many passes over the stream as max_steps takes
+            if args.max_steps <= 0:
+                raise ValueError(f"train_dataset ({type(self.train_dataset).__name__}) is a stream without a length, so"
+                                 f" the number of steps is unknown: set max_steps > 0 (it is {args.max_steps})")
+            max_steps = updates_per_epoch = args.max_steps
+            num_epochs = sys.maxsize
+        else:
+            batches_per_epoch = len(self._train_batches(0))
+            if batches_per_epoch == 0:
+                raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
+                                 f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
+            updates_per_epoch = math.ceil(batches_per_epoch / accum)
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+            num_epochs = math.ceil(max_steps / updates_per_epoch)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
@@ -312,7 +338,9 @@ class Trainer(EvaluationMixin, CheckpointMixin):
                                      is_local_process_zero=args.local_rank <= 0,
                                      is_world_process_zero=distributed.is_main_process())
         rng = self._resume(resume_from_checkpoint) if resume_from_checkpoint else None
-        start_epoch, start_update = divmod(self.state.global_step, updates_per_epoch)
+        # a stream's passes may end early: its place is in state.epoch = pass + updates in that pass / max_steps
+        start_epoch, start_update = divmod(round(self.state.epoch * max_steps) if stream else self.state.global_step,
+                                           updates_per_epoch)
 
         model = self.model_wrapped
         model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
@@ -323,10 +351,8 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         since_log = {"loss": 0.0, "steps": 0}
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
         for epoch in range(start_epoch, num_epochs):
-            batches = self._batches(self.train_dataset, args.train_batch_size, epoch,
-                                    args.train_sampling_strategy == "random", shard=True)
             skip = start_update if epoch == start_epoch and not args.ignore_data_skip else 0
-            loader = self._loader(self.train_dataset, batches[skip * accum:])
+            loader = self._epoch_loader(epoch, skip * accum)
             self.callback_handler.train_dataloader = loader
             self.control = self._call("on_epoch_begin")
             iterator = iter(loader)
@@ -339,6 +365,8 @@ class Trainer(EvaluationMixin, CheckpointMixin):
                     break
                 micro = [b for _, b in zip(range(accum), iterator)]
                 if not micro:
+                    # a stream that gives nothing (not even after a resume's skip) would start over forever
+                    self.control.should_training_stop |= stream and update == 0
                     break
                 loss, step_tokens, grad_norm, learning_rate = self._update(model, micro)
                 self.state.global_step += 1
