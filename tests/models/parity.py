@@ -90,6 +90,19 @@ def run_two_processes(worker: str, *args: str, tmp_path, timeout: int = 240) -> 
     return json.loads(out.read_text())
 
 
+def assert_tensor_parallel_matches(folder, tmp_path) -> dict:
+    """tp_plan="auto" under torchrun, 2 processes on gloo: tests/tp_worker.py compares the split model's logits,
+    greedy tokens (one prompt and a batch), engine and saved checkpoint with the whole model's. Returns its result
+    for the caller's own checks (the local shapes of the split layers)."""
+    from pathlib import Path
+
+    worker = (Path(__file__).resolve().parents[1] / "tp_worker.py").read_text()
+    result = run_two_processes(worker, str(folder), tmp_path=tmp_path)
+    assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
+    assert result["tokens_equal"] and result["batch_tokens_equal"] and result["engine_equal"]
+    assert result["saved_logits_diff"] == 0.0
+    return result
+
 def count_fused_moe_calls(monkeypatch) -> list[int]:
     """Skip unless the Triton kernels run here (the interpreter on the CPU); else spy on the fused MoE kernel and
     return the list each of its calls appends its token count to."""

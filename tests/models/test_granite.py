@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 checkpoint_cases, left_padded, load)
+                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Multipliers far from 1 (and attention_multiplier far from 1/sqrt(head_dim) = 0.25), so that each one shows.
@@ -124,18 +124,4 @@ def test_use_kernels_keeps_logits_and_leaves_out_the_fused_head_loss(checkpoints
 def test_two_processes_match_the_whole_model(checkpoints, tmp_path):
     # tp_plan="auto" (the llama plan) under torchrun, 2 processes on gloo: tests/tp_worker.py compares the split
     # model's logits, greedy tokens, saved checkpoint and engine with the whole model's.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "tests.tp_worker", str(checkpoints["gqa"][0]), str(tmp_path / "result.json")],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["logits_diff"] < 1e-5 * max(1.0, result["logits_scale"])
-    assert result["tokens_equal"] and result["batch_tokens_equal"] and result["engine_equal"]
-    assert result["saved_logits_diff"] == 0.0
+    assert_tensor_parallel_matches(checkpoints["gqa"][0], tmp_path)
