@@ -153,7 +153,7 @@ BAD = [
     (dict(input="hi", tools=[{"type": "function", "name": "add", "parameters": {}}]), "tools"),
     (dict(input="hi", tool_choice="required"), "tool_choice"),
     (dict(input="hi", previous_response_id="resp_123"), "previous_response_id"),
-    (dict(input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": {}}}), "text"),
+    (dict(input="hi", text={"format": {"type": "xml"}}), "text.format.type"),
     (dict(input="hi", reasoning={"effort": "low"}), "reasoning"),
     (dict(input="hi", background=True), "background"),
     (dict(input="hi", temperature=2.5), "temperature"),

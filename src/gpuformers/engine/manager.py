@@ -35,6 +35,7 @@ from gpuformers.engine.config import ContinuousBatchingConfig, check_honoured, f
 from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, Sequence
+from gpuformers.engine.structured import check_structured_output, constrains
 from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class ContinuousBatchingManager:
         self._drain_inbox()
         if self._lockstep is not None and self._lockstep.stopped:
             return False  # the leader's loop has ended: no process may run another step (its collectives)
+        if self._in_flight is not None and constrains(self._in_flight.sampling):
+            # a grammar's next mask needs the token in flight (structured.py): collect it before scheduling
+            done, self._in_flight = self._in_flight, None
+            self._collect(done)
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None:
             if self.scheduler.has_work:
@@ -300,8 +305,8 @@ class ContinuousBatchingManager:
                     streaming: bool = False, **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
         temperature, top_p, top_k, min_p, do_sample, stop, seed, ignore_eos, repetition_penalty, frequency_penalty,
-        presence_penalty, min_new_tokens, logit_bias, return_logprobs, top_logprobs, prompt_logprobs (see
-        SamplingParams; a prompt_logprobs request takes no prefix-cache hits)."""
+        presence_penalty, min_new_tokens, logit_bias, return_logprobs, top_logprobs, prompt_logprobs,
+        structured_output (see SamplingParams; a prompt_logprobs request takes no prefix-cache hits)."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         if request_id is None:
@@ -309,6 +314,7 @@ class ContinuousBatchingManager:
             self._next_id += 1
         params = sampling_params_from(self.generation_config, self.config, len(input_ids),
                                       max_new_tokens=max_new_tokens, **sampling)
+        check_structured_output(params.structured_output, self.model.config.vocab_size, self._lockstep is not None)
         seq = Sequence(request_id, list(input_ids), params, streaming=streaming)
         seq.created_time = time.time()
         if streaming:

@@ -5,6 +5,7 @@ transformers lacks), all on the device:
 
     logit_bias (+ eos and one-token stops at -inf before min_new_tokens)    one index_put over the batch
     -> repetition_penalty (prompt + output) -> frequency / presence (output)  rows with a penalty, vectorised
+    -> tokens the request's grammar does not allow at -inf                  rows with structured_output
     -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial (per row, its generator)
 
 A step in which no request adjusts its logits skips the first two lines entirely (host checks on the params).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from gpuformers.engine.sequence import Sequence
+from gpuformers.engine.structured import mask_logits
 from gpuformers.generation.generate import greedy_tokens
 
 
@@ -182,6 +184,9 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
     penalised = None
     if adjusted:
         logits, penalised = _adjust_logits(logits, sequences, adjusted, counts)
+    constrained = [i for i, seq in enumerate(sequences) if seq.grammar_matcher is not None]
+    if constrained:
+        logits = mask_logits(logits, [sequences[i].grammar_matcher for i in constrained], constrained)
     tokens = greedy_tokens(logits)  # greedy rows: one call for all of them
     scores = logits
     sampled = [i for i, seq in enumerate(sequences) if not seq.params.greedy]

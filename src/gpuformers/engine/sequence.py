@@ -25,6 +25,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(str, enum.Enum):
@@ -57,6 +58,8 @@ class SamplingParams:
         (the first token has none: None), plus its k most likely alternatives, from the model's raw logits (no
         temperature, top-k or top-p). Such a request takes no prefix-cache hits until its prompt logprobs are all
         computed: a block taken from the cache has keys and values but no logits.
+    structured_output: a structured.Grammar (StructuredOutputCompiler.compile): only tokens the grammar allows are
+        sampled, and the request ends when the grammar is complete (structured.py).
     """
 
     max_new_tokens: int = 20
@@ -77,6 +80,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: Any = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -111,6 +115,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias key {token!r} must be a token id (an int >= 0)")
             if not _is_number(bias):
                 raise ValueError(f"logit_bias[{token}]={bias!r} must be a finite number")
+        if self.structured_output is not None and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} with structured_output: the grammar decides where "
+                             f"the output ends (masking eos before then could leave no token allowed); leave it 0")
         if self.top_logprobs:
             self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
@@ -178,6 +185,9 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens found in the prefix cache instead of computed (over all admissions)
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator made by the model runner when params.seed is set
+        # with params.structured_output: an xgrammar GrammarMatcher that has seen every generated token
+        grammar = params.structured_output
+        self.grammar_matcher = grammar.matcher() if grammar is not None else None
         self.created_time = 0.0
 
     # --- derived values -----------------------------------------------------------------------------------------
@@ -247,6 +257,12 @@ class Sequence:
         done = done or (not params.ignore_eos and token_id in params.eos_token_ids)
         stops = len(self.generated_ids) >= params.min_new_tokens
         done = done or (stops and any(self.generated_ids[-len(s):] == s for s in params.stop))
+        if self.grammar_matcher is not None and not done:
+            if not self.grammar_matcher.accept_token(token_id):  # a token the mask allowed is never refused
+                self.fail(f"token {token_id} does not fit {params.structured_output.name} (structured output)")
+                self.num_pending_tokens = 0
+                return
+            done = self.grammar_matcher.is_terminated()
         if done:
             self.status = RequestStatus.FINISHED
             self.num_pending_tokens = 0  # a token sampled after the end (async lookahead) is dropped

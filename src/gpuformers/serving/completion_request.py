@@ -33,6 +33,7 @@ class CompletionRequest:
     tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
     # chat: extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": False} for Qwen3
     chat_template_kwargs: dict = field(default_factory=dict)
+    structured_output: dict | None = None  # response_format / text.format: json_object or json_schema
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0

@@ -3,7 +3,7 @@ range, stop strings, the model name and the set of known fields, and "text only"
 
 Each failure is an APIError naming the field, its value and what is allowed.
 
-Offers: MAX_STOP, _type_name, _int, _float, _bool, _stop, _model, _text_only (private to serving's request
+Offers: MAX_STOP, _type_name, _int, _float, _bool, _stop, _model (private to serving's request
 modules).
 """
 
@@ -82,11 +82,3 @@ def _model(body: Any, allowed: set[str], ignored: set[str]) -> str:
     if not isinstance(model, str) or not model:
         raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {model!r}", "model")
     return model
-
-
-def _text_only(spec, name: str, param: str, where: str) -> None:
-    """An output format (a {"type": ...} object or a bare type) must be plain text: no constrained decoding here."""
-    kind = spec.get("type") if isinstance(spec, dict) else spec
-    if kind != "text":
-        raise APIError(400, f"{name} {kind!r} is not supported: this server has no constrained decoding; use type "
-                            f"\"text\" (or leave it out) and ask for JSON in {where}", param)

@@ -1,7 +1,8 @@
 """The /v1/responses body, validated into a chat request: its `instructions` a first system message, its `input`
 the messages, and the fields its Response object repeats kept in `response_fields`.
 
-Fields that need what this server lacks (tools, structured output, reasoning, stored state) are refused by name.
+Fields that need what this server lacks (tools, reasoning, stored state) are refused by name; text.format may ask
+for structured output (json_object, json_schema), as chat's response_format does.
 
 Offers: parse_response, RESPONSE_ROLES.
 """
@@ -11,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.chat_request import MAX_TOP_LOGPROBS, _message
+from gpuformers.serving.chat_request import MAX_TOP_LOGPROBS, _message, response_format
 from gpuformers.serving.completion_request import CompletionRequest, _sampling
-from gpuformers.serving.request_fields import _bool, _int, _model, _text_only, _type_name
+from gpuformers.serving.request_fields import _bool, _int, _model, _type_name
 
 RESPONSE_ROLES = ("system", "user", "assistant", "developer")  # the Responses API's messages have no tool role
 
@@ -24,7 +25,7 @@ def _no_tools(body: dict) -> None:
 
 
 # The Responses API's fields (and the extensions the other endpoints take). Those that would change the answer in a
-# way this server cannot follow (tools, structured output, reasoning, server-side state) are refused by name in
+# way this server cannot follow (tools, reasoning, server-side state) are refused by name in
 # parse_response; _RESPONSE_IGNORED do not change the tokens and are accepted and ignored.
 _RESPONSE_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k", "seed",
                     "ignore_eos", "stream", "stream_options", "metadata", "parallel_tool_calls", "tool_choice", "tools",
@@ -57,10 +58,11 @@ def parse_response(body: Any) -> CompletionRequest:
         raise APIError(400, f"tool_choice {tool_choice!r} needs tools, which this server does not support; leave "
                             "tool_choice out", "tool_choice")
     text = body.get("text")
+    structured_output = None
     if text is not None:
         if not isinstance(text, dict) or set(text) - {"format"}:
             raise APIError(400, f"text must be an object with only format, got {text!r}"[:300], "text")
-        _text_only(text.get("format") or {"type": "text"}, "text.format type", "text", "the input")
+        structured_output = response_format(text.get("format"), "text.format", flat=True)
     if body.get("reasoning"):
         raise APIError(400, "reasoning is not supported: this server renders the model's chat template as it is "
                             "(no reasoning effort or summaries); leave reasoning out", "reasoning")
@@ -92,6 +94,9 @@ def parse_response(body: Any) -> CompletionRequest:
     request.response_fields = {"instructions": instructions, "max_output_tokens": request.max_tokens,
                                "metadata": metadata or {}, "tool_choice": tool_choice or "auto",
                                "parallel_tool_calls": _bool(body, "parallel_tool_calls", True)}
+    if structured_output is not None:
+        request.response_fields["text"] = {"format": text["format"]}  # the Response object repeats it
+    request.structured_output = structured_output
     return request
 
 

@@ -11,8 +11,10 @@ Offers: build_app, run_server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -63,6 +65,28 @@ class _State:
             reasoning_parser = detect_reasoning_parser(tokenizer)
         self.reasoning_parser = (get_reasoning_parser(reasoning_parser)
                                  if reasoning_parser not in (None, "none") else None)
+        self._grammars = None  # a StructuredOutputCompiler, made by the first structured-output request
+        self._grammars_lock = threading.Lock()
+
+    def compile_grammar(self, spec: dict, param: str):
+        """The engine Grammar of a parsed response_format (compiled once per schema; runs off the event loop)."""
+        from gpuformers.engine.structured import StructuredOutputCompiler
+        from gpuformers.tensor_parallel import is_tensor_parallel
+
+        if is_tensor_parallel(self.manager.model):
+            raise APIError(400, f"{param}: structured outputs are not supported on a tensor-parallel server (a "
+                                f"grammar matcher would be needed in every process); serve without "
+                                f"--tensor-parallel-size for them", param)
+        try:
+            with self._grammars_lock:  # building the compiler reads the whole vocabulary: once
+                if self._grammars is None:
+                    self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_ids))
+                    # a model without eos ids ends a grammar at its tokenizer's eos: a "stop" too (in place: the
+                    # jobs share this set)
+                    self.eos_ids.update(self._grammars.stop_token_ids)
+            return self._grammars.compile(spec)
+        except (ImportError, ValueError) as error:  # xgrammar missing; a schema it cannot compile
+            raise APIError(400, str(error), param) from None
 
 
 def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
@@ -218,9 +242,10 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                            code="context_length_exceeded")
         return max_tokens
 
-    def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int) -> dict:
+    def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int, grammar=None) -> dict:
         values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": parsed.ignore_eos,
-                                  "return_logprobs": parsed.logprobs, "top_logprobs": parsed.top_logprobs}
+                                  "return_logprobs": parsed.logprobs, "top_logprobs": parsed.top_logprobs,
+                                  "structured_output": grammar}
         if parsed.temperature == 0:
             values["do_sample"] = False
         else:
@@ -239,11 +264,15 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                                 f"{state.model_name!r}", "model", code="model_not_found")
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
+        grammar = None
+        if parsed.structured_output is not None:  # response_format / text.format (chat, responses)
+            param = "text.format" if parsed.responses else "response_format"
+            grammar = await asyncio.to_thread(state.compile_grammar, parsed.structured_output, param)
         state.engine.reserve(parsed.n)
         job_class = ResponseJob if parsed.responses else Job
         job = job_class(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
         try:
-            job.start(sampling_of)
+            job.start(functools.partial(sampling_of, grammar=grammar))
         except Exception:
             job.close()
             raise
