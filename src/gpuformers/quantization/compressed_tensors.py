@@ -22,19 +22,15 @@ The product is taken in float32 (exact for these integer / FP8 values), rounded 
 converted to the compute dtype: what compressed-tensors' own dequantize does, so the weights are bit-equal to
 transformers' `CompressedTensorsConfig(dequantize=True)` (the old `run_compressed=False`).
 
-How layers load (`CompressedLinear` stands in while the checkpoint loads, `finish_loading` swaps it):
-
-- Kept packed as a `WeightOnlyLinear` (int8 / int4, gpuformers' weight-only layer: the Triton kernel on a GPU,
-  torch's int8 / int4 kernels for CPU decode) where that layer holds exactly the same weights: pack-quantized,
-  symmetric, 4 bits with group scales or 8 bits with group or channel scales, no weight_g_idx, scales stored in
-  the compute dtype (bfloat16 checkpoints loaded in bfloat16, the usual case), and for 4 bits a bfloat16 / float16
-  compute dtype (its float32 dequantization takes two roundings, not one). The packing is only rearranged; memory
-  stays the checkpoint's. The loaded model then carries a `WeightOnlyConfig` and saves as gpuformers' weight-only
-  checkpoint.
-- Dequantized into a plain nn.Linear in the compute dtype everywhere else, and for every layer with
-  `CompressedTensorsConfig(dequantize=True)`: asymmetric zero points (stored in the compute dtype, a zero times a
-  scale would round), 2-bit, g_idx, int-quantized / naive-quantized, and FP8 (float-quantized) weights, whose
-  per-channel scales (the FP8-dynamic layout) FP8Linear does not take and whose kernel needs CUDA >= 8.9.
+How layers load (packed.py: `CompressedLinear` stands in while the checkpoint loads, `finish_compressed_loading`
+swaps it): kept packed as a `WeightOnlyLinear` where that layer holds exactly the same weights: pack-quantized,
+symmetric, 4 bits with group scales or 8 bits with group or channel scales, no weight_g_idx, scales stored in the
+compute dtype (bfloat16 checkpoints loaded in bfloat16, the usual case), and for 4 bits a bfloat16 / float16
+compute dtype (its float32 dequantization takes two roundings, not one). Dequantized into a plain nn.Linear
+everywhere else, and for every layer with `CompressedTensorsConfig(dequantize=True)`: asymmetric zero points
+(stored in the compute dtype, a zero times a scale would round), 2-bit, g_idx, int-quantized / naive-quantized,
+and FP8 (float-quantized) weights, whose per-channel scales (the FP8-dynamic layout) FP8Linear does not take and
+whose kernel needs CUDA >= 8.9.
 
 Activation quantization (input_activations: W8A8, FP8, FP8-dynamic) is not applied: the weights are dequantized
 and activations run in the compute dtype, as in transformers' dequantize=True. vLLM and transformers'
@@ -60,6 +56,16 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gpuformers.quantization.packed import (
+    PackedStandIn,
+    install_finished_layers,
+    layout_reason,
+    refuse_loaded,
+    swap_in,
+    unpack_fields,
+    weight_only_linear,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +241,7 @@ def _matches(name: str, module: nn.Module, target: str) -> bool:
 def unpack_int32(packed: torch.Tensor, num_bits: int, length: int) -> torch.Tensor:
     """Signed integers (.., length) int32 from pack-quantized int32 words (.., words): 32 / num_bits values per
     word, value i in bits [i * num_bits, (i + 1) * num_bits) of its word, stored with an offset of 2^(num_bits-1)."""
-    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # (.., words, 32 / num_bits)
-    return values.flatten(-2)[..., :length] - (1 << (num_bits - 1))
+    return unpack_fields(packed, num_bits)[..., :length] - (1 << (num_bits - 1))
 
 
 def _expand(values: torch.Tensor, scheme: WeightScheme, shape: tuple[int, int],
@@ -304,7 +308,7 @@ def dequantize_compressed(parts: dict[str, torch.Tensor], scheme: WeightScheme, 
 # The layer that loads
 
 
-class CompressedLinear(nn.Linear):
+class CompressedLinear(PackedStandIn, nn.Linear):
     """An nn.Linear that takes one compressed-tensors layer's checkpoint tensors (module doc) while loading.
 
     Until they have all arrived, each awaited tensor is a meta buffer under its checkpoint name, so that the loader
@@ -340,7 +344,7 @@ class CompressedLinear(nn.Linear):
         elif name in self._buffers and self._buffers[name].is_meta:
             self._check_part(name, tensor)
             self._buffers[name] = tensor
-            if not any(self._buffers[part].is_meta for part in self.scheme.tensor_names):
+            if not self._awaiting(self.scheme.tensor_names):
                 self._build()
         else:
             expected = ", ".join([*self.scheme.tensor_names, "weight_shape", *(["bias"] if self.bias is not None
@@ -373,10 +377,13 @@ class CompressedLinear(nn.Linear):
                              f"{list(shape)}{f' {dtype}' if dtype else ''}; is config.json the one of these weights?")
 
     def _build(self) -> None:
-        parts = {name: self._buffers.pop(name) for name in self.scheme.tensor_names}
+        parts, scheme = self._take(self.scheme.tensor_names), self.scheme
         shape = (self.out_features, self.in_features)
         if self.keep_packed and parts["weight_scale"].dtype == self.compute_dtype:
-            self.packed = _weight_only_layer(parts, self.scheme, shape, self.compute_dtype)
+            group_size = scheme.group_size if scheme.strategy == "group" else None  # None: int8 per output channel
+            q = unpack_fields(parts["weight_packed"], scheme.num_bits)[:, :shape[1]]  # (out, in) in [0, 2^bits)
+            self.packed = weight_only_linear(q, None, parts["weight_scale"].reshape(shape[0], -1), scheme.num_bits,
+                                             group_size, self.compute_dtype)
         else:
             self.weight = nn.Parameter(dequantize_compressed(parts, self.scheme, shape, self.compute_dtype))
 
@@ -386,34 +393,14 @@ class CompressedLinear(nn.Linear):
 
 def _packable(scheme: WeightScheme, in_features: int, dtype: torch.dtype) -> bool:
     """Whether WeightOnlyLinear holds this layer's weights bit for bit (the scale dtype is checked when it comes)."""
-    # int4 per channel would give each layer its own group size (its in_features), which one WeightOnlyConfig
-    # cannot describe for saving: only int8 is kept packed per channel.
     if not (scheme.format == "pack-quantized" and scheme.symmetric and not scheme.g_idx
-            and (scheme.strategy == "group" or (scheme.strategy == "channel" and scheme.num_bits == 8))
-            and scheme.num_bits in (4, 8)):
+            and scheme.strategy in ("group", "channel")):
         return False
-    if scheme.strategy == "group" and in_features % scheme.group_size:
+    if layout_reason(scheme.num_bits, scheme.group_size if scheme.strategy == "group" else None, in_features):
         return False
     # 4 bits: WeightOnlyLinear dequantizes as q * scale + (zero - 8 * scale) in float32, exact for 16-bit scales
     # only; in float32 that is two roundings, not compressed-tensors' one.
-    return scheme.num_bits == 8 or (dtype in (torch.bfloat16, torch.float16) and in_features % 2 == 0)
-
-
-def _weight_only_layer(parts, scheme: WeightScheme, shape: tuple[int, int], dtype: torch.dtype) -> nn.Module:
-    from gpuformers.quantization.weight_only import WeightOnlyLinear
-
-    group_size = scheme.group_size if scheme.strategy == "group" else None  # None: int8 per output channel
-    layer = WeightOnlyLinear(shape[1], shape[0], False, scheme.num_bits, group_size, dtype, device="meta")
-    q = unpack_int32(parts["weight_packed"], scheme.num_bits, shape[1])  # (out, in) in [-2^(b-1), 2^(b-1))
-    scales = parts["weight_scale"].reshape(layer.scales.shape)
-    if scheme.num_bits == 8:
-        layer.load_from_checkpoint("qweight", q.to(torch.int8))
-    else:
-        u = (q + 8).to(torch.uint8)  # WeightOnlyLinear's int4: (u - 8) * scale + zero, column 2j in the low nibble
-        layer.load_from_checkpoint("qweight", u[:, 0::2] | (u[:, 1::2] << 4))
-        layer.load_from_checkpoint("zeros", torch.zeros_like(scales))
-    layer.load_from_checkpoint("scales", scales)
-    return layer
+    return scheme.num_bits == 8 or dtype in (torch.bfloat16, torch.float16)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -425,13 +412,10 @@ def swap_compressed_layers(model: nn.Module, config: CompressedTensorsConfig, dt
     """Replace every nn.Linear the config quantizes with a CompressedLinear (model on the meta device); returns
     the names."""
     if loaded:
-        raise NotImplementedError("CompressedTensorsConfig loads compressed-tensors checkpoints; a model already "
-                                  "loaded (a GGUF file) cannot be converted: use WeightOnlyConfig or "
-                                  "BitsAndBytesConfig")
+        refuse_loaded(config, "compressed-tensors")
     if not config.schemes:
         raise ValueError("the compressed-tensors quantization_config has no config group that quantizes weights; "
                          "is config.json complete?")
-    tied = set(getattr(model, "tied_weights", {}))
     matched, swapped = 0, []
     for name, module in list(model.named_modules()):
         scheme = config.scheme_for(name, module) if isinstance(module, (nn.Linear, nn.Embedding)) else None
@@ -441,14 +425,10 @@ def swap_compressed_layers(model: nn.Module, config: CompressedTensorsConfig, dt
         if type(module) is not nn.Linear:
             raise NotImplementedError(f"the compressed-tensors config group {scheme.group!r} quantizes {name} "
                                       f"({type(module).__name__}); gpuformers loads quantized Linear layers only")
-        if f"{name}.weight" in tied:
-            raise ValueError(f"{name} shares its weight with the embeddings (tied), but the checkpoint quantizes it; "
-                             f"untie it (tie_word_embeddings=false) or add it to the config's ignore list")
-        parent, _, attr = name.rpartition(".")
-        with torch.device("meta"):
-            layer = CompressedLinear(module.in_features, module.out_features, module.bias is not None, scheme, dtype,
-                                     name, keep_packed=not config.dequantize)
-        setattr(model.get_submodule(parent), attr, layer)
+        swap_in(model, name, lambda linear: CompressedLinear(linear.in_features, linear.out_features,
+                                                             linear.bias is not None, scheme, dtype, name,
+                                                             keep_packed=not config.dequantize),
+                " or add it to the config's ignore list")
         swapped.append(name)
     if not matched:
         raise ValueError(f"the compressed-tensors config quantizes none of the model's layers (targets "
@@ -460,8 +440,6 @@ def swap_compressed_layers(model: nn.Module, config: CompressedTensorsConfig, dt
 def finish_compressed_loading(model: nn.Module):
     """Put each loaded CompressedLinear's weights in the model: a WeightOnlyLinear where it kept them packed, a
     plain nn.Linear otherwise. Returns the WeightOnlyConfig the model then carries, or None (a plain model)."""
-    from gpuformers.quantization.config import WeightOnlyConfig
-
     layers = {name: m for name, m in model.named_modules() if isinstance(m, CompressedLinear)}
     packed = {name: m for name, m in layers.items() if m.packed is not None}
     kinds = {(m.packed.bits, m.packed.group_size) for m in packed.values()}
@@ -469,21 +447,5 @@ def finish_compressed_loading(model: nn.Module):
         logger.info("the checkpoint mixes weight-only settings %s: dequantizing them all", sorted(kinds, key=str))
         for m in packed.values():
             m.weight, m.packed = nn.Parameter(m.packed.dequantize()), None
-        packed, kinds = {}, set()
-    for name, layer in layers.items():  # complete: the loader names any tensor still missing
-        if layer.packed is not None:
-            new = layer.packed
-            new.bias = layer.bias
-        else:
-            new = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-            new.weight, new.bias = layer.weight, layer.bias
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new)
-    if not packed:
-        model.config.extra.pop("quantization_config", None)
-        return None
-    bits, group_size = kinds.pop()
-    dense = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-    weight_only = WeightOnlyConfig(bits=bits, group_size=group_size, skip_modules=dense)
-    model.config.extra["quantization_config"] = weight_only.to_dict()  # save_pretrained writes gpuformers' format
-    return weight_only
+    # complete: the loader names any tensor still missing
+    return install_finished_layers(model, {name: layer.finish() for name, layer in layers.items()})

@@ -26,27 +26,17 @@ The product is taken in float32 (exact: a 16-bit scale times an integer of at mo
 compute dtype. Layers the checkpoint stores unquantized (a `weight`: lm_head, modules_to_not_convert, gptqmodel's
 "dynamic" exclusions, modules_in_block_to_quantize) are read as they are.
 
-How layers load (`GPTQAwqLinear` stands in while the checkpoint loads, `finish_gptq_awq_loading` swaps it):
-
-- Kept packed as a `WeightOnlyLinear` (int4 / int8, gpuformers' weight-only layer: the Triton kernel on a GPU,
-  torch's int4 / int8 kernels for CPU decode) where that layer holds exactly the same weights, checked on the
-  layer's values: 4 or 8 bits, contiguous groups (g_idx = i // group_size; int4 needs a group size, since one
-  WeightOnlyConfig cannot describe a per-channel group for every layer), 16-bit scales that the compute dtype holds
-  exactly, and zeros it can hold: int8 only symmetric (z = 128: WeightOnlyLinear's int8 has no zero point), int4's
-  float zero (8 - z) * scale exact in the compute dtype. In float32 every 4-bit and symmetric 8-bit GPTQ / AWQ
-  checkpoint qualifies; in float16 (the dtype GPTQ / AWQ configs name, so dtype="auto") symmetric GPTQ and
-  zero_point=false AWQ do, while asymmetric zeros (AWQ's, mostly) round; bfloat16 does not hold float16 scales.
-  A device_map plans with the packed sizes. The loaded model then carries a
-  `WeightOnlyConfig` and saves as gpuformers' weight-only checkpoint.
-- Dequantized into a plain nn.Linear in the compute dtype everywhere else (act-order, 2 bits, asymmetric int8,
-  scales or zeros that would round), and for every layer with `dequantize=True`.
-
-Why this default (dequantize=False): either way the model computes with exactly the checkpoint's weights, as the
-reference dequantization gives them in the compute dtype, so packing where it is exact only saves memory (int4
-with groups of 128: about 3.7x less than float16), and dequantizing where it is not keeps the numbers right. A
-warning says which layers were dequantized and why. dequantize=True (the name of transformers'
-FineGrainedFP8Config / Mxfp4Config field) gives plain nn.Linear layers everywhere: cuBLAS matmuls, LoRA and training
-on ordinary layers.
+How layers load (packed.py: `GPTQAwqLinear` stands in while the checkpoint loads, `finish_gptq_awq_loading`
+swaps it): kept packed as a `WeightOnlyLinear` where that layer holds exactly the same weights, checked on the
+layer's values: 4 or 8 bits, contiguous groups (g_idx = i // group_size; int4 needs a group size), 16-bit scales
+that the compute dtype holds exactly, and zeros it can hold: int8 only symmetric (z = 128: WeightOnlyLinear's int8
+has no zero point), int4's float zero (8 - z) * scale exact in the compute dtype. In float32 every 4-bit and
+symmetric 8-bit GPTQ / AWQ checkpoint qualifies; in float16 (the dtype GPTQ / AWQ configs name, so dtype="auto")
+symmetric GPTQ and zero_point=false AWQ do, while asymmetric zeros (AWQ's, mostly) round; bfloat16 does not hold
+float16 scales. A device_map plans with the packed sizes. Dequantized into a plain nn.Linear everywhere else
+(act-order, 2 bits, asymmetric int8, scales or zeros that would round), with a warning that says which layers and
+why, and for every layer with `dequantize=True` (the name of transformers' FineGrainedFP8Config / Mxfp4Config
+field).
 
 Refused by name: GPTQ bits 3 (values cross int32 words) and other bits, checkpoint formats other than gptq /
 gptq_v2 (marlin, bitblas, gptq_p, ...), pack_dtype other than int32, gptqmodel "dynamic" per-module overrides
@@ -67,12 +57,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpuformers.quantization.packed import (
+    PackedStandIn,
+    install_finished_layers,
+    layout_reason,
+    refuse_loaded,
+    swap_in,
+    unpack_fields,
+    weight_only_linear,
+)
+
 logger = logging.getLogger(__name__)
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_FORMATS = ("gemm",)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value k of an AWQ word holds output column 8c + AWQ_PACK_ORDER[k]
 _SCALE_DTYPES = (torch.float16, torch.bfloat16)  # at most 11 significant bits: integer * scale is exact in float32
+_PARTS = ("qweight", "qzeros", "scales")  # a quantized layer's tensors (GPTQ's optional g_idx aside)
 _DEQUANTIZE_ROWS = 4096  # input rows dequantized at a time: the float32 temporaries stay (4096, out)
 
 
@@ -204,24 +205,14 @@ def gptq_awq_quantization(stored: PackedConfig | None, requested) -> PackedConfi
 # Unpacking and dequantizing
 
 
-def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The 32 / bits values of each int32 (or int64 holding 32 bits) word, lowest bits first, laid out along `dim`:
-    (rows, cols) -> (rows * 32 / bits, cols) for dim 0, (rows, cols * 32 / bits) for dim 1."""
-    shifts = torch.arange(0, 32, bits, dtype=words.dtype, device=words.device)
-    mask = (1 << bits) - 1
-    if dim == 0:
-        return ((words[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, words.shape[1])
-    return ((words[:, :, None] >> shifts) & mask).reshape(words.shape[0], -1)
-
-
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_features: int, out_features: int,
                 checkpoint_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's int32 qweight and qzeros -> integer weights (in, out) and zeros (G, out), int32 (module doc)."""
-    q = _fields(qweight, bits, dim=0)[:in_features]
+    q = unpack_fields(qweight, bits, dim=0)[:in_features]
     if checkpoint_format == "gptq":  # v1: each word was stored minus one per value, borrows included
         ones = sum(1 << (bits * k) for k in range(32 // bits))
         qzeros = ((qzeros.to(torch.int64) & 0xFFFFFFFF) + ones) & 0xFFFFFFFF
-    z = _fields(qzeros, bits, dim=1)[:, :out_features].to(torch.int32)
+    z = unpack_fields(qzeros, bits, dim=1)[:, :out_features].to(torch.int32)
     return q, z
 
 
@@ -230,7 +221,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tenso
     order = torch.tensor(AWQ_PACK_ORDER, device=qweight.device)
     # Output column 8c + m sits in value argsort(order)[m] of word c.
     columns = (torch.arange(qweight.shape[1], device=qweight.device)[:, None] * 8 + order.argsort()).reshape(-1)
-    return _fields(qweight, 4, dim=1)[:, columns], _fields(qzeros, 4, dim=1)[:, columns]
+    return unpack_fields(qweight, 4, dim=1)[:, columns], unpack_fields(qzeros, 4, dim=1)[:, columns]
 
 
 def dequantize_packed(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -252,14 +243,11 @@ def _weight_only_reason(bits: int, group_size: int | None, q: torch.Tensor, zero
     """None when a WeightOnlyLinear in `dtype` with `group_size` (None: one scale per output channel) holds exactly
     these weights (module doc), else why not."""
     in_features = q.shape[0]
-    if bits not in (4, 8):
-        return f"{bits}-bit weights"
-    if group_size is not None and in_features % group_size:
-        return f"group_size {group_size} that does not divide the layer's {in_features} input columns"
+    # (with group_size None, g_idx is all 0: the layout check first gives the same reasons)
+    if reason := layout_reason(bits, group_size, in_features):
+        return reason
     if not torch.equal(g_idx.long(), torch.arange(in_features, device=g_idx.device) // (group_size or in_features)):
         return "act-order (desc_act) groups"
-    if bits == 4 and group_size is None:
-        return "int4 with one scale per output channel (group_size -1)"
     if scales.dtype not in _SCALE_DTYPES or not torch.equal(scales.to(dtype).to(scales.dtype), scales):
         return f"{scales.dtype} scales that {dtype} does not hold exactly"
     if bits == 8:
@@ -270,27 +258,11 @@ def _weight_only_reason(bits: int, group_size: int | None, q: torch.Tensor, zero
     return None
 
 
-def _weight_only_layer(bits: int, group_size: int | None, q: torch.Tensor, zeros: torch.Tensor,
-                       scales: torch.Tensor, dtype: torch.dtype) -> nn.Module:
-    from gpuformers.quantization.weight_only import WeightOnlyLinear
-
-    in_features, out_features = q.shape
-    layer = WeightOnlyLinear(in_features, out_features, False, bits, group_size, dtype, device="meta")
-    if bits == 8:  # zeros are all 128 here
-        layer.load_from_checkpoint("qweight", (q - 128).t().to(torch.int8).contiguous())
-    else:  # WeightOnlyLinear's int4: (q - 8) * scale + zero, column 2j in the low nibble
-        u = q.t().to(torch.uint8)
-        layer.load_from_checkpoint("qweight", (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous())
-        layer.load_from_checkpoint("zeros", ((8 - zeros).float() * scales.float()).t().contiguous())
-    layer.load_from_checkpoint("scales", scales.t().contiguous())
-    return layer
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # The stand-in layer
 
 
-class GPTQAwqLinear(nn.Module):
+class GPTQAwqLinear(PackedStandIn, nn.Module):
     """Stands in for an nn.Linear while a GPTQ / AWQ checkpoint loads: takes qweight, qzeros, scales (and GPTQ's
     g_idx) in any order, or a plain `weight`, and keeps either a WeightOnlyLinear (`packed`) or the dequantized
     weight (module doc). `name` is the module's name in the model, for errors."""
@@ -307,7 +279,7 @@ class GPTQAwqLinear(nn.Module):
         # Meta placeholders of the packed shapes (what a device_map plans with): left meta, the loader names them
         # missing. g_idx is optional (i // group_size).
         shapes = self._expected_shapes()
-        for part, stored in (("qweight", torch.int32), ("qzeros", torch.int32), ("scales", torch.float16)):
+        for part, stored in zip(_PARTS, (torch.int32, torch.int32, torch.float16)):
             self.register_buffer(part, torch.empty(shapes[part], dtype=stored, device="meta"))
         self.g_idx: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
@@ -322,8 +294,7 @@ class GPTQAwqLinear(nn.Module):
                 raise ValueError(f"{self.name} has both a quantized qweight and an unquantized weight in the "
                                  f"checkpoint (or two weights): one of them is from another file")
             self._check(name, tensor, (self.out_features, self.in_features), floating=True)
-            for part in ("qweight", "qzeros", "scales"):
-                del self._buffers[part]
+            self._take(_PARTS)  # no quantized parts will come: the layer is stored unquantized
             self.weight = nn.Parameter(tensor.to(self.compute_dtype))
         elif name == "bias":
             if self.bias is None:
@@ -352,7 +323,7 @@ class GPTQAwqLinear(nn.Module):
     def _started(self) -> bool:
         """Whether a weight, or a quantized part of one, has come."""
         return (self.weight is not None or self.packed is not None or self.g_idx is not None
-                or any(not self._buffers[part].is_meta for part in ("qweight", "qzeros", "scales")))
+                or any(not self._buffers[part].is_meta for part in _PARTS))
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         per_word = 32 // self.config.bits  # GPTQ rounds a partial last word up; AWQ layers fill theirs
@@ -388,14 +359,15 @@ class GPTQAwqLinear(nn.Module):
             raise ValueError(f"{self.name}.{name} has dtype {tensor.dtype}; it must be a floating-point tensor")
 
     def _convert_when_complete(self) -> None:
-        if any(self._buffers[part].is_meta for part in ("qweight", "qzeros", "scales")):
+        if self._awaiting(_PARTS):
             return
-        bits, scales = self.config.bits, self.scales
+        parts = self._take(_PARTS)
+        bits, scales = self.config.bits, parts["scales"]
         if self.is_gptq:
-            q, zeros = unpack_gptq(self.qweight, self.qzeros, bits, self.in_features, self.out_features,
+            q, zeros = unpack_gptq(parts["qweight"], parts["qzeros"], bits, self.in_features, self.out_features,
                                    self.config.format)
         else:
-            q, zeros = unpack_awq(self.qweight, self.qzeros)
+            q, zeros = unpack_awq(parts["qweight"], parts["qzeros"])
         g_idx = self.g_idx
         if g_idx is None:  # AWQ, or a GPTQ checkpoint without g_idx: consecutive groups
             g_idx = torch.arange(self.in_features, device=q.device) // self.group
@@ -403,12 +375,10 @@ class GPTQAwqLinear(nn.Module):
         reason = ("dequantize=True" if self.config.dequantize
                   else _weight_only_reason(bits, group_size, q, zeros, scales, g_idx, self.compute_dtype))
         if reason is None:
-            self.packed = _weight_only_layer(bits, group_size, q, zeros, scales, self.compute_dtype)
+            self.packed = weight_only_linear(q.t(), zeros.t(), scales.t(), bits, group_size, self.compute_dtype)
         else:
             self.weight = nn.Parameter(dequantize_packed(q, zeros, scales, g_idx, self.compute_dtype))
             self.reason = reason
-        for part in ("qweight", "qzeros", "scales"):
-            del self._buffers[part]
         self.g_idx = None
 
     def finish(self) -> nn.Module:
@@ -418,14 +388,9 @@ class GPTQAwqLinear(nn.Module):
                 raise ValueError(f"{self.name}.g_idx is missing from the checkpoint; an act-order (desc_act=True) "
                                  f"GPTQ checkpoint needs it")
             self._convert_when_complete()  # a GPTQ checkpoint without g_idx: consecutive groups
-        if self.packed is not None:
-            self.packed.bias = self.bias
-            return self.packed
-        if self.weight is None:
+        if self.weight is None and self.packed is None:
             raise ValueError(f"{self.name} was not loaded: the checkpoint lacks its qweight / qzeros / scales")
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight, linear.bias = self.weight, self.bias
-        return linear
+        return super().finish()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -443,22 +408,12 @@ def swap_gptq_awq_layers(model: nn.Module, config: PackedConfig, dtype: torch.dt
     from gpuformers.quantization.config import _skipped
 
     if loaded:
-        raise NotImplementedError(f"{type(config).__name__} loads {config.quant_method.upper()} checkpoints; a model "
-                                  f"already loaded (a GGUF file) cannot be converted: use WeightOnlyConfig or "
-                                  f"BitsAndBytesConfig")
-    tied = set(getattr(model, "tied_weights", {}))
+        refuse_loaded(config, config.quant_method.upper())
     names = [name for name, module in model.named_modules()
              if type(module) is nn.Linear and not _skipped(name, config.skip_modules)]
     for name in names:
-        if f"{name}.weight" in tied:
-            raise ValueError(f"{name} shares its weight with the embeddings (tied), but the checkpoint quantizes it; "
-                             f"untie it (tie_word_embeddings=false)")
-        module = model.get_submodule(name)
-        parent, _, attr = name.rpartition(".")
-        with torch.device("meta"):
-            layer = GPTQAwqLinear(module.in_features, module.out_features, module.bias is not None, config, dtype,
-                                  name)
-        setattr(model.get_submodule(parent), attr, layer)
+        swap_in(model, name, lambda linear: GPTQAwqLinear(linear.in_features, linear.out_features,
+                                                          linear.bias is not None, config, dtype, name))
     if not names:
         raise ValueError(f"the {config.quant_method.upper()} quantization_config quantizes no layer: every nn.Linear "
                          f"is in {config.skip_modules}")
@@ -468,8 +423,6 @@ def swap_gptq_awq_layers(model: nn.Module, config: PackedConfig, dtype: torch.dt
 def finish_gptq_awq_loading(model: nn.Module, config: PackedConfig):
     """Put each loaded GPTQAwqLinear's weights in the model: a WeightOnlyLinear where it kept them packed, a plain
     nn.Linear otherwise. Returns the WeightOnlyConfig the model then carries, or None (a plain model)."""
-    from gpuformers.quantization.config import WeightOnlyConfig
-
     layers = {name: m for name, m in model.named_modules() if isinstance(m, GPTQAwqLinear)}
     finished = {name: layer.finish() for name, layer in layers.items()}
     reasons = sorted({layer.reason for layer in layers.values() if layer.reason and not config.dequantize})
@@ -479,15 +432,4 @@ def finish_gptq_awq_loading(model: nn.Module, config: PackedConfig):
                        "gpuformers' WeightOnlyLinear cannot hold them exactly: %s. In float32 every 4-bit and "
                        "symmetric 8-bit layer with consecutive groups stays packed", count, len(layers),
                        config.quant_method.upper(), next(iter(layers.values())).compute_dtype, "; ".join(reasons))
-    for name, new in finished.items():
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new)
-    kinds = {(m.bits, m.group_size) for m in finished.values() if not isinstance(m, nn.Linear)}
-    if not kinds:
-        model.config.extra.pop("quantization_config", None)
-        return None
-    (bits, group_size), = kinds  # one checkpoint has one bits and group size
-    dense = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-    weight_only = WeightOnlyConfig(bits=bits, group_size=group_size, skip_modules=dense)
-    model.config.extra["quantization_config"] = weight_only.to_dict()  # save_pretrained writes gpuformers' format
-    return weight_only
+    return install_finished_layers(model, finished)
