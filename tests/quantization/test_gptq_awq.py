@@ -455,3 +455,12 @@ def test_unpacking_agrees_with_autoawq_and_gptqmodel(checkpoints):
             their_q, their_z = gptq["unpack_rows"](qweight, bits), gptq["unpack_cols"](their_zeros, bits)
             theirs = ((their_q.float() - their_z.float()[g_idx]) * scales.float()[g_idx]).t()
         assert torch.equal(ours, theirs), fmt
+
+
+def test_int4_over_an_odd_number_of_inputs_is_dequantized_not_repacked():
+    """WeightOnlyLinear packs int4 two per byte along the inputs: a layer with an odd count (and an odd group size
+    dividing it) must take the dequantized path, not fail inside the repack."""
+    from gpuformers.quantization.packed import layout_reason
+
+    assert "odd" in layout_reason(4, 3, 9)
+    assert layout_reason(8, 3, 9) is None and layout_reason(4, 4, 8) is None
