@@ -1,7 +1,8 @@
 """Resuming across Trainers: ours continues from a checkpoint-N written by transformers' Trainer exactly as
 transformers' own resume does (the same losses, learning rates, gradient norms and final weights), transformers'
-Trainer continues from ours the same way, and what cannot be resumed (DeepSpeed and FSDP folders, another
-optimizer's or scheduler's state, another set of trainable parameters) is refused with the file and the reason.
+Trainer continues from ours the same way (LoRA runs with peft included, and our checkpoints written before the empty
+no-decay group was kept still resume), and what cannot be resumed (DeepSpeed and FSDP folders, another optimizer's or
+scheduler's state, another set of trainable parameters) is refused with the file and the reason.
 
 Every run: 22 rows in batches of 2, 2 accumulated per optimizer step (6 steps an epoch, the last over a single
 batch), a random order, attention dropout 0.1 (so the restored RNG state matters), 8 steps, interrupted after the
@@ -24,6 +25,7 @@ ROWS = make_rows(22, seed=1)
 COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=8, learning_rate=3e-3,
               warmup_steps=2, weight_decay=0.1, optim="adamw_torch", seed=0, train_sampling_strategy="random",
               save_strategy="steps", save_steps=3, logging_steps=1, report_to="none", disable_tqdm=True)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 class StopAt(TrainerCallback):
@@ -58,21 +60,52 @@ def _ours(folder, out, callbacks=(), **overrides) -> Trainer:
                    data_collator=DataCollatorForCausalLM(pad_token_id=0), callbacks=list(callbacks))
 
 
+def _theirs_lora(folder, out, callbacks=()):
+    """transformers' Trainer over a peft LoRA model: no bias or norm to train, so an empty no-decay group."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+    args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, **{**COMMON, "learning_rate": 3e-2})
+    return transformers.Trainer(model, args, train_dataset=ROWS, callbacks=list(callbacks),
+                                data_collator=DataCollatorForCausalLM(pad_token_id=0))
+
+
+def _ours_lora(folder, out) -> Trainer:
+    from gpuformers.lora import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, progress=False), LoraConfig(**LORA))
+    return Trainer(model, tiny_args(out, use_cpu=True, **{**COMMON, "learning_rate": 3e-2}), train_dataset=ROWS,
+                   data_collator=DataCollatorForCausalLM(pad_token_id=0))
+
+
 def _logged(trainer) -> dict[int, tuple[float, float, float]]:
     return {e["step"]: (e["loss"], e["learning_rate"], e["grad_norm"]) for e in trainer.state.log_history
             if "loss" in e}
 
 
-def _assert_same_run(ours, theirs) -> None:
-    """The same steps logged (1-3 from the checkpoint's history, 4-8 after the resume) and the same final weights."""
-    assert ours.state.global_step == theirs.state.global_step == 8
-    logged, expected = _logged(ours), _logged(theirs)
+def _trained(model) -> dict[str, torch.Tensor]:
+    """The trained parameters by name, peft's adapter names without their ".default" (as ours name them)."""
+    return {name.replace(".default", ""): p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _group_sizes(checkpoint: Path) -> list[int]:
+    return [len(group["params"]) for group in torch.load(checkpoint / "optimizer.pt")["param_groups"]]
+
+
+def _assert_same_run(run, reference) -> None:
+    """The same steps logged (1-3 from the checkpoint's history, 4-8 after the resume) and the same trained weights
+    at the end."""
+    assert run.state.global_step == reference.state.global_step == 8
+    logged, expected = _logged(run), _logged(reference)
     assert sorted(logged) == sorted(expected) == list(range(1, 9))
     for step in expected:
         assert logged[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
-    theirs_weights = dict(theirs.model.named_parameters())
-    for name, value in ours.model.named_parameters():
-        torch.testing.assert_close(value, theirs_weights[name], rtol=0, atol=1e-6, msg=name)
+    weights, expected_weights = _trained(run.model), _trained(reference.model)
+    assert weights.keys() == expected_weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, expected_weights[name], rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])
@@ -100,39 +133,78 @@ def test_transformers_resumes_from_our_checkpoint_as_we_do(tiny_checkpoint, tmp_
 
 
 def test_a_lora_run_of_transformers_and_peft_resumes_as_transformers_does(tiny_checkpoint, tmp_path):
-    """transformers' optimizer.pt and scheduler.pt have an empty no-decay group (LoRA trains no bias or norm), which
-    ours leaves out."""
-    peft = pytest.importorskip("peft")
-    import transformers
-
-    from gpuformers.lora import LoraConfig, get_peft_model
-
-    def theirs(out, callbacks=()):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, **{**COMMON, "learning_rate": 3e-2})
-        return transformers.Trainer(model, args, train_dataset=ROWS, callbacks=list(callbacks),
-                                    data_collator=DataCollatorForCausalLM(pad_token_id=0))
-
-    theirs(tmp_path / "hf", [StopAt(3)]).train()
+    """transformers' optimizer.pt and scheduler.pt have an empty no-decay group (LoRA trains no bias or norm), as
+    ours do."""
+    pytest.importorskip("peft")
+    _theirs_lora(tiny_checkpoint, tmp_path / "hf", [StopAt(3)]).train()
     checkpoint = tmp_path / "hf" / "checkpoint-3"
-    assert [len(g["params"]) for g in torch.load(checkpoint / "optimizer.pt")["param_groups"]] == [8, 0]
-    resumed = theirs(tmp_path / "hf-resumed")
+    assert _group_sizes(checkpoint) == [8, 0]
+    resumed = _theirs_lora(tiny_checkpoint, tmp_path / "hf-resumed")
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    ours = Trainer(model, tiny_args(tmp_path / "ours", use_cpu=True, **{**COMMON, "learning_rate": 3e-2}),
-                   train_dataset=ROWS, data_collator=DataCollatorForCausalLM(pad_token_id=0))
+    ours = _ours_lora(tiny_checkpoint, tmp_path / "ours")
     ours.train(resume_from_checkpoint=checkpoint)
-    logged, expected = _logged(ours), _logged(resumed)
-    assert sorted(logged) == sorted(expected) == list(range(1, 9))
-    for step in expected:
-        assert logged[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
-    theirs_adapters = {n.replace(".default", ""): p for n, p in resumed.model.named_parameters() if p.requires_grad}
-    ours_adapters = {n: p for n, p in ours.model.named_parameters() if p.requires_grad}
-    assert ours_adapters.keys() == theirs_adapters.keys() and len(ours_adapters) == 8
-    for name, value in ours_adapters.items():
-        torch.testing.assert_close(value, theirs_adapters[name], rtol=0, atol=1e-6, msg=name)
+    assert len(_trained(ours.model)) == 8
+    _assert_same_run(ours, resumed)
+
+
+@pytest.fixture(scope="module")
+def our_lora_run(tiny_checkpoint, tmp_path_factory) -> tuple[Trainer, Path]:
+    """Our LoRA run, never interrupted, and its checkpoint-3 (a run stopped after step 3 writes the same one)."""
+    out = tmp_path_factory.mktemp("ours-lora")
+    trainer = _ours_lora(tiny_checkpoint, out)
+    trainer.train()
+    return trainer, out / "checkpoint-3"
+
+
+def test_transformers_resumes_a_lora_run_from_our_checkpoint_as_it_went_on(our_lora_run, tiny_checkpoint, tmp_path):
+    """Our optimizer.pt keeps the empty no-decay group, as transformers' does: transformers' Trainer and peft take
+    our checkpoint and log the losses, learning rates and gradient norms of our uninterrupted run, to the same
+    adapter weights."""
+    pytest.importorskip("peft")
+    reference, checkpoint = our_lora_run
+    assert _group_sizes(checkpoint) == [8, 0]
+    theirs = _theirs_lora(tiny_checkpoint, tmp_path / "hf-resumed")
+    theirs.train(resume_from_checkpoint=str(checkpoint))
+    assert len(_trained(theirs.model)) == 8
+    _assert_same_run(theirs, reference)
+
+
+def test_our_lora_checkpoints_without_the_empty_group_resume_as_the_run_went_on(our_lora_run, tiny_checkpoint,
+                                                                                tmp_path):
+    """gpuformers' checkpoints before the empty no-decay group was kept have one group fewer in optimizer.pt and one
+    value fewer per group in scheduler.pt: the group comes back with the schedule's learning rate, the run goes on
+    as the uninterrupted one, and its next checkpoints have both groups."""
+    reference, checkpoint = our_lora_run
+    old = _copy(checkpoint, tmp_path / "old")
+    optimizer = torch.load(checkpoint / "optimizer.pt")
+    optimizer["param_groups"] = [group for group in optimizer["param_groups"] if group["params"]]
+    torch.save(optimizer, old / "optimizer.pt")
+    scheduler = torch.load(checkpoint / "scheduler.pt")
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        scheduler[key] = scheduler[key][:1]
+    torch.save(scheduler, old / "scheduler.pt")
+    assert _group_sizes(old) == [8]
+
+    resumed = _ours_lora(tiny_checkpoint, tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=old)
+    _assert_same_run(resumed, reference)
+    assert resumed.lr_scheduler.state_dict() == reference.lr_scheduler.state_dict()
+    assert ([group["lr"] for group in resumed.optimizer.param_groups]
+            == [group["lr"] for group in reference.optimizer.param_groups])
+    assert _group_sizes(tmp_path / "resumed" / "checkpoint-6") == [8, 0]
+
+
+def test_an_optimizer_without_the_empty_group_resumes_from_a_lora_checkpoint(our_lora_run, tiny_checkpoint,
+                                                                             tmp_path):
+    """An optimizer passed to the Trainer over the adapter weights alone, which is our decay group: the saved empty
+    group and its scheduler values are left out, and the run goes on as the uninterrupted one."""
+    reference, checkpoint = our_lora_run
+    trainer = _ours_lora(tiny_checkpoint, tmp_path / "own")
+    weights = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.optimizer = torch.optim.AdamW(weights, lr=3e-2, weight_decay=COMMON["weight_decay"])
+    trainer.train(resume_from_checkpoint=checkpoint)
+    assert len(trainer.optimizer.param_groups) == len(trainer.lr_scheduler.base_lrs) == 1
+    _assert_same_run(trainer, reference)
 
 
 @pytest.fixture(scope="module")

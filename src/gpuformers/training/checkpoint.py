@@ -15,10 +15,10 @@ torch.load(weights_only=True) only, so a checkpoint cannot run code (transformer
 array: the few NumPy globals that rebuild it are allowed for that file, nothing else).
 
 This is transformers' Trainer's layout, file for file, and each Trainer resumes from the other's checkpoints
-(transformers writes training_args.bin, which no resume reads, and rng_state_<process>.pth under torchrun), but
-for a LoRA model: transformers keeps an empty no-decay optimizer group, ours does not, so transformers refuses
-ours. Its DeepSpeed and FSDP checkpoints, and another optimizer's or scheduler's state, are refused with the file
-and the reason.
+(transformers writes training_args.bin, which no resume reads, and rng_state_<process>.pth under torchrun), LoRA
+runs included (both keep the empty no-decay optimizer group of a LoRA model; one-process checkpoints of ours from
+before that still resume). Its DeepSpeed and FSDP checkpoints, and another optimizer's or scheduler's state, are
+refused with the file and the reason.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
 rotate_checkpoints, load_model_weights_in_place, load_optimizer_state, capture_rng_state, restore_rng_state,
@@ -261,43 +261,61 @@ _OPTIMIZER_STATE_KEYS = {torch.optim.Adam: {"step", "exp_avg", "exp_avg_sq", "ma
 
 def _load_optimizer(optimizer, state: dict, path: Path) -> list[int]:
     """optimizer.load_state_dict, after checking that `state` is this optimizer's kind over these parameters.
-    Returns the indices of the saved groups left out: transformers keeps a group even when it is empty (the
-    no-decay group of a LoRA model, which has no bias or norm to train), ours does not."""
+    Both Trainers keep a weight-decay group even when it is empty (the no-decay group of a LoRA model, which has no
+    bias or norm to train). A state without its empty groups (gpuformers' checkpoints before they were kept) gets
+    them back, and the saved empty groups are left out for an optimizer without them (one passed to the Trainer).
+    Returns the indices of the saved groups left out."""
     expected = next((keys for kind, keys in _OPTIMIZER_STATE_KEYS.items() if isinstance(optimizer, kind)), None)
     saved = set().union(*(entry.keys() for entry in state["state"].values()))
     if expected is not None and not saved <= expected:
         raise ValueError(f"{path} holds the state of another optimizer (per parameter: {sorted(saved)}; "
                          f"{type(optimizer).__name__} keeps {sorted(expected)}): resume with the optim the checkpoint "
                          f"was trained with (gpuformers has {', '.join(OPTIMIZERS)})")
-    dropped = []
-    if len(state["param_groups"]) > len(optimizer.param_groups):
-        dropped = [index for index, group in enumerate(state["param_groups"]) if not group["params"]]
-        state = {**state, "param_groups": [group for group in state["param_groups"] if group["params"]]}
-    groups = [group["params"] for group in state["param_groups"]]
-    ours = [group["params"] for group in optimizer.param_groups]
-    if [len(g) for g in groups] != [len(g) for g in ours]:
-        raise ValueError(f"{path} holds {[len(g) for g in groups]} parameters per group, the optimizer has "
-                         f"{[len(g) for g in ours]}: resume with the model, the trainable parameters and the "
+    saved_groups, ours, dropped = state["param_groups"], optimizer.param_groups, []
+    empty = [index for index, group in enumerate(ours) if not group["params"]]
+    if len(saved_groups) > len(ours):
+        dropped = [index for index, group in enumerate(saved_groups) if not group["params"]]
+        saved_groups = [group for group in saved_groups if group["params"]]
+    elif empty and saved_groups and len(saved_groups) == len(ours) - len(empty):
+        # the empty group's own settings, and the learning rate that the schedule gives every group (both Trainers
+        # give every group learning_rate); the saved parameter ids, positions over the groups, stay as they are
+        kept = iter(saved_groups)
+        saved_groups = [{**group, "params": [], "lr": saved_groups[0]["lr"]} if index in empty else next(kept)
+                        for index, group in enumerate(ours)]
+    saved_ids = [group["params"] for group in saved_groups]
+    params = [group["params"] for group in ours]
+    if [len(g) for g in saved_ids] != [len(g) for g in params]:
+        raise ValueError(f"{path} holds {[len(g) for g in saved_ids]} parameters per group, the optimizer has "
+                         f"{[len(g) for g in params]}: resume with the model, the trainable parameters and the "
                          f"weight_decay groups the checkpoint was trained with")
     # the ids are positions: a shape tells a parameter from another (for the optimizers above, whose state has the
     # parameter's shape; Adafactor's factored rows and columns do not)
-    for saved_ids, params in zip(groups, ours) if expected is not None else ():
-        for index, param in zip(saved_ids, params):
+    for group_ids, group_params in zip(saved_ids, params) if expected is not None else ():
+        for index, param in zip(group_ids, group_params):
             for value in state["state"].get(index, {}).values():
                 if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
                     raise ValueError(f"{path}: the state of parameter {index} has shape {tuple(value.shape)}, the "
                                      f"model's parameter {tuple(param.shape)}: resume with the model the checkpoint "
                                      f"was trained with")
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict({**state, "param_groups": saved_groups})
     return dropped
 
 
 def _load_scheduler(scheduler, path: Path, dropped_groups: list[int]) -> None:
-    """scheduler.load_state_dict, less the values of the optimizer groups that _load_optimizer left out."""
+    """scheduler.load_state_dict, less the values of the optimizer groups that _load_optimizer left out, and with
+    values for the empty groups that gpuformers' earlier checkpoints lack: the first group's, as every group has
+    one learning rate and one schedule in both Trainers."""
     state = _load(path)
+    groups = scheduler.optimizer.param_groups
+    empty = [index for index, group in enumerate(groups) if not group["params"]]
     for key in ("base_lrs", "_last_lr", "lr_lambdas"):  # one value per optimizer group
-        if key in state:
-            state[key] = [value for index, value in enumerate(state[key]) if index not in dropped_groups]
+        if key not in state:
+            continue
+        values = [value for index, value in enumerate(state[key]) if index not in dropped_groups]
+        if empty and values and len(values) == len(groups) - len(empty):
+            kept = iter(values)
+            values = [values[0] if index in empty else next(kept) for index in range(len(groups))]
+        state[key] = values
     # private fields (_last_lr, _is_initial, ...) come and go with torch versions; public ones name the scheduler
     unknown = sorted(key for key in state if not key.startswith("_") and key not in scheduler.state_dict())
     if unknown:

@@ -180,7 +180,9 @@ def optimizer_class_and_kwargs(args, params: list[nn.Parameter] = ()) -> tuple[t
 
 
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    """The optimizer TrainingArguments ask for, over two groups: with and without weight decay."""
+    """The optimizer TrainingArguments ask for, over two groups: with and without weight decay. A group stays when
+    it is empty (a LoRA model's no-decay group: no bias or norm to train), as in transformers' Trainer, so that its
+    optimizer.pt and scheduler.pt have the same groups as ours and each Trainer resumes from the other's."""
     decay = decay_parameter_names(model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
@@ -189,7 +191,6 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         {"params": [p for n, p in params if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
     groups = [part for group in groups for part in _split_dtensors(group)]
     kind, kwargs = optimizer_class_and_kwargs(args, [p for _, p in params])
     if kwargs.get("optim_bits") == 8:
