@@ -53,10 +53,6 @@ class LoraEmbedding(LoraLayer):
         self.disabled = False
 
     @property
-    def weight(self) -> nn.Parameter:
-        return self.base_layer.weight
-
-    @property
     def padding_idx(self) -> int | None:
         return self.base_layer.padding_idx
 
@@ -114,14 +110,6 @@ class TiedLoraLinear(LoraLayer):
         self.__dict__["embedding"] = embedding
         self.merged = False
         self.disabled = False
-
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> nn.Parameter | None:
-        return self.base_layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)

@@ -76,6 +76,15 @@ class LoraLayer(nn.Module):
         enable_adapters / disable_adapters switch."""
         return [p for n, p in self.named_parameters() if not n.startswith("base_layer.")]
 
+    # The base layer's parameters read through the wrapper, as code written for the wrapped layer expects.
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.base_layer.bias  # an nn.Embedding has none: AttributeError, as on the layer itself
+
 
 class LoraLinear(LoraLayer):
     """A frozen linear layer (nn.Linear or a quantized one) plus a trainable low-rank update:
@@ -107,15 +116,6 @@ class LoraLinear(LoraLayer):
             nn.init.normal_(self.lora_A.weight, std=1 / self.r)
         else:
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-
-    # The base layer's parameters read through the wrapper, as code written for nn.Linear expects.
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> nn.Parameter | None:
-        return self.base_layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
