@@ -120,6 +120,27 @@ def count_fused_moe_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def assert_moe_loss_and_grads_match(ours, hf, router_layers: int, grad_names: tuple[str, ...],
+                                    expert_layer: int) -> None:
+    """With output_router_logits: aux loss, loss and every router's logits equal transformers' on a left-padded
+    batch (`router_layers` of them: the sparse layers), then the gradients of `grad_names` and of layer
+    `expert_layer`'s experts after the backward."""
+    ids, mask = left_padded(seq=12, pad=3)
+    labels = ids.masked_fill(mask == 0, -100)
+    theirs, mine = hf(ids, attention_mask=mask, labels=labels), ours(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(mine.aux_loss, theirs.aux_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-5, rtol=0)
+    assert len(mine.router_logits) == len(theirs.router_logits) == router_layers
+    for a, b in zip(mine.router_logits, theirs.router_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    mine.loss.backward(), theirs.loss.backward()
+    hf_params, ours_params = dict(hf.named_parameters()), dict(ours.named_parameters())
+    for name in grad_names:
+        torch.testing.assert_close(ours_params[name].grad, hf_params[name].grad, atol=1e-6, rtol=1e-5)
+    # transformers stacks the experts: (experts, 2 * intermediate, hidden)
+    assert_expert_grads_match(ours.model.layers[expert_layer].mlp.experts,
+                              hf_params[f"model.layers.{expert_layer}.mlp.experts.gate_up_proj"].grad)
+
 def assert_expert_grads_match(experts, stacked_grad: torch.Tensor, gate: str = "gate_proj",
                               up: str = "up_proj") -> None:
     """Our per-expert gate / up Linears' gradients against transformers' stacked gate_up_proj gradient (experts,

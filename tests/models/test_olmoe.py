@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint
-from tests.models.parity import (assert_engine_matches_generate, assert_expert_grads_match, count_fused_moe_calls,
+from tests.models.parity import (assert_engine_matches_generate, assert_moe_loss_and_grads_match, count_fused_moe_calls,
                                  left_padded, load)
 
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
@@ -132,23 +132,10 @@ def test_bfloat16_qk_norm_rounds_like_transformers(checkpoints):
 
 def test_aux_loss_router_logits_and_gradients_match_transformers(tmp_path):
     hf = _checkpoint(tmp_path, output_router_logits=True, router_aux_loss_coef=0.5, clip_qkv=0.5)
-    ours = load(tmp_path)
-    ids, mask = left_padded(seq=12, pad=3)
-    labels = ids.masked_fill(mask == 0, -100)
-    theirs, mine = hf(ids, attention_mask=mask, labels=labels), ours(ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(mine.aux_loss, theirs.aux_loss, atol=1e-5, rtol=0)
-    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-5, rtol=0)
-    assert len(mine.router_logits) == len(theirs.router_logits) == 2  # every layer is sparse
-    for a, b in zip(mine.router_logits, theirs.router_logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    mine.loss.backward(), theirs.loss.backward()
-    hf_params, ours_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.v_proj.weight"):
-        torch.testing.assert_close(ours_params[name].grad, hf_params[name].grad, atol=1e-6, rtol=1e-5)
-    # transformers stacks the experts: (experts, 2 * intermediate, hidden)
-    assert_expert_grads_match(ours.model.layers[1].mlp.experts,
-                              hf_params["model.layers.1.mlp.experts.gate_up_proj"].grad)
+    # every layer is sparse: two routers
+    assert_moe_loss_and_grads_match(load(tmp_path), hf, 2, (
+        "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.1.self_attn.v_proj.weight"), expert_layer=1)
 
 
 def test_saved_checkpoint_has_the_hub_layout_and_loads_in_transformers(checkpoints, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint
-from tests.models.parity import (assert_engine_matches_generate, assert_expert_grads_match, count_fused_moe_calls,
+from tests.models.parity import (assert_engine_matches_generate, assert_moe_loss_and_grads_match, count_fused_moe_calls,
                                  left_padded, load, run_two_processes)
 
 if not torch.cuda.is_available():  # before the kernels are imported: the fused MoE kernel runs interpreted
@@ -102,24 +102,11 @@ def test_config_defaults_layer_types_and_biases(checkpoints):
 def test_aux_loss_router_logits_and_gradients_match_transformers(tmp_path):
     hf = _checkpoint(tmp_path, output_router_logits=True, router_aux_loss_coef=0.5, decoder_sparse_step=2,
                      num_hidden_layers=3)
-    ours = load(tmp_path)
-    ids, mask = left_padded(seq=12, pad=3)
-    labels = ids.masked_fill(mask == 0, -100)
-    theirs, mine = hf(ids, attention_mask=mask, labels=labels), ours(ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(mine.aux_loss, theirs.aux_loss, atol=1e-5, rtol=0)
-    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-5, rtol=0)
-    assert len(mine.router_logits) == len(theirs.router_logits) == 1  # only layer 1 is sparse
-    torch.testing.assert_close(mine.router_logits[0], theirs.router_logits[0], atol=1e-5, rtol=0)
-    mine.loss.backward(), theirs.loss.backward()
-    hf_params = dict(hf.named_parameters())
-    ours_params = dict(ours.named_parameters())
-    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight",
-                 "model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                 "model.layers.0.self_attn.q_proj.bias"):
-        torch.testing.assert_close(ours_params[name].grad, hf_params[name].grad, atol=1e-6, rtol=1e-5)
-    # transformers stacks the experts: (experts, 2 * intermediate, hidden)
-    assert_expert_grads_match(ours.model.layers[1].mlp.experts,
-                              hf_params["model.layers.1.mlp.experts.gate_up_proj"].grad)
+    # only layer 1 is sparse: one router
+    assert_moe_loss_and_grads_match(load(tmp_path), hf, 1, (
+        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight",
+        "model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias"), expert_layer=1)
 
 
 def test_saved_checkpoint_has_the_hub_layout_and_loads_in_transformers(checkpoints, tmp_path):
