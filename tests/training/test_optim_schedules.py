@@ -67,7 +67,7 @@ def test_every_transformers_name_is_supported_or_refused_by_name():
     assert set(SCHEDULE_KWARGS) == set(SCHEDULERS) and set(_BUILDERS) == set(OPTIMIZERS)
     assert {s.value for s in SchedulerType} <= set(SCHEDULERS) | set(REFUSED)
     assert {o.value for o in OptimizerNames} <= set(OPTIMIZERS) | set(REFUSED)
-    for field, name, reason in (("lr_scheduler_type", "reduce_lr_on_plateau", "evaluation metric"),
+    for field, name, reason in (("lr_scheduler_type", "greedy", "GreedyLR"),
                                 ("optim", "adamw_torch_xla", "TPUs"), ("optim", "adamw_torch_4bit", "torchao"),
                                 ("optim", "galore_adamw", "galore")):
         with pytest.raises(ValueError, match=f'{field} "{name}" is not supported by gpuformers: .*{reason}'):
@@ -83,7 +83,8 @@ def test_every_transformers_name_is_supported_or_refused_by_name():
     ("polynomial", {"lr_end": 1.0}, "lr_end=1.0, which must be below the learning_rate 0.5"),
     ("warmup_stable_decay", {}, "needs num_decay_steps"),
     ("warmup_stable_decay", {"num_decay_steps": 5, "decay_type": "exp"}, 'decay_type "exp" is not one of: linear'),
-    ("reduce_lr_on_plateau", {}, 'lr_scheduler_type "reduce_lr_on_plateau" is not one of'),
+    ("greedy", {}, 'lr_scheduler_type "greedy" is not one of'),
+    ("reduce_lr_on_plateau", {"min_lrs": 0.1}, r"\[.min_lrs.\] .* \"reduce_lr_on_plateau\" \(it takes mode, factor"),
 ])
 def test_bad_schedule_kwargs_are_refused_by_name(kind, kwargs, match):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)

@@ -32,7 +32,8 @@ from functools import cached_property
 from typing import Any
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+              "reduce_lr_on_plateau")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "adafactor", "sgd", "adagrad", "rmsprop",
               "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit",
               "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
@@ -40,8 +41,8 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "adafac
 _ELSEWHERE = "needs a package gpuformers does not use"
 # transformers' lr_scheduler_type and optim names that gpuformers refuses, and why
 REFUSED = {
-    **dict.fromkeys(("reduce_lr_on_plateau", "greedy"), "it steps on an evaluation metric, and the Trainer steps its "
-                    "schedule once per optimizer step; use e.g. cosine_with_min_lr, or EarlyStoppingCallback"),
+    "greedy": "transformers' GreedyLR (raising and lowering the rate on the evaluation metric) is not implemented; "
+              "reduce_lr_on_plateau lowers it on the metric",
     "adamw_torch_xla": "it is for TPUs (torch_xla)", "adamw_torch_npu_fused": "it is for Ascend NPUs (torch_npu)",
     "adamw_torch_4bit": f"it {_ELSEWHERE} (torchao); adamw_8bit is bitsandbytes' 8-bit AdamW",
     "adamw_torch_8bit": f"it {_ELSEWHERE} (torchao); adamw_8bit is bitsandbytes' 8-bit AdamW",
@@ -166,6 +167,8 @@ class TrainingArguments:
             self.warmup_steps = self.warmup_ratio
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps {self.warmup_steps} is negative; pass a step count or a ratio in [0, 1)")
+        if isinstance(self.lr_scheduler_kwargs, str):  # JSON from a command line, as transformers reads it
+            self.lr_scheduler_kwargs = _json_dict("lr_scheduler_kwargs", self.lr_scheduler_kwargs)
         for name, choices in (("lr_scheduler_type", SCHEDULERS), ("optim", OPTIMIZERS)):
             value = getattr(self, name)
             if value in REFUSED:
@@ -214,7 +217,11 @@ class TrainingArguments:
     def _check_best_model(self) -> None:
         """metric_for_best_model and greater_is_better defaults, and transformers' checks for load_best_model_at_end:
         a checkpoint must be written at every step whose evaluation may be the best."""
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
+        on_metric = self.lr_scheduler_type == "reduce_lr_on_plateau"
+        if on_metric and self.eval_strategy == "no":
+            raise ValueError('lr_scheduler_type "reduce_lr_on_plateau" lowers the rate when the evaluation metric '
+                             'stops improving, so it needs an eval_strategy ("steps" or "epoch") and an eval_dataset')
+        if (self.load_best_model_at_end or on_metric) and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
@@ -402,6 +409,32 @@ class TrainingArguments:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def _json_dict(name: str, text: str) -> dict:
+    """A dict argument given as JSON text; string values that spell a bool or a number become one, as transformers'
+    TrainingArguments converts them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} {text!r} is not JSON ({error}); pass a dict or a JSON object such as "
+                         '\'{"patience": 2}\'') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} {text!r} is not a JSON object; pass a dict or a JSON object such as "
+                         '\'{"patience": 2}\'')
+    return {key: _from_text(item) for key, item in value.items()}
+
+
+def _from_text(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _from_text(item) for key, item in value.items()}
+    if not isinstance(value, str):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value.isdigit():
+        return int(value)
+    return float(value) if value.replace(".", "", 1).isdigit() else value
 
 
 # transformers' own keys (every n-th decoder layer, inputs kept in host memory), then torch.utils.checkpoint's

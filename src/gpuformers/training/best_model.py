@@ -34,13 +34,19 @@ def check_best_model_setup(args: TrainingArguments, eval_dataset, model, gathers
                                   "train with DDP or one process")
 
 
+def metric_key(metric_for_best_model: str) -> str:
+    """The evaluate() key metric_for_best_model names ("eval_" is optional there)."""
+    name = metric_for_best_model
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
 def update_best_metric(args: TrainingArguments, state: TrainerState, metrics: dict[str, float]) -> bool:
     """transformers' rule: metric_for_best_model ("eval_" added) beats state.best_metric -> a new best (True); its
     step is the best checkpoint's when a checkpoint is written at that step."""
     name = args.metric_for_best_model
     if name is None:
         return False
-    key = name if name.startswith("eval_") else f"eval_{name}"
+    key = metric_key(name)
     if key not in metrics:
         raise KeyError(f"metric_for_best_model {name!r} ({key}) is not among the evaluation's metrics "
                        f"{sorted(metrics)}; pass one of them (the 'eval_' prefix is optional)")

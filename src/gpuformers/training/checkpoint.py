@@ -308,7 +308,7 @@ def _load_scheduler(scheduler, path: Path, dropped_groups: list[int]) -> None:
     state = _load(path)
     groups = scheduler.optimizer.param_groups
     empty = [index for index, group in enumerate(groups) if not group["params"]]
-    for key in ("base_lrs", "_last_lr", "lr_lambdas"):  # one value per optimizer group
+    for key in ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs"):  # one value per optimizer group
         if key not in state:
             continue
         values = [value for index, value in enumerate(state[key]) if index not in dropped_groups]

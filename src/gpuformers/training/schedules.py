@@ -18,9 +18,12 @@ LambdaLR's state (the step count) and resumes on the same curve. Warmup rises li
                                num_decay_steps down to min_lr_ratio x the peak, then that; warmup_type and decay_type
                                each "linear", "cosine" or "1-sqrt"
 
-reduce_lr_on_plateau and greedy step on metrics, not once per optimizer step: the Trainer refuses them (arguments.py).
+reduce_lr_on_plateau is torch's ReduceLROnPlateau (its arguments are the lr_scheduler_kwargs; no warmup, as in
+transformers): the learning rate stays until the evaluation metric (metric_for_best_model, "eval_loss" by default)
+stops improving, so the Trainer steps it after each evaluation instead of after each optimizer step
+(`steps_on_metric`). greedy (transformers' GreedyLR) is refused (arguments.py).
 
-Offers: SCHEDULE_KWARGS, build_scheduler.
+Offers: SCHEDULE_KWARGS, build_scheduler, steps_on_metric.
 """
 
 from __future__ import annotations
@@ -132,7 +135,10 @@ _SCHEDULES = {
                                                    "warmup_type": "linear", "decay_type": "cosine",
                                                    "min_lr_ratio": 0.0, "num_cycles": 0.5}),
 }
-SCHEDULE_KWARGS = {kind: tuple(defaults) for kind, (_, defaults) in _SCHEDULES.items()}
+# torch's ReduceLROnPlateau arguments (all but the optimizer)
+_PLATEAU_KWARGS = ("mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps")
+SCHEDULE_KWARGS = {**{kind: tuple(defaults) for kind, (_, defaults) in _SCHEDULES.items()},
+                   "reduce_lr_on_plateau": _PLATEAU_KWARGS}
 
 
 def _settle(kind: str, settings: dict, warmup: int, total: int, peak: float) -> dict:
@@ -165,16 +171,26 @@ def _settle(kind: str, settings: dict, warmup: int, total: int, peak: float) -> 
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int,
-                    **kwargs) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR stepping once per optimizer step, as transformers' get_scheduler(kind, optimizer, warmup, total,
+                    **kwargs) -> torch.optim.lr_scheduler.LRScheduler:
+    """A LambdaLR stepping once per optimizer step (for reduce_lr_on_plateau a ReduceLROnPlateau, stepped on the
+    evaluation metric), as transformers' get_scheduler(kind, optimizer, warmup, total,
     scheduler_specific_kwargs=kwargs) builds it; `kwargs` are lr_scheduler_kwargs."""
-    if kind not in _SCHEDULES:
-        raise ValueError(f'lr_scheduler_type "{kind}" is not one of: {", ".join(_SCHEDULES)}')
-    factor, defaults = _SCHEDULES[kind]
+    if kind not in SCHEDULE_KWARGS:
+        raise ValueError(f'lr_scheduler_type "{kind}" is not one of: {", ".join(SCHEDULE_KWARGS)}')
+    defaults = SCHEDULE_KWARGS[kind]
     unknown = sorted(set(kwargs) - set(defaults))
     if unknown:
         takes = f"takes {', '.join(defaults)}" if defaults else "takes none"
         raise ValueError(f'lr_scheduler_kwargs {unknown} are not understood by lr_scheduler_type "{kind}" (it '
                          f"{takes})")
+    if kind == "reduce_lr_on_plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
+    factor, defaults = _SCHEDULES[kind]
     settings = _settle(kind, {**defaults, **kwargs}, warmup, total, optimizer.defaults["lr"])
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(factor, warmup=warmup, total=total, **settings))
+
+
+def steps_on_metric(scheduler) -> bool:
+    """Whether the scheduler steps on an evaluation metric (after each evaluation) rather than once per optimizer
+    step."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

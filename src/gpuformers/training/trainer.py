@@ -43,7 +43,7 @@ from gpuformers.training import callbacks as cb
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
-                                           update_best_metric)
+                                           metric_key, update_best_metric)
 from gpuformers.training.checkpointing import CheckpointMixin
 from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
 from gpuformers.training.evaluation import EvalPrediction, EvaluationMixin, PredictionOutput  # noqa: F401 (offered)
@@ -52,6 +52,7 @@ from gpuformers.training.optim import build_optimizer, build_scheduler, clip_gra
 from gpuformers.training.packing import document_attention
 from gpuformers.training.regularizers import add_neftune_noise, label_smoothed_loss
 from gpuformers.training.sampling import epoch_batches, length_grouped_batches, sequence_lengths
+from gpuformers.training.schedules import steps_on_metric
 from gpuformers.training.streaming import StreamBatches, is_stream
 
 
@@ -258,7 +259,7 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         else:
             self.optimizer.step()
         self.control = self._call("on_optimizer_step")
-        if not skipped:
+        if not skipped and not steps_on_metric(self.lr_scheduler):  # those step after each evaluation
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -425,7 +426,11 @@ class Trainer(EvaluationMixin, CheckpointMixin):
             self.log(logs)
         if self.control.should_evaluate and self.eval_dataset is not None:
             # after evaluate()'s on_evaluate: EarlyStoppingCallback compares with the best before this evaluation
-            new_best = update_best_metric(args, self.state, self.evaluate())
+            metrics = self.evaluate()
+            new_best = update_best_metric(args, self.state, metrics)
+            if steps_on_metric(self.lr_scheduler):  # reduce_lr_on_plateau (the metric checked above; stepped
+                # before the checkpoint is written, as in transformers)
+                self.lr_scheduler.step(metrics[metric_key(args.metric_for_best_model)])
             if args.save_strategy == "best":
                 self.control.should_save = new_best
             self.model.train()
