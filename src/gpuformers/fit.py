@@ -120,14 +120,14 @@ def _usable(free: int, gpu: bool) -> int:
 
 def measured_devices(cuda: Any = None) -> dict[str, int]:
     """Free bytes per visible GPU ("cuda:0", ...) and 90% of the CPU's available memory ("cpu")."""
-    from gpuformers.loading.device_map import available_memory
+    from gpuformers.loading.device_plan import available_memory
 
     return {(f"cuda:{k}" if isinstance(k, int) else k): v for k, v in available_memory(cuda).items()}
 
 
 def parse_devices(text: str) -> dict[str, int]:
     """--max-memory "0=24GiB,1=24GiB,cpu=64GiB" -> {"cuda:0": ..., "cuda:1": ..., "cpu": ...}."""
-    from gpuformers.loading.device_map import parse_max_memory
+    from gpuformers.loading.device_plan import parse_max_memory
 
     pairs = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
