@@ -24,7 +24,7 @@ from gpuformers.generation.cache import Cache
 from gpuformers.models.outputs import ModelOutput
 
 if TYPE_CHECKING:
-    from gpuformers.generation.generate import _StepInputs
+    from gpuformers.generation.step_inputs import StepInputs
 
 # Beam search marks impossible candidates with this score (transformers' value, kept for equal scores).
 _NEG = -1.0e9
@@ -46,7 +46,7 @@ class GenerateBeamDecoderOnlyOutput(ModelOutput):
         return self.past_key_values
 
 
-def beam_search(model, input_ids, step_inputs: _StepInputs, forward, config, processors, criteria, batch):
+def beam_search(model, input_ids, step_inputs: StepInputs, forward, config, processors, criteria, batch):
     """Beam search as transformers' (same candidates, length penalty, early stopping and scores).
 
     Each step keeps `keep` = max(2, 1 + #eos) * beams candidates per prompt so that beams survive when the

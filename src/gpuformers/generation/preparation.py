@@ -1,0 +1,180 @@
+"""GenerationPreparation: what `generate()` does once before decoding, as methods of the model (the base class of
+GenerationMixin): merge the generation config with the call's kwargs, check the prompt, fix the length, and set up
+the KV cache and the function each decode step calls.
+
+Static cache: `cache_implementation="static"` preallocates keys and values for prompt + new tokens (StaticCache).
+On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed shapes and is compiled with
+`torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
+Elsewhere it runs eagerly and attends over the written slots only, which makes it no slower than the dynamic cache.
+
+Offers: GenerationPreparation (_prepare_generation_config, _prepare_prompt, _infer_attention_mask,
+_prepare_max_length, _refuse_cache_rebuild, _prepare_cache, _compiles_decode, _decode_forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import warnings
+
+import torch
+
+from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
+from gpuformers.generation.config import CompileConfig, GenerationConfig
+
+# The cache implementations generate() builds itself.
+_CACHES = {"dynamic": DynamicCache, "static": StaticCache}
+
+
+class GenerationPreparation:
+    """The preparation steps of `generate()`. Mixed into the model through GenerationMixin, whose model provides
+    config, generation_config, forward(), get_input_embeddings(), and the hooks supports_compiled_decode and
+    cache_must_be_rebuilt (GenerationMixin documents them)."""
+
+    def _prepare_generation_config(self, generation_config, kwargs: dict) -> GenerationConfig:
+        """model.generation_config (or defaults from the model config) < generation_config < kwargs."""
+        base = getattr(self, "generation_config", None)
+        if base is None:
+            base = GenerationConfig.from_model_config(self.config)
+        config = generation_config.merged_with(base) if generation_config is not None else base.copy()
+        if generation_config is None and config.cache_implementation == "hybrid":
+            # Checkpoints with sliding-window layers (Gemma 2 / 3) ship "hybrid", which transformers now reads, from
+            # the model's own defaults, as the default dynamic cache (it handles the windows); so do we.
+            config.cache_implementation = None
+        unknown = config.update(**kwargs)
+        if unknown:
+            hints = []
+            for name in sorted(unknown):
+                close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(GenerationConfig)], n=1)
+                hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+            raise TypeError(
+                f"generate() got arguments that are neither GenerationConfig fields nor inputs: {', '.join(hints)}; "
+                f"inputs are inputs/input_ids, attention_mask, past_key_values, streamer, tokenizer, "
+                f"logits_processor, stopping_criteria, prefix_allowed_tokens_fn"
+            )
+        return config
+
+    def _prepare_prompt(self, inputs, input_ids, attention_mask, config: GenerationConfig):
+        if inputs is not None and input_ids is not None:
+            raise ValueError("pass the prompt once: either as the first argument (inputs) or as input_ids=, not both")
+        ids = inputs if inputs is not None else input_ids
+        device = self.get_input_embeddings().weight.device
+        if ids is None:
+            if config.bos_token_id is None:
+                raise ValueError("generate() needs a prompt (input_ids) or a bos_token_id to start from")
+            ids = torch.full((1, 1), config.bos_token_id, dtype=torch.long, device=device)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(
+                f"input_ids must be a (batch, seq) tensor of token ids, got {shape}; "
+                f"use tokenizer(text, return_tensors='pt').input_ids (add [None] to a 1-D tensor)"
+            )
+        if ids.shape[1] == 0:
+            raise ValueError("input_ids is empty (no prompt tokens); give at least one token, e.g. the bos token")
+        for name, tensor in (("input_ids", ids), ("attention_mask", attention_mask)):
+            if tensor is not None and tensor.device != device:
+                raise ValueError(
+                    f"{name} is on {tensor.device} but the model's embeddings are on {device}; "
+                    f"move it with {name}.to(model.device)"
+                )
+        if attention_mask is not None and attention_mask.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(ids.shape)}; "
+                f"they must match (pass the mask the tokenizer returned with these ids)"
+            )
+        limit = self.config.max_position_embeddings
+        if ids.shape[1] > limit and self.config.rope_type != "dynamic":
+            raise ValueError(
+                f"the prompt has {ids.shape[1]} tokens but the model handles at most max_position_embeddings="
+                f"{limit} positions (rope_type {self.config.rope_type!r} does not extend beyond them); "
+                f"shorten the prompt, e.g. tokenizer(..., truncation=True, max_length={limit})"
+            )
+        return ids.long(), attention_mask
+
+    @staticmethod
+    def _infer_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor | None:
+        """transformers' rule without a mask: pad tokens in the prompt are padding, unless pad is also eos."""
+        pad = config.pad_token_id
+        if pad is None or pad in config.eos_token_ids:
+            return None
+        return (input_ids != pad).long()
+
+    def _prepare_max_length(self, config: GenerationConfig, prompt_length: int) -> int:
+        """The total length (prompt + new tokens) this call stops at, written into `config` as max_length (with
+        max_new_tokens cleared), once: the stop criteria and the loop bounds read it from there."""
+        max_length = config.max_length_for(prompt_length, self.config.max_position_embeddings)
+        if max_length <= prompt_length:
+            raise ValueError(
+                f"max_length={max_length} leaves no room for new tokens after a prompt of {prompt_length} tokens; "
+                f"set max_new_tokens instead"
+            )
+        config.max_new_tokens = None
+        config.max_length = max_length
+        return max_length
+
+    def _refuse_cache_rebuild(self, assistant_model, prompt_length: int, max_length: int) -> None:
+        """Assisted generation does not rebuild a cache (cache_must_be_rebuilt): refuse a call that would need it."""
+        for role, m in (("model", self), ("assistant_model", assistant_model)):
+            if m is not None and m.cache_must_be_rebuilt(prompt_length, max_length):
+                raise NotImplementedError(
+                    f"assisted generation cannot take {role} {type(m).__name__} from {prompt_length} to {max_length} "
+                    f"tokens: on the way its cache must be recomputed (cache_must_be_rebuilt; Phi-3's longrope past "
+                    f"original_max_position_embeddings), which assisted generation does not do; generate without "
+                    f"assistant_model / prompt_lookup_num_tokens, or keep max_length at or below that length"
+                )
+
+    def _prepare_cache(self, cache, config: GenerationConfig, rows: int, max_length: int) -> Cache | None:
+        if cache is not None:
+            if not isinstance(cache, Cache):
+                raise TypeError(f"past_key_values must be a gpuformers Cache, got {type(cache).__name__}")
+            return cache
+        if not config.use_cache:
+            return None
+        name = config.cache_implementation or "dynamic"
+        if name not in _CACHES:
+            raise ValueError(
+                f"cache_implementation {name!r} is not supported by generate(); supported: {', '.join(_CACHES)}"
+            )
+        if name == "dynamic":
+            return DynamicCache()
+        size = config.max_cache_len or max_length
+        if size < max_length:
+            raise ValueError(
+                f"max_cache_len={size} is smaller than the {max_length} tokens this call can reach; "
+                f"raise max_cache_len or lower max_new_tokens"
+            )
+        # Fixed shapes only pay off when the step is compiled; eagerly, reading the written prefix is cheaper.
+        return StaticCache(self.config, max_cache_len=size, max_batch_size=rows,
+                           fixed_shape=self._compiles_decode(config))
+
+    def _compiles_decode(self, config: GenerationConfig) -> bool:
+        """transformers' auto-compile rule, less the cache: on CUDA unless disable_compile=True, for a model that
+        supports it (the step is then compiled when its cache is a fixed-shape StaticCache). On other devices only
+        when the caller passes a compile_config: compiling costs about a minute there, worth it for long runs."""
+        device = self.get_input_embeddings().weight.device
+        if config.disable_compile or (device.type != "cuda" and config.compile_config is None):
+            return False
+        if not self.supports_compiled_decode:
+            warnings.warn(
+                f"{type(self).__name__} does not support a compiled decode step yet (supports_compiled_decode is "
+                f"False): the static cache runs without CUDA graphs; pass disable_compile=True to silence this",
+                UserWarning, stacklevel=4)
+            return False
+        return True
+
+    def _decode_forward(self, config: GenerationConfig, cache: Cache | None):
+        """The function a decode step calls: the model itself, or the model compiled for CUDA graphs when
+        _compiles_decode says so and the cache has fixed shapes. The compiled function is kept on the model so a
+        second generate() call reuses it."""
+        if not (isinstance(cache, StaticCache) and cache.fixed_shape and self._compiles_decode(config)):
+            return self
+        options = config.compile_config or CompileConfig()
+        key = tuple(sorted(options.to_dict().items(), key=str))
+        compiled = getattr(self, "_compiled_decode", None)
+        if compiled is None or compiled[0] != key:
+            kwargs = dict(fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
+            # torch.compile accepts a mode or options, not both.
+            kwargs.update(options=options.options) if options.options else kwargs.update(mode=options.mode)
+            compiled = (key, torch.compile(self.forward, **kwargs))
+            self._compiled_decode = compiled
+        return compiled[1]
