@@ -69,7 +69,15 @@ def _logits(model, ids, mask):
     dict(r=4, lora_alpha=8, target_modules=ATTN_MLP),
     dict(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
     dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
-], ids=["attn-mlp", "all-linear", "rslora"])
+    dict(r=4, lora_alpha=8, target_modules=ATTN_MLP, rank_pattern={"q_proj": 8, "layers.1.mlp.down_proj": 2},
+         alpha_pattern={"v_proj": 32, r"layers\.0\.self_attn\.q_proj": 3}),
+    dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["o_proj", "layers.0.mlp.up_proj"]),
+    dict(r=4, lora_alpha=8, target_modules=ATTN_MLP, exclude_modules=r"model\.layers\.0\.mlp\..*"),
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1],
+         layers_pattern="layers"),
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], layers_to_transform=0),
+], ids=["attn-mlp", "all-linear", "rslora", "rank-alpha-patterns", "exclude-list", "exclude-regex",
+        "layers-to-transform", "one-layer"])
 def test_logits_and_trainable_counts_match_peft(checkpoint, config, capsys):
     ours, theirs = _peft_pair(checkpoint, **config)
     ids, mask = _inputs()
@@ -87,6 +95,8 @@ def test_logits_and_trainable_counts_match_peft(checkpoint, config, capsys):
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     wrapped = {n for n, m in ours.get_base_model().named_modules() if isinstance(m, LoraLinear)}
     assert "lm_head" not in wrapped and len(wrapped) == len(trainable) // 2
+    peft_ranks = {n: m.r["default"] for n, m in theirs.get_base_model().named_modules() if hasattr(m, "lora_A")}
+    assert {n: m.r for n, m in ours.get_base_model().named_modules() if isinstance(m, LoraLinear)} == peft_ranks
 
 
 def test_adapter_saved_by_us_loads_in_peft(checkpoint, tmp_path):
@@ -309,9 +319,31 @@ def test_adapter_with_a_feature_we_lack_is_refused(checkpoint, tmp_path):
     _, theirs = _peft_pair(checkpoint, r=4, lora_alpha=8, target_modules=["q_proj"])
     theirs.save_pretrained(tmp_path)
     path = tmp_path / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "rank_pattern": {"q_proj": 8}}))
-    with pytest.raises(NotImplementedError, match=r"rank_pattern=\{'q_proj': 8\}"):
+    path.write_text(json.dumps({**json.loads(path.read_text()), "layer_replication": [[0, 2], [1, 2]]}))
+    with pytest.raises(NotImplementedError, match=r"layer_replication=\[\[0, 2\], \[1, 2\]\]"):
         PeftModel.from_pretrained(_load(checkpoint[0]), tmp_path)
+
+
+def test_layer_selection_and_patterns_load_and_save_both_ways(checkpoint, tmp_path):
+    import peft
+
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], layers_to_transform=[0],
+                  rank_pattern={"v_proj": 6}, alpha_pattern={"gate_proj": 2}, exclude_modules=["layers.0.mlp.gate_proj"])
+    ours, theirs = _peft_pair(checkpoint, **config)
+    theirs.save_pretrained(tmp_path / "peft")
+    ids, mask = _inputs()
+    loaded = PeftModel.from_pretrained(_load(checkpoint[0]), tmp_path / "peft").eval()
+    torch.testing.assert_close(_logits(loaded, ids, mask), _logits(theirs, ids, mask), atol=ATOL, rtol=0)
+    loaded.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(copy.deepcopy(checkpoint[1]), tmp_path / "ours").eval()
+    torch.testing.assert_close(_logits(back, ids, mask), _logits(theirs, ids, mask), atol=ATOL, rtol=0)
+    saved = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert (saved["rank_pattern"], saved["layers_to_transform"]) == ({"v_proj": 6}, [0])
+    with pytest.raises(ValueError, match="exclude_modules=.* takes back every layer"):
+        get_peft_model(_load(checkpoint[0]), LoraConfig(target_modules=["q_proj"], exclude_modules=["q_proj"]))
+    for targets in (".*q_proj", "all-linear"):  # as peft refuses them
+        with pytest.raises(ValueError, match="layers_to_transform / layers_pattern cannot be used when target_"):
+            LoraConfig(target_modules=targets, layers_to_transform=[0])
 
 
 def test_default_targets_and_double_wrapping(checkpoint):

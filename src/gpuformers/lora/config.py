@@ -1,5 +1,12 @@
 """LoraConfig: the settings of a LoRA adapter, read and written as peft's adapter_config.json.
 
+Which layers get an adapter, and with which rank, follows peft's rules: target_modules selects layers (a list entry
+matches a name or its last parts, a string is a regular expression for the whole name), exclude_modules takes some
+back (the same rules), layers_to_transform keeps only the decoder layers with those indices (with a list of
+target_modules only, as in peft; layers_pattern names the module list, "layers" and the like by default), and
+rank_pattern / alpha_pattern give a layer its own r / lora_alpha when a key matches the end of its name
+(`rank_and_alpha`).
+
 Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR, EMBEDDING_LAYER_NAMES.
 """
 
@@ -9,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +40,6 @@ _DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2
 # Fields of peft's adapter_config.json that we write with peft's defaults and read back: any other value asks
 # for a feature we do not have, and loading such an adapter would silently give other outputs.
 _UNSUPPORTED_DEFAULTS = {
-    "alpha_pattern": {},
-    "rank_pattern": {},
-    "layers_to_transform": None,
-    "layers_pattern": None,
-    "exclude_modules": None,
     "lora_bias": False,
     "layer_replication": None,
     "loftq_config": {},
@@ -68,6 +71,11 @@ class LoraConfig:
     revision: str | None = None
     peft_type: str = "LORA"
     ensure_weight_tying: bool = False
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name pattern -> r
+    alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)  # layer name pattern -> lora_alpha
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
 
     def __post_init__(self):
         self.task_type = getattr(self.task_type, "value", self.task_type)  # peft.TaskType is a str enum
@@ -110,9 +118,80 @@ class LoraConfig:
             raise ValueError(f"target_modules={targets!r} must be a list of layer names (e.g. [\"q_proj\", "
                              f"\"v_proj\"]), a regular expression, or \"all-linear\"")
 
+        self._check_layer_selection()
+
+    def _check_layer_selection(self) -> None:
+        """exclude_modules, layers_to_transform / layers_pattern and the rank and alpha patterns, as peft checks
+        them."""
+        if isinstance(self.exclude_modules, (set, frozenset, tuple)):
+            self.exclude_modules = sorted(self.exclude_modules)
+        if isinstance(self.target_modules, str) and (self.layers_to_transform is not None
+                                                     or self.layers_pattern is not None):
+            raise ValueError(f"layers_to_transform / layers_pattern cannot be used when target_modules is a string "
+                             f"({self.target_modules!r}: a regular expression or \"all-linear\"), as in peft; put the "
+                             f"layer indices in the expression, or pass target_modules as a list of names")
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError(f"layers_pattern={self.layers_pattern!r} needs layers_to_transform (the layer indices "
+                             f"to adapt), e.g. layers_to_transform=[0, 1]")
+        for name, pattern, kind in (("rank_pattern", self.rank_pattern, int), ("alpha_pattern", self.alpha_pattern,
+                                                                                (int, float))):
+            if not isinstance(pattern, dict) or not all(
+                    isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool) for k, v in pattern.items()):
+                raise ValueError(f"{name}={pattern!r} must map layer names (or patterns) to numbers, e.g. "
+                                 f"{{\"q_proj\": 16}}")
+        if any(r <= 0 for r in self.rank_pattern.values()):
+            raise ValueError(f"rank_pattern={self.rank_pattern!r}: every rank must be a positive integer")
+
     @property
     def scaling(self) -> float:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def rank_and_alpha(self, module_name: str) -> tuple[int, float]:
+        """The r and lora_alpha of the layer `module_name`: the first rank_pattern / alpha_pattern key that matches
+        the end of the name (whole dot-separated parts, a regular expression; peft's get_pattern_key), else r /
+        lora_alpha."""
+        def lookup(pattern: dict, default):
+            for key, value in pattern.items():
+                if re.match(rf"(.*\.)?({key})$", module_name):
+                    return value
+            return default
+
+        return lookup(self.rank_pattern, self.r), lookup(self.alpha_pattern, self.lora_alpha)
+
+    def for_module(self, module_name: str) -> "LoraConfig":
+        """This config with the r and lora_alpha of layer `module_name` (rank_and_alpha): what its adapter is built
+        with."""
+        r, alpha = self.rank_and_alpha(module_name)
+        if (r, alpha) == (self.r, self.lora_alpha):
+            return self
+        return dataclasses.replace(self, r=r, lora_alpha=alpha)
+
+    def excludes(self, module_name: str) -> bool:
+        """Whether exclude_modules takes layer `module_name` out of the targets (peft's rule: a string is a
+        regular expression for the whole name, a list entry matches the name or its last parts)."""
+        excluded = self.exclude_modules
+        if not excluded:
+            return False
+        if isinstance(excluded, str):
+            return re.fullmatch(excluded, module_name) is not None
+        return any(module_name == e or module_name.endswith(f".{e}") for e in excluded)
+
+    def in_transformed_layer(self, module_name: str) -> bool:
+        """Whether layer `module_name` lies in a decoder layer layers_to_transform keeps (True without it): its
+        index is the first number after layers_pattern (any module list name by default), as peft reads it."""
+        indices = self.layers_to_transform
+        if indices is None or indices == []:
+            return True
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
+        else:
+            patterns = [self.layers_pattern] if isinstance(self.layers_pattern, str) else self.layers_pattern
+            match = next((m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module_name))),
+                         None)
+        if match is None:
+            return False
+        index = int(match.group("idx"))
+        return index == indices if isinstance(indices, int) else index in indices
 
     # --- adapter_config.json ---------------------------------------------------------------------------------
 

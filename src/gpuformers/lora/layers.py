@@ -224,7 +224,7 @@ class LoraModel(nn.Module):
             module = model.get_submodule(name)
             layer_class = (LoraEmbedding if type(module) is nn.Embedding else DoraLinear if config.use_dora
                            else LoraLinear)
-            _replace(model, name, layer_class(module, config, autocast_adapter_dtype))
+            _replace(model, name, layer_class(module, config.for_module(name), autocast_adapter_dtype))
         for name in heads_to_tie:  # after the embedding's LoRA layer, whose tensors the tied heads use
             _replace(model, name, TiedLoraLinear(model.get_submodule(name), model.get_input_embeddings(), config))
         for name in to_save:
@@ -392,7 +392,8 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
         targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         head = _output_head(model)
-        names = [n for n, m in modules if _is_linear(m) and m is not head and not in_modules_to_save(n, config)]
+        names = [n for n, m in modules if _is_linear(m) and m is not head and not in_modules_to_save(n, config)
+                 and not config.excludes(n)]
         config.target_modules = sorted(names)
         return names
     if isinstance(targets, str):
@@ -401,10 +402,16 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
     else:
         names = [n for n, _ in modules if any(n == t or n.endswith("." + t) for t in targets)]
         unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n, _ in modules)]
+        names = [n for n in names if config.in_transformed_layer(n)]  # peft: with a list of targets only
     if (strict and unmatched) or not names:
         raise ValueError(f"target_modules entry {', '.join(map(repr, unmatched))} matches no layer of "
                          f"{type(model).__name__}; its linear layers are named {', '.join(linear_suffixes)} "
                          f"(pass some of those, or \"all-linear\")")
+    if excluded := [n for n in names if config.excludes(n)]:
+        names = [n for n in names if n not in excluded]
+        if not names:
+            raise ValueError(f"exclude_modules={config.exclude_modules!r} takes back every layer target_modules="
+                             f"{targets!r} selects ({', '.join(excluded[:4])}); exclude fewer layers")
     kept = [n for n in names if not in_modules_to_save(n, config)]
     if not kept:
         raise ValueError(f"target_modules={targets!r} selects only layers inside modules_to_save="
