@@ -1,7 +1,7 @@
 """LoRA adapters on the model itself (gpuformers.lora.integration) against transformers' PEFT integration: the same
 adapter folder loaded by model.load_adapter gives the same logits and greedy tokens; an adapter added, trained and
 saved by us loads in transformers; from_pretrained(adapter_folder) loads the base then the adapter; disable /
-enable; one adapter per model; and the errors users meet.
+enable; several adapters switched with set_adapter; and the errors users meet.
 """
 
 from __future__ import annotations
@@ -209,28 +209,77 @@ def test_disable_and_enable_switch_the_adapter_off_and_on(checkpoint, transforme
     assert fresh.peft_config["default"].target_modules == sorted(TARGETS)
 
 
-def test_one_adapter_per_model(checkpoint):
-    folder, adapter = checkpoint
-    model = _load(folder)
-    base = _logits(model)
-    model.load_adapter(adapter)
-    layers = sum(isinstance(m, LoraLinear) for m in model.modules())
-    with pytest.raises(NotImplementedError, match="'second'.*already has the adapter 'default'.*delete_adapter"):
-        model.add_adapter(LoraConfig(r=4, target_modules=TARGETS), adapter_name="second")
-    with pytest.raises(NotImplementedError, match="'second'"):
-        model.load_adapter(adapter, adapter_name="second")
-    with pytest.raises(ValueError, match="'default' already exists"):
-        model.load_adapter(adapter)
-    with pytest.raises(ValueError, match="'second' not found"):
-        model.set_adapter("second")
-    assert sum(isinstance(m, LoraLinear) for m in model.modules()) == layers and list(model.peft_config) == ["default"]
+def test_several_adapters_switch_like_transformers(checkpoint, transformers_peft, tmp_path):
+    import peft
 
+    folder, adapter = checkpoint
+    second = tmp_path / "second"  # another rank and other layers, so the two adapters give other logits
+    other = peft.get_peft_model(_hf_load(transformers_peft, folder),
+                                peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj", "o_proj"],
+                                                init_lora_weights=False))
+    other.save_pretrained(second)
+    base = _logits(_load(folder))
+    model, reference = _load(folder), _hf_load(transformers_peft, folder)
+    for m in (model, reference):
+        m.load_adapter(str(adapter))
+        m.load_adapter(str(second), adapter_name="second")  # loading makes it the active one, as in transformers
+    assert model.active_adapters() == reference.active_adapters() == ["second"]
+    assert list(model.peft_config) == list(reference.peft_config) == ["default", "second"]
+    first_a = model.get_submodule("model.layers.0.self_attn.q_proj")  # parked while "second" is active
+    assert not isinstance(first_a, LoraLinear)
+    for name in ("second", "default", "second", "default"):
+        model.set_adapter(name)
+        reference.set_adapter(name)
+        torch.testing.assert_close(_logits(model), _logits(reference), atol=ATOL, rtol=0)
+        assert _greedy(model) == _greedy(reference)
+        assert _trainable(model) == {n.replace(f".{name}.", ".") for n, p in reference.named_parameters()
+                                     if p.requires_grad}
+    # the same layer objects come back: an optimizer holding their parameters keeps working
+    lora_a = model.get_submodule("model.layers.0.self_attn.q_proj").lora_A.weight
+    model.set_adapter("second")
+    model.set_adapter("default")
+    assert model.get_submodule("model.layers.0.self_attn.q_proj").lora_A.weight is lora_a
+    # a parked adapter's tensors, and the active one saved
+    parked = model.get_adapter_state_dict("second")
+    for key, value in reference.get_adapter_state_dict("second").items():
+        torch.testing.assert_close(parked[key], value, atol=0, rtol=0)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "adapter_config.json").read_text())["r"] == 4  # "default", the active
+
+    with pytest.raises(NotImplementedError, match="several active adapters at once"):
+        model.set_adapter(["default", "second"])
+    with pytest.raises(ValueError, match="'second' already exists"):
+        model.load_adapter(second, adapter_name="second")
+    with pytest.raises(ValueError, match=r"'third' not found: this model's adapters are \['default', 'second'\]"):
+        model.set_adapter("third")
+    model.disable_adapters()
+    model.set_adapter("second")  # disabled holds across a switch
+    torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)
+    model.enable_adapters()
+    model.delete_adapter("second")  # the active one: the first remaining becomes active, as in peft
+    reference.delete_adapter("second")
+    reference.set_adapter("default")
+    assert model.active_adapters() == ["default"] and list(model.peft_config) == ["default"]
+    torch.testing.assert_close(_logits(model), _logits(reference), atol=ATOL, rtol=0)
     model.delete_adapter("default")
     assert not model._hf_peft_config_loaded and not hasattr(model, "peft_config")
     assert not any(isinstance(m, LoraLinear) for m in model.modules())
     torch.testing.assert_close(_logits(model), base, atol=0, rtol=0)
-    model.load_adapter(adapter, adapter_name="second")  # a new adapter once the first is gone
-    assert model.active_adapters() == ["second"]
+
+
+def test_a_failed_load_leaves_the_active_adapter_in_place(checkpoint, tmp_path):
+    folder, adapter = checkpoint
+    model = _load(folder)
+    model.load_adapter(adapter)
+    with_adapter = _logits(model)
+    broken = tmp_path / "broken"
+    shutil.copytree(adapter, broken)
+    config = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["no_such_proj"]}))
+    with pytest.raises(ValueError, match="no_such_proj"):
+        model.load_adapter(broken, adapter_name="broken")
+    assert model.active_adapters() == ["default"] and list(model.peft_config) == ["default"]
+    torch.testing.assert_close(_logits(model), with_adapter, atol=0, rtol=0)
 
 
 def test_missing_folder_or_file_gives_a_clear_error(checkpoint, tmp_path):

@@ -16,10 +16,14 @@ As in transformers (peft's tuner layers underneath):
     adapter dtype       the base weight's (no float32 upcast over a bf16 base: transformers does not cast, unlike
                         get_peft_model)
 
-One adapter per model: a second name raises NotImplementedError (delete_adapter the first one). Unlike
-transformers 5.24, enable_adapters() switches modules_to_save copies back on too (transformers leaves them off).
-Under the hood the layers are those of a PeftModel (layers.py, peft_model.py) that the model holds out of its
-module tree.
+Several adapters, one active at a time, as in transformers: add_adapter and load_adapter make the new adapter the
+active one, set_adapter(name) switches, delete_adapter of the active one activates the first remaining, and
+save_pretrained writes the active one; disable_adapters() holds across switches. Several active at once
+(set_adapter([a, b])) raises NotImplementedError. Unlike transformers 5.24, enable_adapters() switches
+modules_to_save copies back on too (transformers leaves them off).
+Under the hood each adapter's layers are those of a PeftModel (layers.py, peft_model.py) that the model holds out of
+its module tree; the inactive ones are parked (LoraModel.park: taken out, their tensors kept), so a switch puts the
+same layers back and an optimizer holding their parameters keeps working.
 
 Offers: PeftAdapterMixin.
 """
@@ -38,11 +42,13 @@ from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 _PEFT_PREFIX = "base_model.model."  # peft's saved keys: the model's parameter names under PeftModel's
-_WRAPPER = "_lora_wrapper"  # the PeftModel whose layers the model holds
+_WRAPPER = "_lora_wrapper"  # the PeftModel of the active adapter, whose layers are in the model
+_ADAPTERS = "_lora_adapters"  # adapter name -> its PeftModel (the active one and the parked ones)
+_DISABLED = "_lora_disabled"  # disable_adapters() was called (it holds across set_adapter)
 
 
 class PeftAdapterMixin:
-    """transformers' PeftAdapterMixin for gpuformers' LoRA: one adapter, put into the model in place."""
+    """transformers' PeftAdapterMixin for gpuformers' LoRA: adapters put into the model in place, one active."""
 
     _hf_peft_config_loaded = False
 
@@ -55,7 +61,8 @@ class PeftAdapterMixin:
         # transformers names the model the adapter was added to, whatever the config said
         config = dataclasses.replace(_lora_config(adapter_config, "adapter_config"),
                                      base_model_name_or_path=self.name_or_path)
-        self._hold(PeftModel(self, config, adapter_name, autocast_adapter_dtype=False))
+        self._hold(self._with_active_parked(lambda: PeftModel(self, config, adapter_name,
+                                                              autocast_adapter_dtype=False)))
         self.set_adapter(adapter_name)
 
     def load_adapter(self, peft_model_id: str | os.PathLike | None = None, adapter_name: str | None = None,
@@ -71,8 +78,9 @@ class PeftAdapterMixin:
         adapter_name = adapter_name or "default"
         self._check_new_adapter(adapter_name)
         if hotswap is True:
-            raise NotImplementedError("hotswap=True is not supported: gpuformers holds one adapter; call "
-                                      "delete_adapter() and then load_adapter() the new one")
+            raise NotImplementedError("hotswap=True (loading new weights into the active adapter's tensors) is not "
+                                      "supported; load_adapter() the new one under another name and set_adapter() "
+                                      "it, or delete_adapter() the old one first")
         options = {**(adapter_kwargs or {}), **kwargs}
         hub = HubKwargs.pop_from(options)
         if options:
@@ -84,47 +92,58 @@ class PeftAdapterMixin:
         config = None if peft_config is None else _lora_config(peft_config, "peft_config")
 
         if adapter_state_dict is None:
-            wrapper = PeftModel.from_pretrained(self, peft_model_id, adapter_name=adapter_name,
-                                                is_trainable=is_trainable, config=config,
-                                                autocast_adapter_dtype=False, **dataclasses.asdict(hub))
+            def load() -> PeftModel:
+                return PeftModel.from_pretrained(self, peft_model_id, adapter_name=adapter_name,
+                                                 is_trainable=is_trainable, config=config,
+                                                 autocast_adapter_dtype=False, **dataclasses.asdict(hub))
         else:
             if config is None:
                 config = LoraConfig.from_pretrained(resolve_model_dir(peft_model_id, [CONFIG_NAME], hub))
             config = dataclasses.replace(config, inference_mode=not is_trainable)
-            wrapper = PeftModel(self, config, adapter_name, autocast_adapter_dtype=False, _strict=False)
-            try:
-                set_peft_model_state_dict(wrapper, {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: v
-                                                    for k, v in adapter_state_dict.items()})
-            except Exception:
-                _take_out(wrapper)
-                raise
-            if not is_trainable:
-                self.eval()
-        self._hold(wrapper)
+
+            def load() -> PeftModel:
+                wrapper = PeftModel(self, config, adapter_name, autocast_adapter_dtype=False, _strict=False)
+                try:
+                    set_peft_model_state_dict(wrapper, {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: v
+                                                        for k, v in adapter_state_dict.items()})
+                except Exception:
+                    _take_out(wrapper)
+                    raise
+                if not is_trainable:
+                    self.eval()
+                return wrapper
+        self._hold(self._with_active_parked(load))  # the new adapter is the active one, as in transformers
 
     # --- the active adapter ----------------------------------------------------------------------------------
 
     def set_adapter(self, adapter_name: str | list[str]) -> None:
-        """Make `adapter_name` the active adapter; as peft's set_adapter, its weights then require grad."""
+        """Make `adapter_name` the active adapter (the others stay loaded, unused); as peft's set_adapter, its
+        weights then require grad."""
         self._require_adapter()
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         unknown = [name for name in names if name not in self.peft_config]
         if unknown:
-            raise ValueError(f"adapter {', '.join(map(repr, unknown))} not found: this model's adapter is "
-                             f"{self.active_adapters()[0]!r}")
+            raise ValueError(f"adapter {', '.join(map(repr, unknown))} not found: this model's adapters are "
+                             f"{list(self.peft_config)}")
+        if len(names) != 1:
+            raise NotImplementedError(f"set_adapter({names!r}): several active adapters at once are not supported; "
+                                      f"activate one, or merge them into one adapter offline")
+        self._activate(names[0])
         self._set_lora_requires_grad(True)
 
     def disable_adapters(self) -> None:
         """Run the base model alone (LoRA layers off, modules_to_save back to their originals; the adapter stays,
         frozen) until enable_adapters()."""
         self._require_adapter()
+        self.__dict__[_DISABLED] = True
         for module in self._adapter_modules():
             module.disabled = True
         self._set_lora_requires_grad(False)
 
     def enable_adapters(self) -> None:
-        """Run the adapter again; as peft's, its weights then require grad."""
+        """Run the active adapter again; as peft's, its weights then require grad."""
         self._require_adapter()
+        self.__dict__[_DISABLED] = False
         for module in self._adapter_modules():
             module.disabled = False
         self._set_lora_requires_grad(True)
@@ -138,23 +157,45 @@ class PeftAdapterMixin:
         """The adapter's tensors under the model's parameter names (model.layers.0.self_attn.q_proj.lora_A.weight,
         ...), taken from `state_dict` when given (a state dict of the whole model, e.g. gathered from FSDP2)."""
         self._require_adapter()
-        if adapter_name is not None and adapter_name not in self.peft_config:
-            raise ValueError(f"adapter {adapter_name!r} not found: this model's adapter is "
-                             f"{self.active_adapters()[0]!r}")
-        return get_peft_model_state_dict(self, state_dict)
+        active = self.active_adapters()[0]
+        if adapter_name is None or adapter_name == active:
+            return get_peft_model_state_dict(self, state_dict)
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"adapter {adapter_name!r} not found: this model's adapters are {list(self.peft_config)}")
+        if state_dict is not None:
+            raise ValueError(f"state_dict holds the active adapter's tensors ({active!r}), not {adapter_name!r}'s; "
+                             f"set_adapter({adapter_name!r}) first")
+        self._switch(adapter_name)  # its layers in the model for a moment, to read their tensors
+        try:
+            return get_peft_model_state_dict(self)
+        finally:
+            self._switch(active)
 
     def delete_adapter(self, adapter_names: str | list[str]) -> None:
-        """Take the adapter out again: the model's own layers and modules back (it stays frozen, as in
-        transformers)."""
+        """Take adapters out again. Deleting the active one activates the first remaining (as peft does); with
+        none left the model's own layers and modules are back (it stays frozen, as in transformers)."""
         self._require_adapter()
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         missing = [name for name in names if name not in self.peft_config]
         if missing:
             raise ValueError(f"adapter {', '.join(map(repr, missing))} is not on this model and cannot be deleted; "
-                             f"its adapter is {self.active_adapters()[0]!r}")
-        _take_out(self.__dict__.pop(_WRAPPER))
-        del self.peft_config
-        del self._hf_peft_config_loaded  # back to the class's False
+                             f"its adapters are {list(self.peft_config)}")
+        adapters = self.__dict__[_ADAPTERS]
+        active = self.active_adapters()[0]
+        for name in names:
+            adapters.pop(name)  # a parked one is simply dropped
+        if active in names:
+            _take_out(self.__dict__.pop(_WRAPPER))
+            if adapters:
+                self._install(next(iter(adapters)))
+                self._set_lora_requires_grad(True)
+        if not adapters:
+            for key in (_ADAPTERS, _DISABLED):
+                self.__dict__.pop(key, None)
+            del self.peft_config
+            del self._hf_peft_config_loaded  # back to the class's False
+            return
+        self.peft_config = _configs(adapters)
 
     # --- saving (save_pretrained delegates here) -------------------------------------------------------------
 
@@ -175,22 +216,57 @@ class PeftAdapterMixin:
     # --- helpers ---------------------------------------------------------------------------------------------
 
     def _hold(self, wrapper: PeftModel) -> None:
+        """Register a new adapter whose layers are in the model: it is the active one, and it runs (a new
+        adapter's layers are enabled, as in transformers, even after disable_adapters())."""
         # Kept in __dict__, out of the module tree: wrapper.base_model.model is this model, and a cycle of
         # submodules would make state_dict() recurse forever. The wrapper's unload() takes the layers out again.
         self.__dict__[_WRAPPER] = wrapper
-        self.peft_config = wrapper.peft_config
+        self.__dict__[_DISABLED] = False
+        adapters = self.__dict__.setdefault(_ADAPTERS, {})
+        adapters[wrapper.active_adapter] = wrapper
+        self.peft_config = _configs(adapters)
         self._hf_peft_config_loaded = True
 
+    def _with_active_parked(self, build):
+        """build() a new adapter's PeftModel with the active adapter (if any) parked; if build fails, the active
+        one is put back and the error raised."""
+        active = self.__dict__.pop(_WRAPPER, None)
+        if active is not None:
+            active.base_model.park()
+        try:
+            return build()
+        except BaseException:
+            if active is not None:
+                active.base_model.reinstall()
+                self.__dict__[_WRAPPER] = active
+            raise
+
+    def _activate(self, adapter_name: str) -> None:
+        if adapter_name != self.active_adapters()[0]:
+            self._switch(adapter_name)
+
+    def _switch(self, adapter_name: str) -> None:
+        """Park the active adapter and put `adapter_name`'s layers in the model (requires_grad left as they are)."""
+        self.__dict__.pop(_WRAPPER).base_model.park()
+        self._install(adapter_name)
+
+    def _install(self, adapter_name: str) -> None:
+        wrapper = self.__dict__[_ADAPTERS][adapter_name]
+        wrapper.base_model.reinstall()
+        self.__dict__[_WRAPPER] = wrapper
+        self._apply_disabled()
+
+    def _apply_disabled(self) -> None:
+        """disable_adapters() / enable_adapters() hold for whichever adapter set_adapter makes active, as in
+        transformers."""
+        disabled = self.__dict__.get(_DISABLED, False)
+        for module in self._adapter_modules():
+            module.disabled = disabled
+
     def _check_new_adapter(self, adapter_name: str) -> None:
-        if not self._hf_peft_config_loaded:
-            return
-        loaded = self.active_adapters()[0]
-        if adapter_name == loaded:
-            raise ValueError(f"adapter {adapter_name!r} already exists on this model; call "
-                             f"delete_adapter({adapter_name!r}) first to replace it")
-        raise NotImplementedError(f"adapter {adapter_name!r}: this model already has the adapter {loaded!r}, and "
-                                  f"gpuformers holds one adapter per model (several adapters are not supported "
-                                  f"yet); call delete_adapter({loaded!r}) first")
+        if self._hf_peft_config_loaded and adapter_name in self.peft_config:
+            raise ValueError(f"adapter {adapter_name!r} already exists on this model; pass another adapter_name, "
+                             f"or call delete_adapter({adapter_name!r}) first to replace it")
 
     def _require_adapter(self) -> None:
         if not self._hf_peft_config_loaded:
@@ -208,6 +284,11 @@ class PeftAdapterMixin:
             is_lora = isinstance(module, LoraLayer)
             for part in module.adapter_parameters() if is_lora else module.modules_to_save.parameters():
                 part.requires_grad_(requires_grad)
+
+
+def _configs(adapters: dict[str, PeftModel]) -> dict[str, LoraConfig]:
+    """The model's peft_config: every adapter's LoraConfig, in the order they were added."""
+    return {name: wrapper.peft_config[name] for name, wrapper in adapters.items()}
 
 
 def _take_out(wrapper: PeftModel) -> None:

@@ -259,6 +259,27 @@ class LoraModel(nn.Module):
     def modules_to_save_wrappers(self) -> list[tuple[str, ModulesToSaveWrapper]]:
         return [(n, m) for n, m in self.model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
 
+    def park(self) -> None:
+        """Take the adapter out of the model but keep its layers (their tensors, trained or not), so that
+        reinstall() puts the same layers back: how a model holding several adapters runs one at a time."""
+        self._parked = [(n, m) for n, m in self.model.named_modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+        self._restore(merge=False, keep_trained_copies=False)
+
+    def reinstall(self) -> None:
+        """Put the layers park() took out back in the model (their adapter tensors moved to where the base layer
+        now is, should the model have moved meanwhile)."""
+        for name, module in self._parked:
+            lora = isinstance(module, LoraLayer)
+            base = module.base_layer if lora else module.original_module
+            device = next(iter(base.parameters())).device
+            for part in module.adapter_parameters() if lora else module.modules_to_save.parameters():
+                if part.device != device:
+                    part.data = part.data.to(device)
+            _replace(self.model, name, module)
+        self._parked = []
+        inference_mode = self.peft_config[self.active_adapter].inference_mode
+        self._unpack_hooks = [] if inference_mode else _unpack_4bit_weights_for_backward(self.model)
+
     def _restore(self, merge: bool, safe_merge: bool = False, keep_trained_copies: bool = True) -> nn.Module:
         """Take the adapters out of the model and return it: LoRA layers merged into their base (merge) or dropped;
         a modules_to_save wrapper leaves its trained copy in the model with or without merge, as peft's does
