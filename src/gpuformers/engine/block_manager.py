@@ -7,8 +7,10 @@ when their reference count drops to zero.
 Prefix sharing (`allow_block_sharing`): once a block is full and computed, it is registered under a hash of all
 the tokens up to its end (a chain: hash(previous block's hash, this block's tokens)), so equal hashes mean equal
 keys and values. A new request whose prompt starts with the same blocks takes them (reference count + 1) instead
-of computing them. A freed block keeps its hash until the free list hands it out again, so a finished or preempted
-request's prefix stays reusable for as long as memory allows (freed blocks are reused oldest first).
+of computing them. The chain starts at the request's LoRA adapter (Sequence.adapter_id; None for the base model):
+the same tokens under another adapter have other keys and values, so they never share blocks. A freed block keeps
+its hash until the free list hands it out again, so a finished or preempted request's prefix stays reusable for as
+long as memory allows (freed blocks are reused oldest first).
 
 Contiguity (`place_contiguously`, on for the CPU): attention reads a sequence's keys fastest when its blocks are
 consecutive in the cache (on the CPU the paged backend then attends a view of the cache instead of gathering a copy,
@@ -117,7 +119,7 @@ class BlockManager:
             # are complete a recompute after a preemption takes hits again.)
             return 0
         tokens = seq.token_ids
-        previous = None
+        previous = seq.adapter_id
         for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size, self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
             h = chain_hash(previous, chunk)
@@ -195,7 +197,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for index in range(len(seq.block_hashes), full):
             chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
-            previous = seq.block_hashes[-1] if seq.block_hashes else None
+            previous = seq.block_hashes[-1] if seq.block_hashes else seq.adapter_id
             h = chain_hash(previous, chunk)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[index]]

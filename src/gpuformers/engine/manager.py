@@ -16,13 +16,17 @@ The host work of a step (scheduling, building inputs, publishing outputs) then h
 `ContinuousBatchingManager` runs that loop in a background thread (`start()` / `stop()`, or a `with` block) and
 takes requests at any time; `generate_batch` runs the same loop in the caller's thread until every request is done.
 Names follow transformers: init_continuous_batching, add_request(s), cancel_request, get_result, request_id_iter.
+LoRA adapters (load_adapter / delete_adapter, a request's adapter_name) are served side by side over the one base
+model (lora.py); while the loop runs, loading or deleting one is a command it applies between two steps.
 
 Offers: GenerationOutput, ContinuousBatchingManager.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,6 +36,7 @@ import torch
 
 from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.config import ContinuousBatchingConfig, check_honoured, free_memory, sampling_params_from
+from gpuformers.engine.lora import AdapterBank
 from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, Sequence
@@ -63,14 +68,26 @@ class GenerationOutput:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
 
+def _cuda_graphs_with_adapters() -> NotImplementedError:
+    return NotImplementedError(
+        "use_cuda_graph=True with LoRA adapters is not supported: which rows use which adapter is decided on the "
+        "host each step, and a captured graph cannot follow it; leave use_cuda_graph None (automatic: off while "
+        "adapters are loaded)")
+
+
 class ContinuousBatchingManager:
-    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+    def __init__(self, model, generation_config=None, continuous_batching_config=None,
+                 adapters: dict[str, str] | None = None):
         from gpuformers.generation.config import GenerationConfig
 
         base = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
         self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
         check_honoured(self.generation_config)  # here, not at the first request
-        self.config = (continuous_batching_config or ContinuousBatchingConfig()).resolve(model)
+        asked = continuous_batching_config or ContinuousBatchingConfig()
+        self._cuda_graph_asked = asked.use_cuda_graph  # None: automatic (off while LoRA adapters are loaded)
+        if adapters and asked.use_cuda_graph:
+            raise _cuda_graphs_with_adapters()
+        self.config = asked.resolve(model)
         self.model = model.eval()
         if not model.attn_implementation.startswith("paged|"):
             # The paged backends fall back to the plain ones outside engine steps, so generate() keeps working.
@@ -83,11 +100,10 @@ class ContinuousBatchingManager:
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
         self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)
         logger.info("continuous batching: %s", self.memory_summary())
-        if cfg.use_cuda_graph:
-            from gpuformers.engine.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(self.runner, cfg.max_requests_per_batch)
+        if cfg.use_cuda_graph and not adapters:
+            self._use_cuda_graphs(True)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # What the manager keeps per request until its caller takes the final output, and not a moment longer
         # (a server runs for weeks): a non-streaming request's final output waits in `_finished` (in finishing
@@ -103,16 +119,24 @@ class ContinuousBatchingManager:
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
         self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
+        try:
+            for name, folder in (adapters or {}).items():
+                self.load_adapter(folder, name)
+        except Exception:
+            self.adapter_bank.uninstall()  # the model as it was
+            raise
 
     def memory_summary(self) -> str:
-        """Where the device memory goes: the model's weights, the KV cache (and how many tokens it holds), and what
-        is left free now."""
+        """Where the device memory goes: the model's weights (and LoRA adapters'), the KV cache (and how many tokens
+        it holds), and what is left free now."""
         tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values()
         weights = sum(t.numel() * t.element_size() for t in tensors)
         cache = sum(t.numel() * t.element_size() for t in self.runner.key_caches + self.runner.value_caches)
         cfg = self.config
-        return (f"weights {format_size(weights)}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks of "
-                f"{cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
+        bank = self.adapter_bank
+        adapters = f", {len(bank)} LoRA adapter(s) {format_size(bank.nbytes)}" if bank else ""
+        return (f"weights {format_size(weights)}{adapters}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks "
+                f"of {cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
                 f"{format_size(free_memory(self.model.device, cap=False))} free on {self.model.device}")
 
     # --- the engine -------------------------------------------------------------------------------------------
@@ -191,12 +215,22 @@ class ContinuousBatchingManager:
             commands = self._lockstep.exchange(commands)
         for kind, item in commands:
             if kind == "add":
-                if not self.scheduler.add(item):
+                if item.adapter_id != self.adapter_bank.adapter_id(item.adapter_name):
+                    item.fail(f"adapter {item.adapter_name!r} was deleted or reloaded before the request started")
+                    self._publish_one(item, final=True)
+                elif not self.scheduler.add(item):
                     self._publish_one(item, final=True)
             elif kind == "cancel":
                 seq = self.scheduler.cancel(item)
                 if seq is not None:
                     self._publish_one(seq, final=True)
+            elif kind == "call":  # a change to the loaded adapters (_between_steps)
+                change, done = item
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(change())
+                    except Exception as error:
+                        done.set_exception(error)
 
     def _publish_one(self, seq: Sequence, final: bool) -> None:
         if self._lockstep is not None and not self._lockstep.is_leader:
@@ -255,6 +289,7 @@ class ContinuousBatchingManager:
                 seq.error = f"engine stopped: {type(error).__name__}: {error}"
                 self._publish_one(seq, final=True)
         finally:
+            self.adapter_bank.uninstall()
             if self._lockstep is not None:
                 from gpuformers.engine.lockstep import STOP
 
@@ -286,9 +321,12 @@ class ContinuousBatchingManager:
                 logger.exception("a tensor-parallel follower's engine step failed")
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stop the background loop; the LoRA adapters' wrappers leave the model (a later step puts them back)."""
         self._stop.set()
         if block and self._thread is not None:
             self._thread.join(timeout)
+        if not self.is_running():  # else the loop takes them out as it ends
+            self.adapter_bank.uninstall()
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -302,11 +340,14 @@ class ContinuousBatchingManager:
     # --- requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, **sampling) -> str:
-        """Queue one prompt (a list of token ids); returns its request id. `sampling` overrides this request's
-        temperature, top_p, top_k, min_p, do_sample, stop, seed, ignore_eos, repetition_penalty, frequency_penalty,
-        presence_penalty, min_new_tokens, logit_bias, return_logprobs, top_logprobs, prompt_logprobs,
-        structured_output (see SamplingParams; a prompt_logprobs request takes no prefix-cache hits)."""
+                    streaming: bool = False, adapter_name: str | None = None, **sampling) -> str:
+        """Queue one prompt (a list of token ids); returns its request id. `adapter_name`: one of `adapters` (None:
+        the base model). `sampling` overrides this request's temperature, top_p, top_k, min_p, do_sample, stop,
+        seed, ignore_eos, repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens, logit_bias,
+        return_logprobs, top_logprobs, prompt_logprobs, structured_output (see SamplingParams; a prompt_logprobs
+        request takes no prefix-cache hits)."""
+        if adapter_name is not None:
+            self.adapter_bank.check_name(adapter_name)
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         if request_id is None:
@@ -315,7 +356,8 @@ class ContinuousBatchingManager:
         params = sampling_params_from(self.generation_config, self.config, len(input_ids),
                                       max_new_tokens=max_new_tokens, **sampling)
         check_structured_output(params.structured_output, self.model.config.vocab_size, self._lockstep is not None)
-        seq = Sequence(request_id, list(input_ids), params, streaming=streaming)
+        seq = Sequence(request_id, list(input_ids), params, streaming=streaming, adapter_name=adapter_name)
+        seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
         seq.created_time = time.time()
         if streaming:
             with self._done:
@@ -379,6 +421,71 @@ class ContinuousBatchingManager:
                 yield output
                 return
             yield output
+
+    # --- LoRA adapters (lora.py) ------------------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded adapters, which requests pass as adapter_name."""
+        return self.adapter_bank.names
+
+    def load_adapter(self, peft_model_id: str | os.PathLike, adapter_name: str | None = None, **hub_kwargs) -> None:
+        """Serve a LoRA adapter (a peft folder or Hub id; revision=, token=, ... for the Hub) beside the others
+        under `adapter_name` (default: "default"). CUDA graphs left automatic are off while adapters are loaded."""
+        adapter_name = adapter_name or "default"
+        if self._cuda_graph_asked:
+            raise _cuda_graphs_with_adapters()
+        adapter = self.adapter_bank.read(peft_model_id, adapter_name, **hub_kwargs)  # the slow part: here
+
+        def add() -> None:
+            self.adapter_bank.add(adapter)
+            self._use_cuda_graphs(False)
+
+        self._between_steps(add)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Stop serving an adapter; its layers' wrappers leave the model with the last adapter. Refused while a
+        queued or running request uses it (cancel those, or wait for them)."""
+        self.adapter_bank.check_name(adapter_name)
+
+        def delete() -> None:
+            users = [s.request_id for s in self.scheduler.waiting + self.scheduler.running
+                     if s.adapter_name == adapter_name]
+            if users:
+                raise ValueError(f"adapter {adapter_name!r} is in use by {len(users)} request(s) "
+                                 f"({', '.join(users[:4])}); cancel them or wait for them to finish before deleting it")
+            self.adapter_bank.delete(adapter_name)
+            if not self.adapter_bank.adapters:
+                self._use_cuda_graphs(self._cuda_graph_asked is None and self.model.device.type == "cuda"
+                                      and getattr(self.model, "tp_size", 1) == 1)
+
+        self._between_steps(delete)
+
+    def _between_steps(self, change):
+        """Run `change` in the engine's thread between two steps (at once when no loop runs) and return what it
+        returns: a step never sees the adapters change under it."""
+        if not self.is_running():
+            return change()
+        done = concurrent.futures.Future()
+        self._inbox.put(("call", (change, done)))
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self.is_running() and done.cancel():  # the loop ended without taking it
+                    return change()
+
+    def _use_cuda_graphs(self, on: bool) -> None:
+        self.config.use_cuda_graph = on
+        if on == (self.runner.graphs is not None):
+            return
+        if not on:
+            logger.info("continuous batching: CUDA graphs off while LoRA adapters are loaded")
+            self.runner.graphs = None
+            return
+        from gpuformers.engine.cuda_graphs import DecodeGraphs
+
+        self.runner.graphs = DecodeGraphs(self.runner, self.config.max_requests_per_batch)
 
     # --- facts ------------------------------------------------------------------------------------------------
 

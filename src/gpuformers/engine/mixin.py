@@ -28,9 +28,11 @@ def _split_kwargs(kwargs: dict):
 
 
 class ContinuousBatchingMixin:
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, **kwargs):
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 adapters: dict[str, str] | None = None, **kwargs):
         """A ContinuousBatchingManager for this model (call start(), or use it in a `with` block).
 
+        adapters: {name: LoRA adapter folder or Hub id} served side by side (requests pick one by adapter_name).
         kwargs: ContinuousBatchingConfig fields (block_size=, num_blocks=, max_batch_tokens=, ...) and
         GenerationConfig fields (max_new_tokens=, do_sample=, temperature=, ...)."""
         from gpuformers.engine.config import ContinuousBatchingConfig
@@ -47,16 +49,28 @@ class ContinuousBatchingMixin:
             unknown = generation_config.update(**generation)
             if unknown:
                 raise TypeError(f"unknown arguments: {', '.join(sorted(unknown))}")
-        return ContinuousBatchingManager(self, generation_config, continuous_batching_config)
+        return ContinuousBatchingManager(self, generation_config, continuous_batching_config, adapters)
 
     @torch.inference_mode()
     def generate_batch(self, inputs: list[list[int]], generation_config=None, progress_bar: bool = True,
-                       continuous_batching_config=None, **kwargs) -> dict:
+                       continuous_batching_config=None, adapters: dict[str, str] | None = None,
+                       adapter_names: str | list[str | None] | None = None, **kwargs) -> dict:
         """Generate for every prompt (lists of token ids) with continuous batching; returns
-        {request_id: GenerationOutput}, request ids "req_0", "req_1", ... in the order of `inputs`."""
+        {request_id: GenerationOutput}, request ids "req_0", "req_1", ... in the order of `inputs`.
+
+        adapters: {name: LoRA adapter folder} to serve; adapter_names: the adapter of every prompt (one name), or
+        of each (a list, None for the base model); None: the base model for all."""
         # Per-request settings with no GenerationConfig field (the benchmark's ignore_eos, stop token ids).
         sampling = {k: kwargs.pop(k) for k in ("ignore_eos", "stop") if k in kwargs}
-        manager = self.init_continuous_batching(generation_config, continuous_batching_config, **kwargs)
-        ids = manager.add_requests(inputs, **sampling)
-        manager.run_until_done(progress_bar=progress_bar)
-        return {request_id: manager.get_result(request_id, timeout=0) for request_id in ids}
+        if adapter_names is None or isinstance(adapter_names, str):
+            adapter_names = [adapter_names] * len(inputs)
+        elif len(adapter_names) != len(inputs):
+            raise ValueError(f"adapter_names has {len(adapter_names)} entries for {len(inputs)} inputs; give one per "
+                             f"input, or one name for all")
+        manager = self.init_continuous_batching(generation_config, continuous_batching_config, adapters, **kwargs)
+        try:
+            ids = [manager.add_request(ids, adapter_name=name, **sampling) for ids, name in zip(inputs, adapter_names)]
+            manager.run_until_done(progress_bar=progress_bar)
+            return {request_id: manager.get_result(request_id, timeout=0) for request_id in ids}
+        finally:
+            manager.stop()  # the adapters' layers leave the model

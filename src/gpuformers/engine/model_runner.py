@@ -22,7 +22,9 @@ too). The one host wait left in `launch` is a step that records prompt logprobs 
 
     launch N ──> launch N+1 (inputs: N's tokens, on the device) ──> collect N ──> launch N+2 ──> collect N+1 ...
 
-Sampling, with each request's own parameters and logit adjustments, is sampler.py's.
+Sampling, with each request's own parameters and logit adjustments, is sampler.py's. With LoRA adapters loaded
+(lora.py) the runner gives the step each adapter's rows of the flattened batch (`adapter_rows`), as it gives the
+attention its PagedContext.
 
 Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, PROMPT_LOGITS_ROWS.
 """
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.sampler import TokenCounts, device_tensor, sample_on_device, to_host_samples
 from gpuformers.engine.scheduler import ScheduledBatch
@@ -89,6 +92,7 @@ class ModelRunner:
         self.decoder = model.model  # the stack without the LM head: we need logits only where we sample
         self.compute_logits = model.compute_logits  # the LM head (and a family's logit transform)
         self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
+        self.adapter_bank = None  # the manager's AdapterBank (lora.py): LoRA adapters of the step's sequences
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
 
     # --- inputs -------------------------------------------------------------------------------------------------
@@ -160,12 +164,13 @@ class ModelRunner:
         input_ids, position_ids, context, sample_rows = self.prepare(batch)
         self._carry_placeholders(batch, input_ids, context.query_start, previous)
         prompt_rows = self.prompt_logprob_rows(batch)
-        if self.graphs is not None and not prompt_rows and self.graphs.can_run(batch, context):
+        lora_rows = self.adapter_bank.rows(batch.sequences, batch.num_tokens) if self.adapter_bank else None
+        if self.graphs is not None and not prompt_rows and not lora_rows and self.graphs.can_run(batch, context):
             logits = self.graphs.run(input_ids, position_ids, context)  # (len(batch), vocab): one row per sequence
             if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
                 logits = logits.index_select(0, device_tensor(sample_rows, logits.device))
         else:
-            with paged_context(context):
+            with paged_context(context), adapter_rows(lora_rows):
                 hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
                                          past_key_values=PagedKVCache(context))
             # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)

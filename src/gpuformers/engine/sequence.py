@@ -160,7 +160,8 @@ PLACEHOLDER = -1
 class Sequence:
     """A request: prompt, generated tokens, paged-cache blocks and progress counters."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, streaming: bool = False):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, streaming: bool = False,
+                 adapter_name: str | None = None):
         if not prompt_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token id")
         self.request_id = request_id
@@ -175,6 +176,10 @@ class Sequence:
         self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if top else []
         self.params = params
         self.streaming = streaming
+        self.adapter_name = adapter_name  # the LoRA adapter the request runs with (lora.py); None: the base model
+        # The adapter's load number (AdapterBank): the chain start of the prefix-cache hashes, so blocks computed
+        # under one adapter (or an earlier load of the same name) never serve another.
+        self.adapter_id: int | None = None
         self.status = RequestStatus.PENDING
         self.error: str | None = None
         self.arrival = next(_arrivals)  # the order of arrival: preemption takes the newest first

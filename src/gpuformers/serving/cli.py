@@ -2,6 +2,7 @@
 
     gpuformers serve Qwen/Qwen3-0.6B --port 8000 --api-key secret --max-num-seqs 64
     gpuformers serve Qwen/Qwen3-8B --tensor-parallel-size 2       # the model split over 2 GPUs
+    gpuformers serve Qwen/Qwen3-0.6B --lora-modules sql=./sql-lora chat=./chat-lora   # "model": "sql" uses it
 
 With --tensor-parallel-size N the command starts itself again under torchrun with N processes (or, already under
 torchrun, uses its processes): each loads its slices of the model (tp_plan="auto"), process 0 serves HTTP and the
@@ -56,6 +57,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine requests in flight before new ones get 429 at once (default: 512)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM / Ctrl-C (default: 30)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=FOLDER",
+                        help="LoRA adapters served beside the base model (vLLM's flag): a request whose \"model\" is "
+                             "NAME runs with the peft adapter in FOLDER (or Hub id), e.g. --lora-modules "
+                             "sql=./sql-lora chat=./chat-lora; /v1/models lists them with the base as parent")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over this many processes, one per GPU (started with torchrun; "
                              "default: the number of torchrun processes, else 1)")
@@ -96,6 +101,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size not in (None, processes):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {processes} "
                          f"processes: they must be equal (or leave --tensor-parallel-size out)")
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    adapters = _lora_modules(args.lora_modules)
+    if name in adapters:
+        raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
     from gpuformers.engine.config import ContinuousBatchingConfig
     from gpuformers.generation.cli import load_model_and_tokenizer
     from gpuformers.serving.server import run_server
@@ -108,12 +117,11 @@ def run_serve(args: argparse.Namespace) -> int:
                                       max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_num_seqs,
                                       max_memory_percent=args.gpu_memory_utilization)
     _drop_unhonoured_defaults(model)
-    manager = model.init_continuous_batching(continuous_batching_config=config)
+    manager = model.init_continuous_batching(continuous_batching_config=config, adapters=adapters)
     if processes > 1:
         manager.run_in_lockstep()
         if not distributed.is_main_process():
             _follow(manager)  # does not return
-    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     print(f"gpuformers serve: {name} on {model.device} ({manager.memory_summary()}); listening on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     code = 1
@@ -130,6 +138,19 @@ def run_serve(args: argparse.Namespace) -> int:
         if processes > 1:  # the engine has stopped (and told the others): leave without torch's teardown
             distributed.exit_process(code)
     return 0
+
+
+def _lora_modules(values: list[str] | None) -> dict[str, str]:
+    """--lora-modules NAME=FOLDER ... as {name: folder}."""
+    adapters: dict[str, str] = {}
+    for value in values or []:
+        name, _, folder = value.partition("=")
+        if not name or not folder:
+            raise ValueError(f"--lora-modules {value!r} must be NAME=FOLDER, e.g. --lora-modules sql=./sql-lora")
+        if name in adapters:
+            raise ValueError(f"--lora-modules names {name!r} twice; give each adapter its own name")
+        adapters[name] = folder
+    return adapters
 
 
 def _restart_under_torchrun(processes: int) -> int:

@@ -356,7 +356,7 @@ class Job:
                 choices.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
                                 "finish_reason": choice.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
-                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
+                "created": self.created, "model": self.parsed.model, "choices": choices, "usage": self._usage()}
 
     def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
                logprobs: dict | None = None, tool_call: dict | None = None, reasoning: str | None = None) -> str:
@@ -371,7 +371,7 @@ class Job:
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             kind = "text_completion"
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.parsed.model,
                 "choices": [choice]}
         if self.parsed.include_usage:
             body["usage"] = None
@@ -434,7 +434,7 @@ class Job:
                     reported[index] = max(reported[index], end)
             if self.parsed.include_usage:
                 body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
-                        "created": self.created, "model": self.state.model_name, "choices": [],
+                        "created": self.created, "model": self.parsed.model, "choices": [],
                         "usage": self._usage()}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"

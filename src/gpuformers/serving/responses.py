@@ -120,7 +120,7 @@ class ResponseJob(Job):
                 "completed_at": now() if done else None,
                 "error": {"code": "server_error", "message": choice.error} if status == "failed" else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.state.model_name, "output": output,
+                "model": self.parsed.model, "output": output,
                 "temperature": self.parsed.temperature, "top_p": self.parsed.top_p, "tools": [],
                 "text": {"format": {"type": "text"}}, "truncation": "disabled", "previous_response_id": None,
                 "background": False, "usage": self._usage() if done else None, **self.parsed.response_fields}

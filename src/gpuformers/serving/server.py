@@ -1,6 +1,6 @@
 """The FastAPI app of `gpuformers serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions and
 /v1/responses on the continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with
-uvicorn.
+uvicorn. A request whose "model" names one of the engine's LoRA adapters (--lora-modules) runs with it.
 
     HTTP body -> protocol.parse_* -> token ids (chat template, length checks) -> job.Job (n engine requests)
               -> JSON or SSE; a /v1/responses request -> responses.ResponseJob (one choice, typed events)
@@ -168,8 +168,11 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "gpuformers", "max_model_len": state.max_model_len}]}
+        card = {"object": "model", "created": state.created, "owned_by": "gpuformers",
+                "max_model_len": state.max_model_len}
+        # LoRA adapters (--lora-modules) are models of their own whose parent is the base, as vLLM lists them
+        adapters = [{"id": name, **card, "parent": state.model_name} for name in manager.adapters]
+        return {"object": "list", "data": [{"id": state.model_name, **card, "parent": None}, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -242,10 +245,11 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                            code="context_length_exceeded")
         return max_tokens
 
-    def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int, grammar=None) -> dict:
+    def sampling_of(parsed: CompletionRequest, index: int, max_tokens: int, grammar=None,
+                    adapter_name: str | None = None) -> dict:
         values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": parsed.ignore_eos,
                                   "return_logprobs": parsed.logprobs, "top_logprobs": parsed.top_logprobs,
-                                  "structured_output": grammar}
+                                  "structured_output": grammar, "adapter_name": adapter_name}
         if parsed.temperature == 0:
             values["do_sample"] = False
         else:
@@ -259,9 +263,11 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def serve(request: Request, parsed: CompletionRequest, endpoint: str):
         if state.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if parsed.model != state.model_name:
-            raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves "
-                                f"{state.model_name!r}", "model", code="model_not_found")
+        adapter = None if parsed.model == state.model_name else parsed.model  # a LoRA adapter's name, or unknown
+        if adapter is not None and adapter not in manager.adapters:
+            served = ", ".join(map(repr, [state.model_name, *manager.adapters]))
+            raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves {served}", "model",
+                           code="model_not_found")
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         grammar = None
@@ -272,7 +278,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         job_class = ResponseJob if parsed.responses else Job
         job = job_class(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
         try:
-            job.start(functools.partial(sampling_of, grammar=grammar))
+            job.start(functools.partial(sampling_of, grammar=grammar, adapter_name=adapter))
         except Exception:
             job.close()
             raise
