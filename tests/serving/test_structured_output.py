@@ -257,6 +257,71 @@ def test_bad_text_format_is_a_400_naming_the_problem(server):
     assert error.value.body["param"] == "text.format.type" and "json_schema" in error.value.body["message"]
 
 
+# ------------------------------------------------------------------------- regex, choice and EBNF grammars
+
+CHOICES = ["yes", 'say "no"', "back\\slash", "tab\tline\nbreak"]
+REGEX = r"[0-9]{3}-[a-z]{2}"
+EBNF = 'root ::= "(" item ("," item)? ")"\nitem ::= [a-c] [a-c]?'  # at most 7 characters: ends in 24 tokens
+
+
+def _constrained(reference, grammar, prompts) -> list[str]:
+    model, tokenizer = reference
+    manager = model.init_continuous_batching(max_new_tokens=24)
+    ids = [manager.add_request(tokenizer.encode(p), structured_output=grammar) for p in prompts]
+    manager.run_until_done()
+    outputs = [manager.get_result(i, timeout=0) for i in ids]
+    assert all(o.error is None and o.generated_tokens[-1] == tokenizer.eos_token_id for o in outputs)
+    return [tokenizer.decode(o.generated_tokens, skip_special_tokens=True) for o in outputs]
+
+
+def test_regex_choice_and_grammar_hold_the_engines_answers(reference, compiler):
+    import re
+
+    choice = compiler.compile({"type": "choice", "choices": CHOICES})
+    assert compiler.compile({"type": "choice", "choices": list(CHOICES)}) is choice  # compiled once
+    assert set(_constrained(reference, choice, PROMPTS)) <= set(CHOICES)
+    for text in _constrained(reference, compiler.compile({"type": "regex", "regex": REGEX}), PROMPTS):
+        assert re.fullmatch(REGEX, text), text
+    for text in _constrained(reference, compiler.compile({"type": "grammar", "grammar": EBNF}), PROMPTS[:2]):
+        assert re.fullmatch(r"\([a-c]{1,2}(,[a-c]{1,2})?\)", text), text
+    with pytest.raises(ValueError, match="regex cannot be compiled into a grammar"):
+        compiler.compile({"type": "regex", "regex": "([a-"})
+    with pytest.raises(ValueError, match="grammar cannot be compiled into a grammar"):
+        compiler.compile({"type": "grammar", "grammar": "root ::= missing_rule"})
+
+
+def test_vllm_structured_outputs_on_completions_and_chat(server):
+    import re
+
+    completion = client(server).completions.create(model=MODEL_NAME, prompt="Pick one:", max_tokens=24,
+                                                   temperature=0, extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert completion.choices[0].text in CHOICES and completion.choices[0].finish_reason == "stop"
+    answer = chat(server, "Code?", max_tokens=24, extra_body={"guided_regex": REGEX})
+    assert re.fullmatch(REGEX, answer.choices[0].message.content)
+    answer = chat(server, "JSON?", max_tokens=60, extra_body={"structured_outputs": {"json": PERSON}})
+    check_person(answer.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "unknown"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "send one of them"),
+    ({"structured_outputs": {"regex": "([a-"}}, "structured_outputs", "regex cannot be compiled"),
+    ({"guided_grammar": "root ::= nothing_here"}, "guided_grammar", "cannot be compiled"),
+    ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "grammar decides"),
+])
+def test_bad_vllm_structured_outputs_are_a_400(server, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as error:
+        client(server).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=5, extra_body=fields)
+    body = error.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == param and words in body["message"], body
+    with pytest.raises(openai.BadRequestError) as error:  # and never with response_format on chat
+        chat(server, "hi", max_tokens=5, response_format={"type": "json_object"},
+             extra_body={"structured_outputs": {"regex": "a+"}})
+    assert "send one of them" in error.value.body["message"]
+
+
 # ---------------------------------------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu

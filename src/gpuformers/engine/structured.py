@@ -1,6 +1,6 @@
-"""Structured outputs in the engine: a request's output held to a grammar (any JSON object, or JSON that matches a
-JSON schema) by setting, before each sampling step, the logits of the tokens the grammar does not allow to -inf.
-The grammars and their matchers are xgrammar's (`pip install xgrammar`), imported when the first one is compiled.
+"""Structured outputs in the engine: a request's output held to a grammar (any JSON object, JSON that matches a JSON
+schema, a regular expression, one of a list of choices, or an EBNF grammar) by setting, before each sampling step,
+the logits of the tokens the grammar does not allow to -inf. The grammars and their matchers are xgrammar's (`pip install xgrammar`), imported when the first one is compiled.
 
     StructuredOutputCompiler(tokenizer, vocab_size, stop_token_ids).compile(spec) -> Grammar   (cached per spec)
     add_request(..., structured_output=grammar) -> Sequence.grammar_matcher: one xgrammar GrammarMatcher
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-INSTALL_HINT = "structured outputs (response_format json_object / json_schema) need the xgrammar package: " \
-               "pip install xgrammar"
+INSTALL_HINT = "structured outputs (response_format json_object / json_schema, regex, choice, grammar) need the " \
+               "xgrammar package: pip install xgrammar"
 
 
 def _xgrammar():
@@ -129,32 +129,41 @@ class StructuredOutputCompiler:
         self._lock = threading.Lock()
 
     def compile(self, spec: dict) -> Grammar:
-        """spec: {"type": "json_object"} (any JSON object) or {"type": "json_schema", "schema": {...} (or its
-        JSON text), "name": optional}. The schema is always enforced (OpenAI's strict=true; xgrammar's strict mode:
-        no properties or items beyond those it lists). Raises ValueError naming what xgrammar could not compile."""
+        """spec: {"type": "json_object"} (any JSON object), {"type": "json_schema", "schema": {...} (or its JSON
+        text), "name": optional}, {"type": "regex", "regex": "..."} (the whole answer matches it),
+        {"type": "choice", "choices": ["yes", "no"]} (the answer is one of them) or {"type": "grammar", "grammar":
+        "root ::= ..."} (EBNF, xgrammar's dialect of GBNF). A schema is always enforced (OpenAI's strict=true;
+        xgrammar's strict mode: no properties or items beyond those it lists). Raises ValueError naming what
+        xgrammar could not compile."""
         kind = spec.get("type") if isinstance(spec, dict) else None
         if kind == "json_object":
-            key, name = "json_object", "json_object"
+            source, name = "", "json_object"
         elif kind == "json_schema":
             schema = spec.get("schema")
             if not isinstance(schema, (dict, str)):
                 raise ValueError(f"json_schema needs a schema (a JSON object), got {type(schema).__name__}")
-            key = schema if isinstance(schema, str) else json.dumps(schema)  # property order matters: kept
+            source = schema if isinstance(schema, str) else json.dumps(schema)  # property order matters: kept
             name = f"json_schema {spec['name']!r}" if spec.get("name") else "json_schema"
+        elif kind in ("regex", "grammar"):
+            source, name = spec.get(kind), kind
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"a {kind} structured output needs a non-empty string, got {source!r}")
+        elif kind == "choice":
+            choices = spec.get("choices")
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError(f"a choice structured output needs a list of non-empty strings, got {choices!r}")
+            # one EBNF alternative per choice: literal strings, no regex escaping to get wrong
+            source, name = "root ::= " + " | ".join(map(_ebnf_string, choices)), "choice"
         else:
-            raise ValueError(f"structured output type {kind!r} is not one of: json_object, json_schema")
+            raise ValueError(f"structured output type {kind!r} is not one of: json_object, json_schema, regex, "
+                             f"choice, grammar")
+        key = f"{kind}\0{source}"
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         try:
-            # Whitespace only where compact JSON has it (", " and ": "): with any whitespace allowed, models are known
-            # to emit blank lines until max_tokens (vLLM's disable-any-whitespace).
-            if kind == "json_object":  # any object: a schema that allows every property
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                             strict_mode=False)
-            else:
-                compiled = self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+            compiled = self._compile(kind, source)
         except RuntimeError as error:  # xgrammar's C++ checks
             raise ValueError(f"{name} cannot be compiled into a grammar: {_error_text(error)}") from None
         grammar = Grammar(name, compiled, self.vocab_size)
@@ -163,6 +172,24 @@ class StructuredOutputCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+
+    def _compile(self, kind: str, source: str):
+        # JSON: whitespace only where compact JSON has it (", " and ": "); with any whitespace allowed, models are
+        # known to emit blank lines until max_tokens (vLLM's disable-any-whitespace).
+        if kind == "json_object":  # any object: a schema that allows every property
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if kind == "json_schema":
+            return self.compiler.compile_json_schema(source, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return self.compiler.compile_regex(source)
+        return self.compiler.compile_grammar(source)  # grammar, choice
+
+
+def _ebnf_string(text: str) -> str:
+    """`text` as an EBNF string literal: in double quotes, with backslash, quote and control characters escaped."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return '"' + "".join(escapes.get(c) or (c if ord(c) >= 32 else f"\\x{ord(c):02x}") for c in text) + '"'
 
 
 def check_structured_output(grammar, vocab_size: int, tensor_parallel: bool) -> None:

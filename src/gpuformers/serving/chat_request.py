@@ -1,6 +1,6 @@
 """The /v1/chat/completions body: messages (with earlier tool calls and tool answers), tools, tool_choice,
-chat_template_kwargs, reasoning_effort and response_format (structured output), on top of the fields completions
-share.
+chat_template_kwargs, reasoning_effort and response_format (structured output: structured_request.py), on top of
+the fields completions share.
 
 Offers: parse_chat, response_format, MAX_TOP_LOGPROBS, ROLES, REASONING_EFFORTS (and, to responses_request.py,
 _message).
@@ -14,11 +14,13 @@ from typing import Any
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import _COMMON, CompletionRequest, _common
 from gpuformers.serving.request_fields import _bool, _int, _type_name
+from gpuformers.serving.structured_request import STRUCTURED_FIELDS, response_format, structured_output
 
 MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
-_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                          "tool_choice", "chat_template_kwargs", "reasoning_effort"}
+_CHAT_FIELDS = _COMMON | STRUCTURED_FIELDS | {"messages", "top_logprobs", "max_completion_tokens",
+                                              "response_format", "tools", "tool_choice", "chat_template_kwargs",
+                                              "reasoning_effort"}
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 # What the server itself gives apply_chat_template (or the template sees under these names): a request's
 # chat_template_kwargs may not set them
@@ -103,12 +105,8 @@ def parse_chat(body: Any) -> CompletionRequest:
     request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    # Not a CompletionRequest field yet (completion_request.py): the server reads it with getattr
-    request.structured_output = response_format(body.get("response_format"), "response_format")
-    if request.structured_output is not None and request.min_tokens:
-        raise APIError(400, f"min_tokens={request.min_tokens} cannot be combined with response_format "
-                            f"{request.structured_output['type']}: the grammar decides where the answer ends",
-                       "min_tokens")
+    request.structured_output = structured_output(body, request.min_tokens,
+                                                  response_format(body.get("response_format"), "response_format"))
     request.tools = _tools(body.get("tools"))
     request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
     request.chat_template_kwargs = _chat_template_kwargs(body.get("chat_template_kwargs"))
@@ -120,50 +118,6 @@ def parse_chat(body: Any) -> CompletionRequest:
                            "reasoning_effort")
         request.chat_template_kwargs = {"reasoning_effort": effort, **request.chat_template_kwargs}
     return request
-
-
-_FORMAT_TYPES = ("text", "json_object", "json_schema")
-_JSON_SCHEMA_FIELDS = {"name": str, "description": str, "schema": dict, "strict": bool}
-
-
-def response_format(spec: Any, param: str, flat: bool = False) -> dict | None:
-    """Chat's response_format, or with `flat` the Responses API's text.format (its json_schema fields sit beside
-    "type" instead of under "json_schema"): None for text, else the spec StructuredOutputCompiler.compile takes,
-    {"type": "json_object"} or {"type": "json_schema", "name", "schema"}. A json_schema without a schema is any
-    JSON object, and the schema is always enforced, strict or not (as vLLM does)."""
-    if spec is None:
-        return None
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if kind not in _FORMAT_TYPES:
-        raise APIError(400, f"{param} must be an object whose type is one of: {', '.join(_FORMAT_TYPES)}; got "
-                            f"{spec!r}"[:300], f"{param}.type" if isinstance(spec, dict) else param)
-    if kind == "text":
-        return None
-    fields = {k: v for k, v in spec.items() if k != "type"}
-    if kind == "json_object":
-        if fields:
-            raise APIError(400, f"{param} of type json_object takes no other fields, got {', '.join(sorted(fields))}",
-                           param)
-        return {"type": "json_object"}
-    where = param if flat else f"{param}.json_schema"
-    if not flat:
-        if set(fields) != {"json_schema"} or not isinstance(fields["json_schema"], dict):
-            raise APIError(400, f'{param} of type json_schema must be {{"type": "json_schema", "json_schema": {{"name":'
-                                f' ..., "schema": {{...}}, "strict": true}}}}, got {spec!r}'[:300], where)
-        fields = fields["json_schema"]
-    unknown = sorted(set(fields) - set(_JSON_SCHEMA_FIELDS))
-    if unknown:
-        raise APIError(400, f"{where} has unknown field(s): {', '.join(unknown)}; known: "
-                            f"{', '.join(sorted(_JSON_SCHEMA_FIELDS))}", f"{where}.{unknown[0]}")
-    for name, kind_of in _JSON_SCHEMA_FIELDS.items():
-        value = fields.get(name)
-        if value is not None and not isinstance(value, kind_of):
-            what = {dict: "an object (the JSON schema)", bool: "true or false", str: "a string"}[kind_of]
-            raise APIError(400, f"{where}.{name} must be {what}, got {_type_name(value)} {value!r}"[:300],
-                           f"{where}.{name}")
-    if fields.get("schema") is None:
-        return {"type": "json_object"}
-    return {"type": "json_schema", "name": fields.get("name"), "schema": fields["schema"]}
 
 
 def _chat_template_kwargs(value: Any) -> dict:

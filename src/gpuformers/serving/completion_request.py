@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.request_fields import _bool, _float, _int, _model, _stop, _type_name
+from gpuformers.serving.structured_request import STRUCTURED_FIELDS, structured_output
 
 MAX_N = 16  # choices per request: each is a full engine request
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI allows
@@ -33,7 +34,8 @@ class CompletionRequest:
     tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
     # chat: extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": False} for Qwen3
     chat_template_kwargs: dict = field(default_factory=dict)
-    structured_output: dict | None = None  # response_format / text.format: json_object or json_schema
+    # the grammar's spec (structured_request.py): response_format / text.format, structured_outputs / guided_*
+    structured_output: dict | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -73,7 +75,7 @@ _IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", 
 _ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
            "logprobs", "ignore_eos"} | _ADJUSTMENTS
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
+_COMPLETION_FIELDS = _COMMON | STRUCTURED_FIELDS | {"prompt", "echo"}
 
 
 def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
@@ -159,4 +161,5 @@ def parse_completion(body: Any) -> CompletionRequest:
     if request.echo and request.stream and request.logprobs:
         raise APIError(400, "echo=true with logprobs is not supported with stream=true (the prompt's logprobs come "
                             "only in a whole response); drop stream, echo or logprobs", "echo")
+    request.structured_output = structured_output(body, request.min_tokens)  # vLLM's structured_outputs / guided_*
     return request

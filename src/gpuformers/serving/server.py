@@ -271,8 +271,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         prompt_ids = prompt_ids_of(parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         grammar = None
-        if parsed.structured_output is not None:  # response_format / text.format (chat, responses)
-            param = "text.format" if parsed.responses else "response_format"
+        if parsed.structured_output is not None:  # structured_request.py
+            param = parsed.structured_output.get("param") or ("text.format" if parsed.responses else "response_format")
             grammar = await asyncio.to_thread(state.compile_grammar, parsed.structured_output, param)
         state.engine.reserve(parsed.n)
         job_class = ResponseJob if parsed.responses else Job
