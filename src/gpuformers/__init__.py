@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "AutoConfig": "gpuformers.models.auto",
     "AutoModelForCausalLM": "gpuformers.models.auto",
+    "AutoModel": "gpuformers.models.auto",
+    "AutoModelForSequenceClassification": "gpuformers.models.auto",
     "AutoTokenizer": "gpuformers.models.auto",
     "ModelConfig": "gpuformers.models.config",
     "PreTrainedTokenizerFast": "gpuformers.tokenizer",

@@ -1,12 +1,16 @@
-"""Entry points users call: AutoConfig, AutoModelForCausalLM, AutoTokenizer.
+"""Entry points users call: AutoConfig, AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification,
+AutoTokenizer.
 
 `from_pretrained` follows transformers' order: resolve files -> config -> model class -> dtype -> build on the
 meta device (no memory, no random init) -> stream each tensor from disk straight into its final dtype and
 device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config -> Triton kernels
 (use_kernels=True, kernels/mapping.py). A LoRA adapter folder (adapter_config.json) loads the base model it names,
-then the adapter onto it (model.load_adapter), as transformers does.
+then the adapter onto it (model.load_adapter), as transformers does. AutoModel and
+AutoModelForSequenceClassification load the same way into the family's bare model or classifier (models/heads.py:
+either key layout, a classifier's fresh score).
 
-Offers: AutoConfig, AutoModelForCausalLM, AutoTokenizer, load_pretrained.
+Offers: AutoConfig, AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
+load_pretrained.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
 from gpuformers.lora.config import CONFIG_NAME as ADAPTER_CONFIG_NAME, LoraConfig
 from gpuformers.models.config import ModelConfig
+from gpuformers.models.heads import (BaseModelHead, TaskModel, base_model_class, causal_lm_class, checkpoint_view,
+                                     sequence_classification_class)
 from gpuformers.models.modeling import skip_init
 from gpuformers.models.registry import model_class_for
 
@@ -51,16 +57,47 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_config(config: ModelConfig, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None):
         """A randomly initialised model (for training from scratch and tests)."""
-        from gpuformers.device import parse_dtype
+        return _from_config(model_class_for(config), config, dtype, attn_implementation)
 
-        model = model_class_for(config)(config)
-        model.apply(_init_weights(config.initializer_range))
-        model.tie_weights()
-        if dtype is not None and dtype != "auto":
-            model.to(parse_dtype(dtype))
-        if attn_implementation:
-            model.set_attn_implementation(attn_implementation)
-        return model
+
+class AutoModel:
+    """`AutoModel.from_pretrained(id_or_folder, ...)`: the family's bare decoder (Qwen3Model, ...), whose forward
+    returns last_hidden_state; from a bare model's checkpoint or a causal LM's (its lm_head unused). The arguments
+    are AutoModelForCausalLM's."""
+
+    def __init__(self):
+        raise TypeError("use AutoModel.from_pretrained(...) or .from_config(config)")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, **kwargs):
+        return load_pretrained(name_or_path, head=base_model_class, **kwargs)
+
+    @staticmethod
+    def from_config(config: ModelConfig, dtype: torch.dtype | str | None = None,
+                    attn_implementation: str | None = None):
+        return _from_config(base_model_class(causal_lm_class(config.model_type)), config, dtype, attn_implementation)
+
+
+class AutoModelForSequenceClassification:
+    """`AutoModelForSequenceClassification.from_pretrained(id_or_folder, num_labels=, id2label=, label2id=,
+    problem_type=, pad_token_id=, ...)`: the family's decoder + score (Qwen3ForSequenceClassification, ...), from a
+    classifier's checkpoint, or a causal LM's or bare model's with score initialised at random. The label settings
+    override config.json's; the other arguments are AutoModelForCausalLM's."""
+
+    def __init__(self):
+        raise TypeError("use AutoModelForSequenceClassification.from_pretrained(...) or .from_config(config)")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, **kwargs):
+        return load_pretrained(name_or_path, head=sequence_classification_class, **kwargs)
+
+    @staticmethod
+    def from_config(config: ModelConfig, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
+                    **labels):
+        """A randomly initialised classifier; `labels`: num_labels, id2label, label2id, problem_type, pad_token_id
+        (config.json's otherwise)."""
+        cls = sequence_classification_class(causal_lm_class(config.model_type))
+        return _from_config(cls, cls.configure(config, **labels), dtype, attn_implementation)
 
 
 class AutoTokenizer:
@@ -75,6 +112,19 @@ class AutoTokenizer:
             tokenizer_object, fields = read_gguf(_gguf_path(name_or_path, gguf_file)).tokenizer_parts()
             return PreTrainedTokenizerFast(tokenizer_object, **fields, name_or_path=str(name_or_path), **kwargs)
         return PreTrainedTokenizerFast.from_pretrained(name_or_path, **kwargs)
+
+
+def _from_config(cls, config: ModelConfig, dtype, attn_implementation):
+    from gpuformers.device import parse_dtype
+
+    model = cls(config)
+    model.apply(_init_weights(config.initializer_range))
+    model.tie_weights()
+    if dtype is not None and dtype != "auto":
+        model.to(parse_dtype(dtype))
+    if attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+    return model
 
 
 def _init_weights(std: float):
@@ -118,6 +168,7 @@ def load_pretrained(
     name_or_path: str | os.PathLike,
     *,
     model_class=None,
+    head=None,
     config: ModelConfig | None = None,
     dtype="auto",
     torch_dtype=None,
@@ -142,9 +193,13 @@ def load_pretrained(
     adapter_name: str = "default",
     **kwargs,
 ):
+    """Load a checkpoint into `model_class` (or the class its config.json names), or into the head built on the
+    family's causal LM class by `head` (models/heads.py: base_model_class, sequence_classification_class), whose
+    settings (num_labels, ...) come in `kwargs`."""
     from gpuformers.device import parse_dtype, resolve_dtype
 
-    if kwargs:
+    task = head is not None or (model_class is not None and issubclass(model_class, TaskModel))
+    if kwargs and not task:  # a head checks its own settings (TaskModel.configure)
         raise TypeError(f"from_pretrained() got unexpected arguments: {', '.join(sorted(kwargs))}")
     if trust_remote_code:
         logger.warning("trust_remote_code=True is ignored: gpuformers never runs code from a checkpoint")
@@ -159,6 +214,9 @@ def load_pretrained(
     hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
     if gguf_file is not None:
+        if task:
+            raise NotImplementedError("a GGUF file loads into a causal LM only (AutoModelForCausalLM); load a "
+                                      "safetensors checkpoint for AutoModel or AutoModelForSequenceClassification")
         if not isinstance(device, torch.device):
             raise NotImplementedError("a device_map over several devices is not supported for GGUF files yet; "
                                       'pass one device, e.g. device_map="cuda"')
@@ -177,7 +235,9 @@ def load_pretrained(
             folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
     if config is None:
         config = ModelConfig.from_file(folder / "config.json")
-    cls = _pick_class(model_class, config)
+    cls = _pick_class(model_class, config, head)
+    if task:
+        config = cls.configure(config, **kwargs)
 
     from gpuformers.loading.weights import CheckpointFiles, load_weights
     from gpuformers.quantization.config import finish_loading
@@ -191,6 +251,8 @@ def load_pretrained(
     with torch.device("meta"), skip_init():
         model = cls(config)
     quantization = _quantize(model, config, quantization_config, dtype)
+    if task:
+        model.unquantize_head()
     plan = offload = None
     if not isinstance(device, torch.device):  # several devices: plan, load each tensor where planned, then hook
         from gpuformers.loading.device_map import dispatch_model, main_device, prepare_device_map
@@ -198,15 +260,23 @@ def load_pretrained(
         plan, offload = prepare_device_map(model, device, max_memory=max_memory, dtype=dtype,
                                            offload_folder=offload_folder)
         device = main_device(plan)
-    info = load_weights(model, files, dtype=dtype, device=plan or device, offload=offload, tied=model.tied_weights,
-                        progress=progress)
+    target, place = model, plan
+    if task:  # the checkpoint's keys may be a causal LM's, a classifier's or a bare model's (models/heads.py)
+        target, rename_plan = checkpoint_view(model, files.keys())
+        if plan is not None and rename_plan is not None:
+            place = rename_plan(plan)
+    info = load_weights(target, files, dtype=dtype, device=place or device, offload=offload, tied=model.tied_weights,
+                        ignore_missing=model.allowed_missing if task else (), progress=progress)
+    if task:
+        _report_head_load(model, info, folder)
     quantization = finish_loading(model, quantization, info.unexpected)  # FP8: plain dequantized Linear layers
     model = _finish(model, device, attn_implementation, str(name_or_path))
     model.quantization_config = quantization
     if plan is not None:
         dispatch_model(model, plan, offload)
         model.hf_device_map = plan
-    model.generation_config = _generation_config(folder / "generation_config.json", config)
+    if not task:  # a head does not generate (transformers gives it no generation config either)
+        model.generation_config = _generation_config(folder / "generation_config.json", config)
     if tp_device is not None:
         from gpuformers.tensor_parallel import apply_tensor_parallel
 
@@ -258,9 +328,13 @@ def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded:
     return quantization
 
 
-def _pick_class(model_class, config: ModelConfig):
+def _pick_class(model_class, config: ModelConfig, head=None):
     from gpuformers.models.modeling import PreTrainedModel
 
+    if head is not None:
+        return head(causal_lm_class(config.model_type))
+    if model_class is not None and issubclass(model_class, TaskModel):
+        return _pick_head_class(model_class, config)
     if model_class is None or model_class is PreTrainedModel:
         return model_class_for(config)
     expected = model_class_for(config)
@@ -270,6 +344,31 @@ def _pick_class(model_class, config: ModelConfig):
             f"use AutoModelForCausalLM.from_pretrained or {expected.__name__}"
         )
     return model_class
+
+
+def _pick_head_class(model_class, config: ModelConfig):
+    """A head class asked to load a config (Qwen3ForSequenceClassification.from_pretrained): itself, or the same
+    head on the config's family when that one subclasses its own (a Qwen3-MoE checkpoint)."""
+    family = causal_lm_class(config.model_type)
+    build = base_model_class if issubclass(model_class, BaseModelHead) else sequence_classification_class
+    if issubclass(model_class.family, family):
+        return model_class
+    if issubclass(family, model_class.family):
+        return build(family)
+    auto = "AutoModel" if build is base_model_class else "AutoModelForSequenceClassification"
+    raise ValueError(f"{model_class.__name__}.from_pretrained was given a {config.model_type!r} checkpoint; use "
+                     f"{auto}.from_pretrained or {build(family).__name__}")
+
+
+def _report_head_load(model, info, folder: Path) -> None:
+    """Initialise the head's weights the checkpoint lacked (allowed_missing) and say so, as transformers does."""
+    if info.missing:
+        model.init_missing(info.missing)
+        logger.warning("%s: %s not in the checkpoint %s: drawn at random (normal, std=%s); train the model before "
+                       "using its outputs", type(model).__name__, ", ".join(info.missing), folder,
+                       model.config.initializer_range)
+    if info.unexpected:
+        logger.info("%s: checkpoint tensors not used: %s", type(model).__name__, ", ".join(info.unexpected[:10]))
 
 
 def _finish(model, device, attn_implementation, name_or_path):

@@ -148,6 +148,24 @@ class ModelConfig:
     def architecture(self) -> str:
         return (self.architectures or [default_architecture(self.model_type)])[0]
 
+    # A classifier's labels (models/classification.py), read from config.json as transformers' config has them
+    @property
+    def id2label(self) -> dict[int, str]:
+        """{class id: label name}; LABEL_0, LABEL_1 when config.json has none (transformers' default)."""
+        return {int(k): v for k, v in (self.extra.get("id2label") or {0: "LABEL_0", 1: "LABEL_1"}).items()}
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return dict(self.extra.get("label2id") or {v: k for k, v in self.id2label.items()})
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @property
+    def problem_type(self) -> str | None:
+        return self.extra.get("problem_type")
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
         if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
