@@ -7,7 +7,8 @@ target_modules only, as in peft; layers_pattern names the module list, "layers" 
 rank_pattern / alpha_pattern give a layer its own r / lora_alpha when a key matches the end of its name
 (`rank_and_alpha`).
 
-Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR, EMBEDDING_LAYER_NAMES.
+Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR, EMBEDDING_LAYER_NAMES, TASK_TYPES,
+CLASSIFIER_MODULES.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"  # what peft wrote with safe_serialization=False
 ALL_LINEAR = "all-linear"
+TASK_TYPES = (None, "CAUSAL_LM", "SEQ_CLS")
+# peft's SEQ_CLS adds these to modules_to_save (PeftModelForSequenceClassification): the classifier head trains fully
+CLASSIFIER_MODULES = ("classifier", "score")
 # in the names of trained adapter tensors (an embedding's LoRA: `...embed_tokens.lora_embedding_A`, peft's key)
 _LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector", ".lora_embedding_A", ".lora_embedding_B")
 # peft's names for the layers tied in language models (peft.utils.constants.EMBEDDING_LAYER_NAMES): a
@@ -91,9 +95,10 @@ class LoraConfig:
         if self.bias not in ("none", "all", "lora_only"):
             raise ValueError(f'bias={self.bias!r} is not one of peft\'s "none", "all" (train every bias of the '
                              f'model), "lora_only" (the biases of the LoRA targets); use "none"')
-        if self.task_type not in (None, "CAUSAL_LM"):
+        if self.task_type not in TASK_TYPES:
             raise NotImplementedError(f"task_type={self.task_type!r} is not supported: gpuformers has causal "
-                                      f"language models only; use task_type=\"CAUSAL_LM\" (or None)")
+                                      f"language models and sequence classifiers; use task_type=\"CAUSAL_LM\", "
+                                      f"\"SEQ_CLS\" or None")
         if isinstance(self.modules_to_save, tuple):
             self.modules_to_save = list(self.modules_to_save)
         if self.modules_to_save is not None and not (

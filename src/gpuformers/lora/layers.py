@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-from gpuformers.lora.config import ALL_LINEAR, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
+from gpuformers.lora.config import ALL_LINEAR, CLASSIFIER_MODULES, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
 from gpuformers.lora.modules_to_save import (ModulesToSaveWrapper, check_tied_modules, find_modules_to_save,
                                            in_modules_to_save)
 
@@ -197,7 +197,9 @@ class LoraModel(nn.Module):
         modules_to_tie, targets_to_tie = check_tied_modules(model, config)
         heads_to_tie = [n for n, _ in model.named_modules() if n and _is_tied_target(n, targets_to_tie)]
         names = [n for n in _find_targets(model, config, strict) if n not in heads_to_tie]
-        to_save = find_modules_to_save(model, config.modules_to_save or [], names, strict)
+        # SEQ_CLS: peft's classifier names, of which a model has one or none (PeftModel added them)
+        optional = CLASSIFIER_MODULES if config.task_type == "SEQ_CLS" else ()
+        to_save = find_modules_to_save(model, config.modules_to_save or [], names, strict, optional)
         to_tie = find_modules_to_save(model, modules_to_tie, names, strict) if modules_to_tie else []
         supported = (nn.Linear, nn.Embedding, *quantized_linear_types())
         for name in names + heads_to_tie:  # all checked before the first is replaced: an error leaves the model as is

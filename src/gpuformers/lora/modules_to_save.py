@@ -52,9 +52,11 @@ def in_modules_to_save(name: str, config: LoraConfig) -> bool:
     return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.modules_to_save or [])
 
 
-def find_modules_to_save(model: nn.Module, entries: list[str], lora_names: list[str], strict: bool) -> list[str]:
+def find_modules_to_save(model: nn.Module, entries: list[str], lora_names: list[str], strict: bool,
+                         optional: tuple[str, ...] = ()) -> list[str]:
     """The modules `entries` select, by peft's rule for modules_to_save (utils.other._set_trainable): a module
-    whose full name ends with an entry, as text ("embed_tokens" selects model.embed_tokens)."""
+    whose full name ends with an entry, as text ("embed_tokens" selects model.embed_tokens). With `strict`, an entry
+    that selects nothing is an error, unless it is one of `optional`."""
     names, matched = [], set()
     for key, module in model.named_modules(remove_duplicate=False):
         hits = {e for e in entries if key and key.endswith(e)}
@@ -72,7 +74,7 @@ def find_modules_to_save(model: nn.Module, entries: list[str], lora_names: list[
             raise TypeError(f"modules_to_save cannot be applied to {key} ({type(module).__name__}), a container "
                             f"with no forward; name the modules inside it")
         names.append(key)
-    unmatched = [e for e in entries if e not in matched]
+    unmatched = [e for e in entries if e not in matched and e not in optional]
     if strict and unmatched:
         raise ValueError(f"modules_to_save entry {', '.join(map(repr, unmatched))} matches no module of "
                          f"{type(model).__name__} (e.g. \"lm_head\", \"embed_tokens\"); check the name")

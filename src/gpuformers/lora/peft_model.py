@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpuformers.lora.config import (ALL_LINEAR, CONFIG_NAME, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME,
-                                    _LORA_PARTS, LoraConfig)
+from gpuformers.lora.config import (ALL_LINEAR, CLASSIFIER_MODULES, CONFIG_NAME, EMBEDDING_LAYER_NAMES,
+                                    LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _LORA_PARTS, LoraConfig)
 from gpuformers.lora.embedding import TiedLoraLinear
 from gpuformers.lora.layers import LoraModel, quantized_linear_types, trained_bias_names
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
@@ -45,6 +45,8 @@ class PeftModel(nn.Module):
                 raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a gpuformers LoraConfig")
             peft_config = LoraConfig.from_dict(peft_config.to_dict())  # peft's own LoraConfig, ported as is
         config = dataclasses.replace(peft_config)  # "all-linear" is expanded in the copy, not the caller's
+        if config.task_type == "SEQ_CLS":  # peft's PeftModelForSequenceClassification: the head trains fully
+            config.modules_to_save = [*(config.modules_to_save or []), *CLASSIFIER_MODULES]
         if config.base_model_name_or_path is None:
             name = getattr(model, "name_or_path", None)
             config.base_model_name_or_path = str(name) if name else None
