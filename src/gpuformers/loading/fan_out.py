@@ -66,6 +66,10 @@ class FanOut:
     def indexed(self) -> bool:
         return "#" in self.targets[0]
 
+    def matches(self, key: str) -> bool:
+        """Whether checkpoint key `key` is this rule's source."""
+        return self._source_re.fullmatch(key) is not None
+
     def source_of(self, name: str) -> str | None:
         """The checkpoint key that holds our tensor `name` under this rule, or None when no target matches it."""
         for pattern, wildcards in self._target_res:

@@ -19,6 +19,9 @@ in full precision unless named otherwise, as transformers does.
 - `GPTQConfig` / `AwqConfig` (quant_method "gptq" / "awq"): GPTQ and AWQ checkpoints, read by
   quantization/gptq_awq.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
 
+Mixture-of-experts models load through the same layers (their experts are per-expert Linears); routers a checkpoint
+quantizes and transformers' fused FP8 experts are handled by quantization/moe.py.
+
 Other methods transformers knows (hqq, torchao, quanto, ...) raise NotImplementedError naming the method.
 
 Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig, GPTQConfig, AwqConfig,
@@ -300,10 +303,13 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     loader hands them over. `loaded=True` quantizes a model whose weights are already there (a GGUF file,
     dequantized on load), one layer at a time, each new layer on its weight's device.
     """
+    # MoE: routers that a pre-quantized checkpoint may store quantized get a dequantizing stand-in
+    from gpuformers.quantization.moe import fused_fp8_scale_rules, swap_routers
+
     if isinstance(config, CompressedTensorsConfig):  # its config groups choose the layers
-        return swap_compressed_layers(model, config, dtype, loaded)
+        return swap_compressed_layers(model, config, dtype, loaded) + swap_routers(model, config, dtype)
     if isinstance(config, (GPTQConfig, AwqConfig)):  # pre-quantized layers, or unquantized ones as stored
-        return swap_gptq_awq_layers(model, config, dtype, loaded)
+        return swap_gptq_awq_layers(model, config, dtype, loaded) + swap_routers(model, config, dtype)
     if isinstance(config, BitsAndBytesConfig):
         from gpuformers.quantization.bnb import bnb_linear
 
@@ -349,6 +355,12 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
             if linear.bias is not None:
                 layer.load_from_checkpoint("bias", linear.bias.detach())
         setattr(model.get_submodule(parent_name), attr, layer)
+    if isinstance(config, FineGrainedFP8Config):
+        names += swap_routers(model, config, dtype)
+        # transformers' fused FP8 experts: their scales are cut as the model cuts the weights
+        scale_rules = fused_fp8_scale_rules(model, config.weight_block_size)
+        if scale_rules:
+            model.checkpoint_fan_out = (*model.checkpoint_fan_out, *scale_rules)
     return names
 
 
@@ -356,6 +368,9 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
                    unexpected: list[str]) -> QuantizationConfig | None:
     """After the weights loaded: the quantization the model keeps (None for an FP8 checkpoint dequantized into
     plain nn.Linear layers, which then saves unquantized). `unexpected`: checkpoint keys nothing took."""
+    from gpuformers.quantization.moe import restore_routers
+
+    restore_routers(model)  # first: a router's stand-in is one of the method's layers
     if isinstance(config, CompressedTensorsConfig):
         return finish_compressed_loading(model)
     if isinstance(config, (GPTQConfig, AwqConfig)):
