@@ -1,14 +1,9 @@
 """Engine tests run torch on one CPU thread: on a machine whose cores are shared, a second OpenMP thread makes
 small ops hundreds of times slower (and the timings of these tests erratic). Without a GPU, the Triton kernel
-tests run under the interpreter, which must be switched on before triton is first imported."""
-
-import os
+tests run under the interpreter (tests/conftest.py switches it on)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")
