@@ -61,6 +61,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters served beside the base model (vLLM's flag): a request whose \"model\" is "
                              "NAME runs with the peft adapter in FOLDER (or Hub id), e.g. --lora-modules "
                              "sql=./sql-lora chat=./chat-lora; /v1/models lists them with the base as parent")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="add POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+                             "{lora_name} (vLLM's routes): adapters loaded and unloaded while serving. Off by default: "
+                             "a request then names a folder the server reads (use with --api-key)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over this many processes, one per GPU (started with torchrun; "
                              "default: the number of torchrun processes, else 1)")
@@ -129,7 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
         run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                    max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
                    shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                   reasoning_parser=args.reasoning_parser)
+                   reasoning_parser=args.reasoning_parser,
+                   allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         code = 0
     except SystemExit as stop:  # the graceful shutdown on SIGTERM / Ctrl-C ends with sys.exit(0)
         code = stop.code if isinstance(stop.code, int) else 0

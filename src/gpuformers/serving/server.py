@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuformers.serving.job import Engine, Job, now
+from gpuformers.serving.lora_routes import add_lora_routes
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
                                          parse_response)
@@ -90,10 +91,12 @@ class _State:
 
 
 def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
-              max_pending: int = 256, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+              max_pending: int = 256, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              allow_runtime_lora_updating: bool = False):
     """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan).
     `tool_call_parser` names the format of the model's tool calls, `reasoning_parser` that of its think block
-    ("none": the text as generated); None: detected from the chat template."""
+    ("none": the text as generated); None: detected from the chat template. `allow_runtime_lora_updating` adds
+    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py)."""
     config = manager.model.config
     context = getattr(config, "max_position_embeddings", None) or 2048
     state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending,
@@ -164,6 +167,9 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def metrics():
         return PlainTextResponse(state.metrics.render(manager, state.engine.in_flight),
                                  media_type="text/plain; version=0.0.4")
+
+    if allow_runtime_lora_updating:
+        add_lora_routes(app, manager, model_name, check_auth, read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -300,7 +306,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
 def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_model_len: int | None = None, max_pending: int = 256,
                log_level: str = "info", shutdown_timeout: float = 30.0, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> None:
+               reasoning_parser: str | None = None, allow_runtime_lora_updating: bool = False) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
     up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
     import signal
@@ -313,7 +319,7 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: sys.exit(0))
     app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser,
-                    reasoning_parser)
+                    reasoning_parser, allow_runtime_lora_updating)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
     uvicorn.Server(config).run()
