@@ -39,6 +39,7 @@ import torch
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from gpuformers.lora.layers import LoraLayer
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
+from gpuformers.lora.multi_adapter import one_adapter_name
 from gpuformers.lora.peft_model import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 _PEFT_PREFIX = "base_model.model."  # peft's saved keys: the model's parameter names under PeftModel's
@@ -120,15 +121,7 @@ class PeftAdapterMixin:
         """Make `adapter_name` the active adapter (the others stay loaded, unused); as peft's set_adapter, its
         weights then require grad."""
         self._require_adapter()
-        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
-        unknown = [name for name in names if name not in self.peft_config]
-        if unknown:
-            raise ValueError(f"adapter {', '.join(map(repr, unknown))} not found: this model's adapters are "
-                             f"{list(self.peft_config)}")
-        if len(names) != 1:
-            raise NotImplementedError(f"set_adapter({names!r}): several active adapters at once are not supported; "
-                                      f"activate one, or merge them into one adapter offline")
-        self._activate(names[0])
+        self._activate(one_adapter_name(adapter_name, list(self.peft_config)))
         self._set_lora_requires_grad(True)
 
     def disable_adapters(self) -> None:

@@ -25,9 +25,11 @@ from gpuformers.lora.config import (ALL_LINEAR, CLASSIFIER_MODULES, CONFIG_NAME,
 from gpuformers.lora.embedding import TiedLoraLinear
 from gpuformers.lora.layers import LoraModel, quantized_linear_types, trained_bias_names
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
+from gpuformers.lora.multi_adapter import MultiAdapterMixin
 
-class PeftModel(nn.Module):
+class PeftModel(MultiAdapterMixin, nn.Module):
     """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
+    Several adapters may be loaded, one active (multi_adapter.py).
 
     Calls, generate() and attributes it does not have itself go to the wrapped model (get_base_model())."""
 
@@ -40,17 +42,25 @@ class PeftModel(nn.Module):
         from gpuformers.tensor_parallel import refuse
 
         refuse(model, "LoRA adapters")
+        config = self._prepare_config(model, peft_config)
+        self.base_model = LoraModel(model, config, adapter_name, autocast_adapter_dtype, strict=_strict)
+        self.__dict__["_adapters"] = {adapter_name: self.base_model}  # out of the module tree: parked ones too
+
+    @staticmethod
+    def _prepare_config(model: nn.Module, peft_config) -> LoraConfig:
+        """The LoraConfig the adapter is built with: a copy ("all-linear" is expanded in it, not in the caller's),
+        from peft's own LoraConfig too, with peft's additions (SEQ_CLS's head, base_model_name_or_path)."""
         if not isinstance(peft_config, LoraConfig):
             if not callable(getattr(peft_config, "to_dict", None)):
                 raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a gpuformers LoraConfig")
             peft_config = LoraConfig.from_dict(peft_config.to_dict())  # peft's own LoraConfig, ported as is
-        config = dataclasses.replace(peft_config)  # "all-linear" is expanded in the copy, not the caller's
+        config = dataclasses.replace(peft_config)
         if config.task_type == "SEQ_CLS":  # peft's PeftModelForSequenceClassification: the head trains fully
             config.modules_to_save = [*(config.modules_to_save or []), *CLASSIFIER_MODULES]
         if config.base_model_name_or_path is None:
             name = getattr(model, "name_or_path", None)
             config.base_model_name_or_path = str(name) if name else None
-        self.base_model = LoraModel(model, config, adapter_name, autocast_adapter_dtype, strict=_strict)
+        return config
 
     def __getattr__(self, name: str):
         try:
@@ -59,14 +69,6 @@ class PeftModel(nn.Module):
             if name == "base_model":
                 raise
             return getattr(self.base_model, name)
-
-    @property
-    def peft_config(self) -> dict[str, LoraConfig]:
-        return self.base_model.peft_config
-
-    @property
-    def active_adapter(self) -> str:
-        return self.base_model.active_adapter
 
     def get_base_model(self) -> nn.Module:
         return self.base_model.model
@@ -127,12 +129,14 @@ class PeftModel(nn.Module):
                          adapter_names: list[str] | None = None) -> nn.Module:
         """Add each B @ A * scaling to its base weight (DoRA: and rescale its rows to the magnitude) and return the
         plain model (LoRA layers gone); each modules_to_save module is its trained copy."""
-        _check_adapter_names(self, adapter_names)
+        self._check_one_adapter(adapter_names, "merging")
+        self._drop_parked()
         return self.base_model._restore(merge=True, safe_merge=safe_merge)
 
     def unload(self) -> nn.Module:
         """Remove the LoRA layers without merging them and return the plain model. As in peft, each
         modules_to_save module stays its trained copy (the frozen original is dropped)."""
+        self._drop_parked()
         return self.base_model._restore(merge=False)
 
     # --- files -----------------------------------------------------------------------------------------------
@@ -141,50 +145,70 @@ class PeftModel(nn.Module):
                         selected_adapters: list[str] | None = None, state_dict: dict | None = None,
                         is_main_process: bool = True, save_embedding_layers: bool | str = "auto",
                         **kwargs) -> None:
-        """Write adapter_config.json and adapter_model.safetensors, in peft's layout. `state_dict` replaces the
-        model's own (e.g. gathered from FSDP2 shards; its adapter entries are saved); only the main process writes.
-        save_embedding_layers: see get_peft_model_state_dict."""
+        """Write each adapter (or the selected ones) in peft's layout: adapter_config.json and
+        adapter_model.safetensors, "default" in `save_directory` and any other in its subfolder of the adapter's
+        name. `state_dict` replaces the model's own for the active adapter (e.g. gathered from FSDP2 shards; its
+        adapter entries are saved); only the main process writes. save_embedding_layers: see
+        get_peft_model_state_dict."""
         from gpuformers.loading.safetensors import write_file
 
         if not safe_serialization:
             raise NotImplementedError("safe_serialization=False (adapter_model.bin) is not supported; adapters "
                                       "are saved as safetensors")
-        _check_adapter_names(self, selected_adapters)
         if kwargs:
             raise NotImplementedError(f"save_pretrained options not supported: {', '.join(sorted(kwargs))}")
+        names = list(self._adapters) if selected_adapters is None else list(selected_adapters)
+        unknown = [name for name in names if name not in self._adapters]
+        if unknown:
+            raise ValueError(f"selected_adapters {unknown} are not adapters of this model ({list(self._adapters)})")
+        active = self.active_adapter
+        if state_dict is not None and names != [active]:
+            raise ValueError(f"state_dict holds the active adapter's tensors ({active!r}): save it alone "
+                             f"(selected_adapters=[{active!r}]) and the others without state_dict")
         if not is_main_process:
             return
-        path = Path(save_directory)
-        if self.active_adapter != "default":  # peft's layout: a named adapter goes in a folder of its name
-            path = path / self.active_adapter
-        path.mkdir(parents=True, exist_ok=True)
-        config = dataclasses.replace(self.peft_config[self.active_adapter], inference_mode=True)
-        config.save_pretrained(path)
-        state = get_peft_model_state_dict(self, state_dict, save_embedding_layers=save_embedding_layers)
-        state = {k: v.detach() for k, v in state.items()}
-        write_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
+        try:
+            for name in names:
+                self._switch(name)  # its layers in the model, to read their tensors
+                path = Path(save_directory) if name == "default" else Path(save_directory) / name
+                path.mkdir(parents=True, exist_ok=True)
+                dataclasses.replace(self.peft_config[name], inference_mode=True).save_pretrained(path)
+                state = get_peft_model_state_dict(self, state_dict, save_embedding_layers=save_embedding_layers)
+                write_file({k: v.detach() for k, v in state.items()}, path / WEIGHTS_NAME, metadata={"format": "pt"})
+        finally:
+            self._switch(active)
 
     @classmethod
     def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, adapter_name: str = "default",
                         is_trainable: bool = False, config: LoraConfig | None = None,
                         autocast_adapter_dtype: bool = True, **kwargs) -> "PeftModel":
         """Load an adapter folder (written by us or by peft, or a Hub id) onto `model`."""
-        from gpuformers.hub import HubKwargs, resolve_model_dir
-
-        hub = HubKwargs.pop_from(kwargs)
-        if kwargs:
-            raise NotImplementedError(f"from_pretrained options not supported: {', '.join(sorted(kwargs))}")
-        folder = resolve_model_dir(model_id, [CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME], hub)
-        config = dataclasses.replace(config or LoraConfig.from_pretrained(folder), inference_mode=not is_trainable)
+        folder, config = cls._adapter_files(model_id, config, is_trainable, kwargs)
         peft_model = cls(model, config, adapter_name, autocast_adapter_dtype, _strict=False)
         try:
-            set_peft_model_state_dict(peft_model, _read_adapter_weights(folder))
+            peft_model._load_weights(folder)
         except Exception:
             peft_model.base_model._restore(merge=False, keep_trained_copies=False)  # the caller's model as it was
             raise
         if not is_trainable:
             peft_model.eval()  # dropout off, as peft does
         return peft_model
+
+    @staticmethod
+    def _adapter_files(model_id: str | os.PathLike, config: LoraConfig | None, is_trainable: bool,
+                       kwargs: dict) -> tuple[Path, LoraConfig]:
+        """The adapter's folder (a Hub id resolved; revision=, token=, ... in kwargs) and its LoraConfig."""
+        from gpuformers.hub import HubKwargs, resolve_model_dir
+
+        hub = HubKwargs.pop_from(kwargs)
+        if kwargs:
+            raise NotImplementedError(f"adapter loading options not supported: {', '.join(sorted(kwargs))}")
+        folder = resolve_model_dir(model_id, [CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME], hub)
+        return folder, dataclasses.replace(config or LoraConfig.from_pretrained(folder), inference_mode=not is_trainable)
+
+    def _load_weights(self, folder: Path) -> None:
+        """The folder's adapter tensors into the active adapter's layers."""
+        set_peft_model_state_dict(self, _read_adapter_weights(folder))
 
 
 PeftModelForCausalLM = PeftModel
@@ -202,12 +226,6 @@ class _CallModel:
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.model.forward)
-
-
-def _check_adapter_names(model: PeftModel, names: list[str] | None) -> None:
-    if names is not None and list(names) != [model.active_adapter]:
-        raise NotImplementedError(f"adapters {names!r}: gpuformers holds one adapter per model "
-                                  f"({model.active_adapter!r}); several adapters are not supported yet")
 
 
 def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default",

@@ -1,0 +1,140 @@
+"""Several adapters on one PeftModel, one active at a time, as peft's PeftModel holds them: add_adapter and
+load_adapter add an adapter without activating it, set_adapter switches (the active adapter's weights then require
+grad, as in peft), delete_adapter drops one (the active one: the first remaining takes its place), and
+save_pretrained writes every adapter (or the selected ones), "default" in the folder itself and the others in
+subfolders of their names, as peft lays them out.
+
+The inactive adapters are parked (LoraModel.park: their layers taken out of the model, tensors kept) and a switch
+puts the same layers back, so optimizers holding their parameters keep working. Unlike peft, only the active
+adapter's tensors are in `state_dict()` and `parameters()`; several active at once (peft's set_adapter([a, b]),
+add_weighted_adapter) are refused.
+
+Offers: MultiAdapterMixin, one_adapter_name.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpuformers.lora.config import LoraConfig
+from gpuformers.lora.layers import LoraLayer, LoraModel
+from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
+
+
+class MultiAdapterMixin:
+    """PeftModel's adapter management (module doc). PeftModel provides base_model (the active LoraModel),
+    `_adapters` ({name: LoraModel}, the active one included), _prepare_config and _load_weights."""
+
+    @property
+    def peft_config(self) -> dict[str, LoraConfig]:
+        return {name: lora.peft_config[name] for name, lora in self._adapters.items()}
+
+    @property
+    def active_adapter(self) -> str:
+        return self.base_model.active_adapter
+
+    @property
+    def active_adapters(self) -> list[str]:
+        return [self.active_adapter]
+
+    def add_adapter(self, adapter_name: str, peft_config, low_cpu_mem_usage: bool = False,
+                    autocast_adapter_dtype: bool = True) -> None:
+        """A fresh adapter beside the others, not active (set_adapter it to use or train it), as peft's."""
+        config = self._prepare_config(self.get_base_model(), peft_config)
+        self._add(adapter_name, lambda: LoraModel(self.get_base_model(), config, adapter_name, autocast_adapter_dtype))
+
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str, is_trainable: bool = False,
+                     autocast_adapter_dtype: bool = True, **kwargs) -> None:
+        """Another saved adapter (a folder or Hub id) beside the others, not active, as peft's load_adapter; with
+        is_trainable=False the model is put in eval() (dropout off), as peft does."""
+        folder, config = self._adapter_files(model_id, None, is_trainable, kwargs)
+        config = self._prepare_config(self.get_base_model(), config)
+
+        def build() -> LoraModel:
+            lora = LoraModel(self.get_base_model(), config, adapter_name, autocast_adapter_dtype, strict=False)
+            self.base_model = lora  # set_peft_model_state_dict reads the active adapter's layers
+            self._load_weights(folder)
+            return lora
+
+        self._add(adapter_name, build)
+        if not is_trainable:
+            self.eval()
+
+    def set_adapter(self, adapter_name: str | list[str]) -> None:
+        """Make `adapter_name` the active adapter; its weights then require grad (peft's rule)."""
+        self._switch(one_adapter_name(adapter_name, list(self._adapters)))
+        for module in self.get_base_model().modules():
+            if isinstance(module, LoraLayer):
+                parts = module.adapter_parameters()
+            elif isinstance(module, ModulesToSaveWrapper):
+                parts = list(module.modules_to_save.parameters())
+            else:
+                continue
+            for part in parts:
+                part.requires_grad_(True)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Drop an adapter; deleting the active one makes the first remaining adapter active (as peft does)."""
+        if adapter_name not in self._adapters:
+            raise ValueError(f"adapter {adapter_name!r} not found: this model's adapters are {list(self._adapters)}")
+        if len(self._adapters) == 1:
+            raise ValueError(f"{adapter_name!r} is this model's only adapter; unload() or merge_and_unload() to take "
+                             f"it out")
+        if adapter_name == self.active_adapter:
+            self.set_adapter(next(name for name in self._adapters if name != adapter_name))
+        del self._adapters[adapter_name]  # parked: its layers are out of the model already
+
+    # --- helpers ------------------------------------------------------------------------------------------------
+
+    def _add(self, adapter_name: str, build) -> None:
+        """Build a new adapter's LoraModel with the active one parked, park the new one and bring the active one
+        back; on failure the model is as it was."""
+        if adapter_name in self._adapters:
+            raise ValueError(f"adapter {adapter_name!r} already exists; pass another adapter_name, or "
+                             f"delete_adapter({adapter_name!r}) first")
+        active = self.base_model
+        active.park()
+        try:
+            lora = build()
+        except BaseException:
+            if self.base_model is not active:  # built, then failed to load its weights
+                self.base_model._restore(merge=False, keep_trained_copies=False)
+            active.reinstall()
+            self.base_model = active
+            raise
+        lora.park()
+        active.reinstall()
+        self.base_model = active
+        self._adapters[adapter_name] = lora
+
+    def _switch(self, adapter_name: str) -> None:
+        """Park the active adapter and put `adapter_name`'s layers in the model (requires_grad as they were)."""
+        if adapter_name == self.active_adapter:
+            return
+        self.base_model.park()
+        target = self._adapters[adapter_name]
+        target.reinstall()
+        self.base_model = target
+
+    def _drop_parked(self) -> None:
+        """Forget every adapter but the active one (merge_and_unload / unload leave the model without adapters)."""
+        for name in [n for n in self._adapters if n != self.active_adapter]:
+            del self._adapters[name]
+
+    def _check_one_adapter(self, names: list[str] | None, what: str) -> None:
+        """`what` (merging) takes the active adapter only."""
+        if names is not None and list(names) != [self.active_adapter]:
+            raise NotImplementedError(f"{what} adapters {list(names)!r}: only the active adapter "
+                                      f"({self.active_adapter!r}) can be; set_adapter() the one you want first")
+
+
+def one_adapter_name(adapter_name: str | list[str], known: list[str]) -> str:
+    """set_adapter's argument (a name, or a list of one) checked against the adapters `known`: the name."""
+    names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"adapter {', '.join(map(repr, unknown))} not found: this model's adapters are {known}")
+    if len(names) != 1:
+        raise NotImplementedError(f"set_adapter({names!r}): several active adapters at once are not supported; "
+                                  f"activate one, or merge them into one adapter offline")
+    return names[0]
