@@ -272,7 +272,6 @@ def test_trainer_resumes_a_lora_run(checkpoint, tmp_path):
     (dict(r=0), ValueError, ["r=0", "positive integer"]),
     (dict(bias="some"), ValueError, ["bias='some'", '"lora_only"', 'use "none"']),
     (dict(lora_dropout=1.5), ValueError, ["lora_dropout=1.5"]),
-    (dict(fan_in_fan_out=True), NotImplementedError, ["fan_in_fan_out=True"]),
     (dict(modules_to_save="lm_head"), ValueError, ["modules_to_save='lm_head'", '["lm_head", "embed_tokens"]']),
 ])
 def test_bad_config_names_the_value_and_the_fix(kwargs, error, words):

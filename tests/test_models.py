@@ -233,8 +233,8 @@ def test_malformed_config(llama_dir):
 
 
 def test_unsupported_model_type(llama_dir):
-    rewrite_config(llama_dir, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported model types: llama, mistral"):
+    rewrite_config(llama_dir, model_type="bert")
+    with pytest.raises(ValueError, match=r"model_type 'bert' is not supported; supported model types: llama, mistral"):
         AutoModelForCausalLM.from_pretrained(llama_dir, progress=False)
 
 

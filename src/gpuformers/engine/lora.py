@@ -205,7 +205,7 @@ class AdapterBank:
 
     def _pairs(self, weights: dict[str, torch.Tensor], config, adapter_name: str) -> dict:
         """{module name: (A, B)} from peft's keys, checked against the model's layers, cast to its dtype/device."""
-        from gpuformers.lora.layers import quantized_linear_types
+        from gpuformers.lora.layers import is_fan_in_fan_out, quantized_linear_types
 
         found: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in weights.items():
@@ -233,7 +233,7 @@ class AdapterBank:
                     f"adapter {adapter_name!r} targets {name} ({type(layer).__name__}): LoRA on the embeddings or "
                     f"the LM head is not supported in multi-LoRA serving; merge that adapter into the model "
                     f"(merge_and_unload) and serve the result")
-            if type(layer) not in supported:
+            if type(layer) not in supported and not is_fan_in_fan_out(layer):
                 raise NotImplementedError(f"adapter {adapter_name!r} targets {name} ({type(layer).__name__}): "
                                           f"multi-LoRA serving wraps nn.Linear and gpuformers' quantized linear "
                                           f"layers only")

@@ -36,10 +36,11 @@ EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 # peft's default targets when target_modules is None, for the model types gpuformers runs.
 # peft's default targets per model_type (its table; qwen3_moe is ours, like qwen3); peft has none for phi3, granite,
-# olmo2, olmoe, smollm3, glm, glm4, exaone4, ernie4_5, seed_oss, ministral or ministral3, and neither do we:
+# olmo2, olmoe, smollm3, glm, glm4, exaone4, ernie4_5, seed_oss, ministral, ministral3 or starcoder2, nor do we:
 # target_modules must be given for them.
-_DEFAULT_TARGETS = {t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                                                      "gemma", "gemma2", "gemma3_text")}
+_DEFAULT_TARGETS = {**{t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                                         "gemma", "gemma2", "gemma3_text")},
+                    "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
 
 # Fields of peft's adapter_config.json that we write with peft's defaults and read back: any other value asks
 # for a feature we do not have, and loading such an adapter would silently give other outputs.
@@ -68,6 +69,7 @@ class LoraConfig:
     modules_to_save: list[str] | None = None
     use_rslora: bool = False
     init_lora_weights: bool | str = True
+    # peft's flag for Conv1D targets (GPT-2); kept as given: the layers read their own weight layout
     fan_in_fan_out: bool = False
     use_dora: bool = False
     inference_mode: bool = False
@@ -108,9 +110,6 @@ class LoraConfig:
         if self.init_lora_weights not in (True, False, "gaussian"):
             raise NotImplementedError(f"init_lora_weights={self.init_lora_weights!r} is not supported; use True "
                                       f"(peft's default), False or \"gaussian\"")
-        if self.fan_in_fan_out:
-            raise NotImplementedError("fan_in_fan_out=True (GPT-2 style Conv1D weights) is not supported: "
-                                      "gpuformers' layers are nn.Linear; use fan_in_fan_out=False")
         targets = self.target_modules
         if isinstance(targets, (set, frozenset, tuple)):
             targets = sorted(targets)  # peft stores a set; a sorted list writes the same file every time

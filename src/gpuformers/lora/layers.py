@@ -13,7 +13,7 @@ With use_dora=True the layers are dora.py's DoraLinear, a LoraLinear with DoRA's
 An nn.Embedding target becomes embedding.py's LoraEmbedding (and, with ensure_weight_tying, the head tied to it a
 TiedLoraLinear). bias="all" / "lora_only" train every bias of the model / of the LoRA targets in place, as peft does.
 
-Offers: LoraLayer, LoraLinear, LoraModel, quantized_linear_types.
+Offers: LoraLayer, LoraLinear, LoraModel, quantized_linear_types, is_fan_in_fan_out.
 """
 
 from __future__ import annotations
@@ -44,10 +44,18 @@ def quantized_linear_types() -> tuple[type, ...]:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    """A layer "all-linear" selects: an nn.Linear (bitsandbytes' layers are subclasses) or a WeightOnlyLinear."""
+    """A layer "all-linear" selects: an nn.Linear (bitsandbytes' layers are subclasses), a WeightOnlyLinear, or a
+    Conv1D-style layer (GPT-2's, weight stored (in, out): `fan_in_fan_out`), as peft selects Conv1D."""
     from gpuformers.quantization.weight_only import WeightOnlyLinear
 
-    return isinstance(module, (nn.Linear, WeightOnlyLinear))
+    return isinstance(module, (nn.Linear, WeightOnlyLinear)) or is_fan_in_fan_out(module)
+
+
+def is_fan_in_fan_out(module: nn.Module) -> bool:
+    """A linear layer whose weight is stored (in_features, out_features) (transformers' Conv1D, GPT-2's
+    GPT2Conv1D), which marks itself with `fan_in_fan_out = True`: LoRA wraps it as a Linear and merges the
+    transposed update into it (peft's fan_in_fan_out)."""
+    return getattr(type(module), "fan_in_fan_out", False) is True
 
 
 def _adapter_dtype_and_device(base_layer: nn.Module, autocast_adapter_dtype: bool) -> tuple[torch.dtype, torch.device]:
@@ -93,7 +101,8 @@ class LoraLinear(LoraLayer):
     def __init__(self, base_layer: nn.Module, config: LoraConfig, autocast_adapter_dtype: bool = True):
         super().__init__()
         self.base_layer = base_layer
-        self.quantized = type(base_layer) is not nn.Linear
+        self.fan_in_fan_out = is_fan_in_fan_out(base_layer)  # weight (in, out): merges add the update transposed
+        self.quantized = type(base_layer) is not nn.Linear and not self.fan_in_fan_out
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
         dtype, device = _adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
@@ -146,6 +155,7 @@ class LoraLinear(LoraLayer):
         if self.quantized:
             self._requantize(delta, safe_merge)
         else:
+            delta = delta.T if self.fan_in_fan_out else delta
             if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
                 raise _broken_adapter()
             self.base_layer.weight.add_(delta)
@@ -158,7 +168,8 @@ class LoraLinear(LoraLayer):
         if self.quantized:
             self._requantize(-self.delta_weight())
         else:
-            self.base_layer.weight.sub_(self.delta_weight())
+            delta = self.delta_weight()
+            self.base_layer.weight.sub_(delta.T if self.fan_in_fan_out else delta)
         self.merged = False
 
     def _requantize(self, delta: torch.Tensor, safe_merge: bool = False) -> None:
@@ -204,12 +215,12 @@ class LoraModel(nn.Module):
         supported = (nn.Linear, nn.Embedding, *quantized_linear_types())
         for name in names + heads_to_tie:  # all checked before the first is replaced: an error leaves the model as is
             module = model.get_submodule(name)
-            if type(module) not in supported:
+            if type(module) not in supported and not is_fan_in_fan_out(module):
                 raise NotImplementedError(
                     f"LoRA on {name} ({type(module).__name__}) is not supported: gpuformers wraps torch.nn.Linear "
-                    f"and, for QLoRA, its own quantized linear layers (bitsandbytes 4-bit / 8-bit as loaded with "
-                    f"quantization_config, WeightOnlyLinear) and nn.Embedding only; "
-                    f"choose target_modules among the model's linear and embedding layers")
+                    f"(and Conv1D-style layers such as GPT-2's), for QLoRA its own quantized linear layers "
+                    f"(bitsandbytes 4-bit / 8-bit as loaded with quantization_config, WeightOnlyLinear), and "
+                    f"nn.Embedding only; choose target_modules among the model's linear and embedding layers")
             if config.use_dora and type(module) is nn.Embedding:
                 raise NotImplementedError(
                     f"LoRA on {name} (Embedding) is not supported with DoRA (use_dora=True): gpuformers' DoRA wraps "

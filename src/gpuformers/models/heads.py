@@ -56,8 +56,9 @@ from gpuformers.models.registry import MODEL_TYPES
 logger = logging.getLogger(__name__)
 
 _PREFIX = "model."
-# transformers names the text-only Gemma 3 heads Gemma3Text*, its Gemma3* ones being the multimodal model's.
-_STEMS = {"Gemma3ForCausalLM": "Gemma3Text"}
+# transformers names the text-only Gemma 3 heads Gemma3Text*, its Gemma3* ones being the multimodal model's; GPT-2's
+# causal LM is GPT2LMHeadModel, its heads GPT2Model and GPT2ForSequenceClassification.
+_STEMS = {"Gemma3ForCausalLM": "Gemma3Text", "GPT2LMHeadModel": "GPT2"}
 
 
 @dataclass
