@@ -17,8 +17,9 @@ FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "Mo
                   "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "qwen2_moe": "Qwen2MoeConfig",
                   "gpt_oss": "GptOssConfig", "olmoe": "OlmoeConfig", "glm": "Glm4Config", "glm4": "Glm4Config",
                   "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
-                  "ernie4_5": "Ernie4_5Config", "seed_oss": "SeedOssConfig",
-                  "exaone4": "Exaone4Config"}
+                  "ernie4_5": "Ernie4_5Config", "seed_oss": "SeedOssConfig", "starcoder2": "Starcoder2Config",
+                  "exaone4": "Exaone4Config", "gpt_neox": "GPTNeoXConfig",
+                  "gpt2": "GPT2Config"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CLASSES))
@@ -58,8 +59,8 @@ def test_config_module_is_light_and_a_family_is_imported_when_read():
 
 
 def test_unknown_model_type_lists_every_supported_type():
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported") as err:
-        ModelConfig.from_dict({"model_type": "gpt2", **SIZES})
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported") as err:
+        ModelConfig.from_dict({"model_type": "bert", **SIZES})
     assert str(err.value).endswith(", ".join(MODEL_TYPES))
 
 

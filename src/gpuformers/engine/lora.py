@@ -215,6 +215,10 @@ class AdapterBank:
         if not weights:
             raise ValueError(f"adapter {adapter_name!r} has no weights in its adapter_model.safetensors")
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        # adapter files name modules as the family's checkpoints do (GPT-NeoX: gpt_neox.layers.0.attention...)
+        rename = getattr(self.model, "checkpoint_key", None)
+        ours = {rename(n): n for n, _ in self.model.named_modules()} if rename else {}
+        found = {ours.get(name, name): parts for name, parts in found.items()}
         supported = (nn.Linear, *quantized_linear_types())
         device, dtype = self.model.device, self.model.dtype
         pairs = {}

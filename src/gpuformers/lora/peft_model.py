@@ -27,6 +27,9 @@ from gpuformers.lora.layers import LoraModel, quantized_linear_types, trained_bi
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.multi_adapter import MultiAdapterMixin
 
+_PEFT_KEY_PREFIX = "base_model.model."  # a PeftModel's parameter names: the wrapped model's, under this
+
+
 class PeftModel(MultiAdapterMixin, nn.Module):
     """A model with LoRA adapters, as peft's PeftModel: what get_peft_model and PeftModel.from_pretrained return.
     Several adapters may be loaded, one active (multi_adapter.py).
@@ -268,7 +271,19 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     if _saves_embedding_layers(model, save_embedding_layers, targeted):
         prefixes = tuple(f"{name}." for name in _embedding_layer_names(model, targeted))
         adapter.update({k: v for k, v in state.items() if prefixes and k.startswith(prefixes)})
-    return adapter
+    return _checkpoint_keys(model, adapter)
+
+
+def _checkpoint_keys(model: nn.Module, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's keys under the module names of the model's checkpoints, for a family whose modules are named
+    otherwise here (its `checkpoint_key`, e.g. GPT-NeoX's model.layers.0.self_attn -> gpt_neox.layers.0.attention):
+    what peft saves over transformers' model, and reads back."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    rename = getattr(base, "checkpoint_key", None)
+    if rename is None:
+        return adapter
+    prefix = _PEFT_KEY_PREFIX if isinstance(model, PeftModel) else ""
+    return {prefix + rename(k.removeprefix(prefix)): v for k, v in adapter.items()}
 
 
 def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) -> None:

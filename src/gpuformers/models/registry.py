@@ -42,6 +42,10 @@ MODEL_TYPES = {
     "exaone4": ("gpuformers.models.exaone4:Exaone4ForCausalLM", "gpuformers.models.exaone4:Exaone4Config"),
     "ernie4_5": ("gpuformers.models.ernie4_5:Ernie4_5ForCausalLM", "gpuformers.models.ernie4_5:Ernie4_5Config"),
     "seed_oss": ("gpuformers.models.seed_oss:SeedOssForCausalLM", "gpuformers.models.seed_oss:SeedOssConfig"),
+    "gpt_neox": ("gpuformers.models.gpt_neox:GPTNeoXForCausalLM", "gpuformers.models.gpt_neox:GPTNeoXConfig"),
+    "starcoder2": ("gpuformers.models.starcoder2:Starcoder2ForCausalLM",
+                   "gpuformers.models.starcoder2:Starcoder2Config"),
+    "gpt2": ("gpuformers.models.gpt2:GPT2LMHeadModel", "gpuformers.models.gpt2:GPT2Config"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to
