@@ -40,8 +40,9 @@ def test_two_processes_match_the_whole_model(model_type, tmp_path):
     hidden = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv, mlp = 2 * head_dim, 1 * head_dim, config.intermediate_size // 2
-    assert result["local_shapes"] == {"q_proj": [q, hidden], "k_proj": [kv, hidden], "o_proj": [hidden, q],
-                                      "gate_proj": [mlp, hidden], "down_proj": [hidden, mlp]}
+    assert result["local_shapes"] == {"q_proj": [q, hidden], "k_proj": [kv, hidden], "v_proj": [kv, hidden],
+                                      "o_proj": [hidden, q], "gate_proj": [mlp, hidden], "up_proj": [mlp, hidden],
+                                      "down_proj": [hidden, mlp]}
     assert result["saved_logits_diff"] == 0.0  # saved whole by process 0 from the gathered slices
     assert result["engine_equal"] and result["engine_kv_heads"] == config.num_key_value_heads // 2
     assert result["auto_blocks_agree"]

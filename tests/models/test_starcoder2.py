@@ -16,7 +16,7 @@ import torch
 
 from tests.fixtures.checkpoints import rewrite_config
 from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 checkpoint_cases, left_padded, load, max_logit_diff, run_two_processes)
+                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load, max_logit_diff)
 
 if not torch.cuda.is_available():  # use_kernels on the CPU runs the Triton interpreter (read when triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -185,46 +185,6 @@ def test_auto_model_and_sequence_classification_match_transformers(checkpoints, 
                                    atol=1e-4, rtol=0)
 
 
-_TP_WORKER = '''
-import json, sys
-import torch
-from gpuformers import AutoModelForCausalLM
-from gpuformers.distributed import exit_process
-
-folder, out = sys.argv[1], sys.argv[2]
-torch.set_num_threads(1)
-ids = torch.tensor([[1, 5, 9, 23, 42, 7, 64, 100]])
-batch = torch.tensor([[0, 0, 0, 3, 17, 9], [4, 8, 15, 16, 23, 42]])
-mask = (batch != 0).long()
-whole = AutoModelForCausalLM.from_pretrained(folder, progress=False)
-model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", progress=False)
-greedy = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
-mlp = model.model.layers[0].mlp
-with torch.no_grad():
-    result = {"logits_diff": float((model(ids).logits - whole(ids).logits).abs().max()),
-              "c_fc": list(mlp.c_fc.weight.to_local().shape), "c_proj": list(mlp.c_proj.weight.to_local().shape)}
-result["tokens_equal"] = torch.equal(model.generate(ids, **greedy), whole.generate(ids, **greedy))
-result["batch_tokens_equal"] = torch.equal(
-    model.generate(batch, attention_mask=mask, pad_token_id=0, **greedy),
-    whole.generate(batch, attention_mask=mask, pad_token_id=0, **greedy))
-prompts = [[5, 9, 23, 42], [7, 64, 100, 3, 8, 2, 77], [11]]
-outputs = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False, block_size=8,
-                               num_blocks=12)
-expected = [whole.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-            .tolist() for p in prompts]
-result["engine_equal"] = [r.generated_tokens for r in outputs.values()] == expected
-model.save_pretrained(out + ".model")  # every process gathers; process 0 writes
-torch.distributed.barrier()
-if torch.distributed.get_rank() == 0:
-    saved = AutoModelForCausalLM.from_pretrained(out + ".model", progress=False)
-    with torch.no_grad():
-        result["saved_logits_diff"] = float((saved(ids).logits - whole(ids).logits).abs().max())
-    with open(out, "w") as f:
-        json.dump(result, f)
-exit_process()
-'''
-
-
 @pytest.mark.distributed
 def test_tensor_parallel_over_two_processes_matches_the_whole_model(checkpoints, tmp_path):
     # tp_plan="auto" (STARCODER2_TP_PLAN) on gloo, with biases everywhere and a sliding window: c_proj's and o_proj's
@@ -234,10 +194,8 @@ def test_tensor_parallel_over_two_processes_matches_the_whole_model(checkpoints,
     folder, _ = checkpoints["gqa-window"]
     plan = _resolve_plan(load(folder), "auto")
     assert (plan["model.layers.1.mlp.c_fc"], plan["model.layers.1.mlp.c_proj"]) == ("colwise", "rowwise")
-    result = run_two_processes(_TP_WORKER, str(folder), tmp_path=tmp_path)
-    assert result["logits_diff"] < 1e-5 and result["saved_logits_diff"] == 0.0
-    assert result["tokens_equal"] and result["batch_tokens_equal"] and result["engine_equal"]
-    assert result["c_fc"] == [48, 64] and result["c_proj"] == [64, 48]
+    shapes = assert_tensor_parallel_matches(folder, tmp_path)["local_shapes"]
+    assert shapes["c_fc"] == [48, 64] and shapes["c_proj"] == [64, 48]
 
 
 def test_use_kernels_keeps_the_layer_norms_and_the_gelu_mlp(checkpoints, monkeypatch):

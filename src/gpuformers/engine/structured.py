@@ -1,6 +1,7 @@
 """Structured outputs in the engine: a request's output held to a grammar (any JSON object, JSON that matches a JSON
 schema, a regular expression, one of a list of choices, or an EBNF grammar) by setting, before each sampling step,
-the logits of the tokens the grammar does not allow to -inf. The grammars and their matchers are xgrammar's (`pip install xgrammar`), imported when the first one is compiled.
+the logits of the tokens the grammar does not allow to -inf. The grammars and their matchers are xgrammar's
+(`pip install xgrammar`), imported when the first one is compiled.
 
     StructuredOutputCompiler(tokenizer, vocab_size, stop_token_ids).compile(spec) -> Grammar   (cached per spec)
     add_request(..., structured_output=grammar) -> Sequence.grammar_matcher: one xgrammar GrammarMatcher

@@ -275,7 +275,8 @@ class LoraModel(nn.Module):
     def park(self) -> None:
         """Take the adapter out of the model but keep its layers (their tensors, trained or not), so that
         reinstall() puts the same layers back: how a model holding several adapters runs one at a time."""
-        self._parked = [(n, m) for n, m in self.model.named_modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+        self._parked = [(n, m) for n, m in self.model.named_modules()
+                        if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
         self._restore(merge=False, keep_trained_copies=False)
 
     def reinstall(self) -> None:

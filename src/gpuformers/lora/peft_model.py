@@ -207,7 +207,8 @@ class PeftModel(MultiAdapterMixin, nn.Module):
         if kwargs:
             raise NotImplementedError(f"adapter loading options not supported: {', '.join(sorted(kwargs))}")
         folder = resolve_model_dir(model_id, [CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME], hub)
-        return folder, dataclasses.replace(config or LoraConfig.from_pretrained(folder), inference_mode=not is_trainable)
+        config = config or LoraConfig.from_pretrained(folder)
+        return folder, dataclasses.replace(config, inference_mode=not is_trainable)
 
     def _load_weights(self, folder: Path) -> None:
         """The folder's adapter tensors into the active adapter's layers."""
