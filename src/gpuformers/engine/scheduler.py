@@ -112,8 +112,10 @@ class Scheduler:
             self._continue_running(batch, budget)
             if self.num_preemptions == preemptions:  # memory is short right after a preemption: admit nobody
                 self._admit(batch, budget)
-        # Decodes first: the model runner batches their attention in one call.
-        order = sorted(range(len(batch)), key=lambda i: (batch.num_tokens[i] != 1, batch.sequences[i].arrival))
+        # Decodes first: the model runner batches their attention in one call. Within each kind, the sequences of
+        # one LoRA adapter side by side: its rows are then one run, which the adapter layers slice (engine/lora.py).
+        order = sorted(range(len(batch)), key=lambda i: (batch.num_tokens[i] != 1, batch.sequences[i].adapter_id or 0,
+                                                         batch.sequences[i].arrival))
         return ScheduledBatch([batch.sequences[i] for i in order], [batch.num_tokens[i] for i in order])
 
     def _continue_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
