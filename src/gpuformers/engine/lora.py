@@ -162,7 +162,7 @@ class AdapterBank:
         bank is not changed: add() does that)."""
         from gpuformers.hub import HubKwargs, resolve_model_dir
         from gpuformers.lora.config import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, LoraConfig
-        from gpuformers.lora.peft_model import _read_adapter_weights
+        from gpuformers.lora.adapter_state import read_adapter_weights
 
         if not isinstance(adapter_name, str) or not adapter_name:
             raise ValueError(f"adapter_name={adapter_name!r} must be a non-empty string (what requests send)")
@@ -174,7 +174,7 @@ class AdapterBank:
                                    HubKwargs(**hub_kwargs))
         config = LoraConfig.from_pretrained(folder)
         _check_config(config, adapter_name)
-        pairs = self._pairs(_read_adapter_weights(folder), config, adapter_name)
+        pairs = self._pairs(read_adapter_weights(folder), config, adapter_name)
         return LoadedAdapter(adapter_name, next(self._ids), config, pairs)
 
     def add(self, adapter: LoadedAdapter) -> None:

@@ -40,7 +40,8 @@ from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from gpuformers.lora.layers import LoraLayer
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.multi_adapter import one_adapter_name
-from gpuformers.lora.peft_model import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from gpuformers.lora.adapter_state import get_peft_model_state_dict, set_peft_model_state_dict
+from gpuformers.lora.peft_model import PeftModel
 
 _PEFT_PREFIX = "base_model.model."  # peft's saved keys: the model's parameter names under PeftModel's
 _WRAPPER = "_lora_wrapper"  # the PeftModel of the active adapter, whose layers are in the model
