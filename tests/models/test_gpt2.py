@@ -256,10 +256,10 @@ def test_lora_on_conv1d_matches_peft(checkpoints, tmp_path):
     assert [r.generated_tokens for r in results.values()] == want
 
 
-def test_quantization_finds_no_linear_layer(checkpoints):
+def test_quantizing_the_conv1d_layers_is_refused_by_name(checkpoints):
     from gpuformers.quantization import WeightOnlyConfig
 
-    with pytest.raises(ValueError, match="quantized no layer"):
+    with pytest.raises(NotImplementedError, match=r"Conv1D-style layers \(GPT2Conv1D: transformer\.h\.0\.attn\.c_attn"):
         load(checkpoints["tied"][0], quantization_config=WeightOnlyConfig(bits=8))
 
 
