@@ -48,7 +48,8 @@ VERBS: dict[str, Verb] = {
     "train": Verb("fine-tune a model on a JSONL of text or chat rows (loss on assistant turns only)",
                   "gpuformers train --model Qwen/Qwen3-0.6B --data chats.jsonl --epochs 1 --lr 2e-5",
                   "gpuformers.training.cli:run_train", "gpuformers.training.cli:add_train_arguments"),
-    "serve": Verb("serve a model over the OpenAI API (completions, chat, streaming) on the batching engine",
+    "serve": Verb("serve a model over the OpenAI API (completions, chat, responses, streaming; embeddings with "
+                  "--task embed) on the batching engine",
                   "gpuformers serve Qwen/Qwen3-0.6B --port 8000 --api-key secret",
                   "gpuformers.serving.cli:run_serve", "gpuformers.serving.cli:add_serve_arguments"),
 }

@@ -3,6 +3,7 @@
     gpuformers serve Qwen/Qwen3-0.6B --port 8000 --api-key secret --max-num-seqs 64
     gpuformers serve Qwen/Qwen3-8B --tensor-parallel-size 2       # the model split over 2 GPUs
     gpuformers serve Qwen/Qwen3-0.6B --lora-modules sql=./sql-lora chat=./chat-lora   # "model": "sql" uses it
+    gpuformers serve Qwen/Qwen3-Embedding-0.6B --task embed        # POST /v1/embeddings (serving/embedding_app.py)
 
 With --tensor-parallel-size N the command starts itself again under torchrun with N processes (or, already under
 torchrun, uses its processes): each loads its slices of the model (tp_plan="auto"), process 0 serves HTTP and the
@@ -12,6 +13,9 @@ when process 0's engine stops, after its graceful shutdown.
 The checkpoint's generation_config.json gives the requests' defaults (temperature, top_p, ...); a field in it that
 the engine does not implement (no_repeat_ngram_size, say) is dropped with a warning rather than failing every
 request, since no request can set it anyway.
+
+With --task embed the model is loaded as a bare decoder (AutoModel) and serves only /v1/embeddings, pooled as its
+sentence-transformers files say (serving/pooling.py); the engine flags do not apply.
 
 Offers: add_serve_arguments, run_serve.
 """
@@ -27,6 +31,18 @@ from typing import NoReturn
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="Hub id, checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--task", default="generate", choices=("generate", "embed"),
+                        help="generate: completions, chat and responses on the batching engine (default); embed: "
+                             "POST /v1/embeddings with an embedding model, e.g. gpuformers serve "
+                             "Qwen/Qwen3-Embedding-0.6B --task embed")
+    from gpuformers.serving.pooling import POOLING_MODES
+
+    parser.add_argument("--pooling", default=None, choices=POOLING_MODES,
+                        help="--task embed: pool each input's hidden states at its last token, their mean or the "
+                             "first (cls) token (default: the checkpoint's sentence-transformers Pooling, else last)")
+    parser.add_argument("--no-normalize", dest="normalize", action="store_false", default=None,
+                        help="--task embed: return the pooled vectors as they are, not L2-normalised (default: "
+                             "normalised unless the checkpoint's modules.json has no Normalize module)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
@@ -100,12 +116,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from gpuformers import distributed
 
     processes = distributed.world_size()
+    if args.task == "embed":
+        return _run_embed(args, args.served_model_name or args.model, processes)
     if "WORLD_SIZE" not in os.environ and (args.tensor_parallel_size or 1) > 1:  # not started by torchrun yet
         return _restart_under_torchrun(args.tensor_parallel_size)
     if args.tensor_parallel_size not in (None, processes):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {processes} "
                          f"processes: they must be equal (or leave --tensor-parallel-size out)")
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    if args.pooling is not None or args.normalize is not None:
+        raise ValueError("--pooling and --no-normalize apply to embedding models: add --task embed")
     adapters = _lora_modules(args.lora_modules)
     if name in adapters:
         raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
@@ -142,6 +162,32 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if processes > 1:  # the engine has stopped (and told the others): leave without torch's teardown
             distributed.exit_process(code)
+    return 0
+
+
+def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
+    """Serve args.model's embeddings (serving/embedding_app.py) until Ctrl-C or SIGTERM."""
+    if processes > 1 or (args.tensor_parallel_size or 1) > 1:
+        raise ValueError("--task embed runs in one process; drop --tensor-parallel-size and torchrun")
+    if args.model is None:
+        raise ValueError("--task embed needs an embedding model, e.g. gpuformers serve Qwen/Qwen3-Embedding-0.6B "
+                         "--task embed")
+    if args.lora_modules or args.allow_runtime_lora_updating:
+        raise ValueError("LoRA adapters (--lora-modules, --allow-runtime-lora-updating) are served with --task "
+                         "generate only; drop them for --task embed")
+    from gpuformers.serving.embedding_app import build_embedding_app
+    from gpuformers.serving.embeddings import load_embedder
+    from gpuformers.serving.server import serve_app
+
+    embedder = load_embedder(args.model, args.dtype, args.device, args.quantization, args.pooling, args.normalize,
+                             args.max_model_len)
+    if args.attn_implementation:
+        embedder.model.set_attn_implementation(args.attn_implementation)
+    print(f"gpuformers serve: embedding model {name} on {embedder.model.device} (pooling: "
+          f"{embedder.pooling.source}; {embedder.hidden_size} dimensions, inputs up to {embedder.max_model_len} "
+          f"tokens); listening on http://{args.host}:{args.port}/v1", flush=True)
+    serve_app(build_embedding_app(embedder, name, args.api_key), args.host, args.port, args.log_level,
+              args.shutdown_timeout)
     return 0
 
 

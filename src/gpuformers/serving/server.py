@@ -5,14 +5,13 @@ uvicorn. A request whose "model" names one of the engine's LoRA adapters (--lora
     HTTP body -> protocol.parse_* -> token ids (chat template, length checks) -> job.Job (n engine requests)
               -> JSON or SSE; a /v1/responses request -> responses.ResponseJob (one choice, typed events)
 
-Offers: build_app, run_server.
+Offers: build_app, run_server, serve_app.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import threading
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpuformers.serving.http import check_api_key, read_json
 from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.lora_routes import add_lora_routes
 from gpuformers.serving.metrics import Metrics
@@ -35,7 +35,6 @@ from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_p
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before parsing
 
 
 class _State:
@@ -140,22 +139,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                             status_code=500)
 
     def check_auth(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != state.api_key:
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
-                                "key the server was started with (--api-key)", code="invalid_api_key")
-
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(400, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as error:  # UnicodeDecodeError (bad UTF-8) is a ValueError too
-            raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
+        check_api_key(request, state.api_key)
 
     @app.get("/health")
     async def health():
@@ -309,6 +293,13 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
                reasoning_parser: str | None = None, allow_runtime_lora_updating: bool = False) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
     up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
+    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser,
+                    reasoning_parser, allow_runtime_lora_updating)
+    serve_app(app, host, port, log_level, shutdown_timeout)
+
+
+def serve_app(app, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
+    """Serve `app` with uvicorn until Ctrl-C or SIGTERM (also the embedding app of --task embed)."""
     import signal
     import sys
 
@@ -318,8 +309,6 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
     # with a plain exit (0) instead of a death by signal or a KeyboardInterrupt traceback.
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: sys.exit(0))
-    app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser,
-                    reasoning_parser, allow_runtime_lora_updating)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
     uvicorn.Server(config).run()

@@ -1,0 +1,111 @@
+"""The FastAPI app of `gpuformers serve --task embed`: OpenAI's POST /v1/embeddings on an Embedder, beside
+/health, /metrics and /v1/models; the generation routes answer 400 saying the server runs an embedding model.
+
+    HTTP body -> parse_embedding -> Embedder.token_ids (length checks) -> Embedder.embed in a worker thread
+              -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}
+
+Offers: GENERATION_ROUTES, build_embedding_app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpuformers.serving.api_error import APIError, error_body
+from gpuformers.serving.embedding_request import parse_embedding
+from gpuformers.serving.embeddings import Embedder
+from gpuformers.serving.http import check_api_key, read_json
+from gpuformers.serving.job import now
+from gpuformers.serving.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/embeddings"
+
+
+def build_embedding_app(embedder: Embedder, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app serving `embedder` under `model_name`; `api_key` guards the /v1 routes as in the generate mode."""
+    app = FastAPI(title="gpuformers", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics, created = Metrics(), now()
+    in_flight = 0  # embedding requests being computed, for /metrics
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError):
+        metrics.count_request(request.url.path, error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException):
+        message = (f"no route {request.method} {request.url.path}; routes: {ROUTES}"
+                   if error.status_code in (404, 405) else str(error.detail))
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_any_error(request: Request, error: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
+                            status_code=500)
+
+    def check_auth(request: Request) -> None:
+        check_api_key(request, api_key)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return PlainTextResponse(metrics.render(None, in_flight), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "gpuformers", "max_model_len": embedder.max_model_len,
+                                            "parent": None}]}
+
+    async def not_generative(request: Request):
+        check_auth(request)
+        raise APIError(400, f"this server runs the embedding model {model_name!r} (gpuformers serve --task embed), "
+                            f"which does not generate text: {request.url.path} is not served; use POST "
+                            f"/v1/embeddings, or serve a generative model without --task embed",
+                       code="model_not_generative")
+
+    for route in GENERATION_ROUTES:
+        app.add_api_route(route, not_generative, methods=["POST"])
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        nonlocal in_flight
+        check_auth(request)
+        parsed = parse_embedding(await read_json(request))
+        if parsed.model != model_name:
+            raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves {model_name!r}",
+                           "model", code="model_not_found")
+        embedder.check_dimensions(parsed.dimensions)
+        in_flight += 1
+        try:  # tokenizing and the forward passes run in worker threads: the event loop keeps answering
+            rows = await asyncio.to_thread(embedder.token_ids, parsed.inputs)
+            vectors = await asyncio.to_thread(embedder.embed, rows, parsed.dimensions)
+        finally:
+            in_flight -= 1
+        tokens = sum(map(len, rows))
+        metrics.count_tokens(tokens, 0)
+        metrics.count_request("/v1/embeddings", 200)
+        if parsed.encoding_format == "base64":  # OpenAI's: the little-endian float32 bytes of each vector
+            encoded = [base64.b64encode(row.numpy().astype("<f4").tobytes()).decode("ascii") for row in vectors]
+        else:
+            encoded = vectors.tolist()
+        return {"object": "list", "model": model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return app
