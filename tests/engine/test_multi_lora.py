@@ -278,3 +278,33 @@ def test_adapters_over_quantized_layers(setup):
                                                      progress_bar=False, block_size=8, num_blocks=32)
     for i, (output, name) in enumerate(zip(results.values(), names)):
         assert output.generated_tokens == reference[name][i], f"request {i}, adapter {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_multi_lora_on_cuda_turns_cuda_graphs_off_and_back_on(setup):
+    """On a GPU: the adapters' row indices go to the device, the tokens equal generate() with each adapter there, and
+    CUDA graphs (on by default) are off while adapters are loaded and back after the last is deleted."""
+    folders, prompts, _ = setup
+    names = [None, "a", "b", "a", None, "b"]
+    references = {}
+    for name in set(names):
+        model = tiny_model().cuda()
+        if name is not None:
+            model.load_adapter(folders[name])
+        references[name] = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
+                                           do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+                            for p in prompts[:6]]
+    model = tiny_model().cuda()
+    manager = model.init_continuous_batching(max_new_tokens=NEW_TOKENS, eos_token_id=None)
+    assert manager.runner.graphs is not None  # automatic: on for a CUDA model
+    for name, folder in folders.items():
+        manager.load_adapter(folder, name)
+    assert manager.runner.graphs is None
+    ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts[:6], names)]
+    manager.run_until_done()
+    for i, (request_id, name) in enumerate(zip(ids, names)):
+        assert manager.get_result(request_id, timeout=0).generated_tokens == references[name][i], (i, name)
+    for name in folders:
+        manager.delete_adapter(name)
+    assert manager.runner.graphs is not None
