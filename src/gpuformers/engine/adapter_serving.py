@@ -25,7 +25,7 @@ def cuda_graphs_with_adapters() -> NotImplementedError:
 
 class AdapterServingMixin:
     """load_adapter / delete_adapter / adapters for ContinuousBatchingManager, which provides adapter_bank,
-    scheduler, runner, config, model, _inbox, _cuda_graph_asked and is_running()."""
+    scheduler, runner, config, model, _inbox, _cuda_graph_asked, _cuda_graphs_decided and is_running()."""
 
     @property
     def adapters(self) -> list[str]:
@@ -59,8 +59,7 @@ class AdapterServingMixin:
                                  f"({', '.join(users[:4])}); cancel them or wait for them to finish before deleting it")
             self.adapter_bank.delete(adapter_name)
             if not self.adapter_bank.adapters:
-                self._use_cuda_graphs(self._cuda_graph_asked is None and self.model.device.type == "cuda"
-                                      and getattr(self.model, "tp_size", 1) == 1)
+                self._use_cuda_graphs(self._cuda_graphs_decided)
 
         self._between_steps(delete)
 

@@ -81,6 +81,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
         if adapters and asked.use_cuda_graph:
             raise cuda_graphs_with_adapters()
         self.config = asked.resolve(model)
+        # What the config decided (automatic or asked), adapters aside: back on when the last adapter is deleted
+        self._cuda_graphs_decided = self.config.use_cuda_graph
         self.model = model.eval()
         if not model.attn_implementation.startswith("paged|"):
             # The paged backends fall back to the plain ones outside engine steps, so generate() keeps working.

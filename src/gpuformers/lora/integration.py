@@ -39,7 +39,7 @@ import torch
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from gpuformers.lora.layers import LoraLayer
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
-from gpuformers.lora.multi_adapter import one_adapter_name
+from gpuformers.lora.multi_adapter import one_adapter_name, set_adapter_requires_grad
 from gpuformers.lora.adapter_state import get_peft_model_state_dict, set_peft_model_state_dict
 from gpuformers.lora.peft_model import PeftModel
 
@@ -130,16 +130,14 @@ class PeftAdapterMixin:
         frozen) until enable_adapters()."""
         self._require_adapter()
         self.__dict__[_DISABLED] = True
-        for module in self._adapter_modules():
-            module.disabled = True
+        self._apply_disabled()
         self._set_lora_requires_grad(False)
 
     def enable_adapters(self) -> None:
         """Run the active adapter again; as peft's, its weights then require grad."""
         self._require_adapter()
         self.__dict__[_DISABLED] = False
-        for module in self._adapter_modules():
-            module.disabled = False
+        self._apply_disabled()
         self._set_lora_requires_grad(True)
 
     def active_adapters(self) -> list[str]:
@@ -271,13 +269,7 @@ class PeftAdapterMixin:
         return [m for m in self.modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
 
     def _set_lora_requires_grad(self, requires_grad: bool) -> None:
-        """The adapter's weights (lora_A, lora_B, lora_embedding_A / _B, DoRA's magnitude, the modules_to_save
-        copies) train or not; the base never. Biases trained with bias="all" / "lora_only" are left as they are,
-        as peft's layers leave them."""
-        for module in self._adapter_modules():
-            is_lora = isinstance(module, LoraLayer)
-            for part in module.adapter_parameters() if is_lora else module.modules_to_save.parameters():
-                part.requires_grad_(requires_grad)
+        set_adapter_requires_grad(self, requires_grad)
 
 
 def _configs(adapters: dict[str, PeftModel]) -> dict[str, LoraConfig]:

@@ -9,12 +9,14 @@ puts the same layers back, so optimizers holding their parameters keep working. 
 adapter's tensors are in `state_dict()` and `parameters()`; several active at once (peft's set_adapter([a, b]),
 add_weighted_adapter) are refused.
 
-Offers: MultiAdapterMixin, one_adapter_name.
+Offers: MultiAdapterMixin, one_adapter_name, set_adapter_requires_grad.
 """
 
 from __future__ import annotations
 
 import os
+
+from torch import nn
 
 from gpuformers.lora.config import LoraConfig
 from gpuformers.lora.layers import LoraLayer, LoraModel
@@ -63,15 +65,7 @@ class MultiAdapterMixin:
     def set_adapter(self, adapter_name: str | list[str]) -> None:
         """Make `adapter_name` the active adapter; its weights then require grad (peft's rule)."""
         self._switch(one_adapter_name(adapter_name, list(self._adapters)))
-        for module in self.get_base_model().modules():
-            if isinstance(module, LoraLayer):
-                parts = module.adapter_parameters()
-            elif isinstance(module, ModulesToSaveWrapper):
-                parts = list(module.modules_to_save.parameters())
-            else:
-                continue
-            for part in parts:
-                part.requires_grad_(True)
+        set_adapter_requires_grad(self.get_base_model(), True)
 
     def delete_adapter(self, adapter_name: str) -> None:
         """Drop an adapter; deleting the active one makes the first remaining adapter active (as peft does)."""
@@ -138,3 +132,18 @@ def one_adapter_name(adapter_name: str | list[str], known: list[str]) -> str:
         raise NotImplementedError(f"set_adapter({names!r}): several active adapters at once are not supported; "
                                   f"activate one, or merge them into one adapter offline")
     return names[0]
+
+
+def set_adapter_requires_grad(model: nn.Module, requires_grad: bool) -> None:
+    """The adapter weights in `model` (lora_A, lora_B, lora_embedding_A / _B, DoRA's magnitude, the modules_to_save
+    copies) train or not; the base never. Biases trained with bias="all" / "lora_only" are left as they are, as
+    peft's layers leave them."""
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            parts = module.adapter_parameters()
+        elif isinstance(module, ModulesToSaveWrapper):
+            parts = module.modules_to_save.parameters()
+        else:
+            continue
+        for part in parts:
+            part.requires_grad_(requires_grad)

@@ -8,7 +8,7 @@ token, and the loss problem_type names (inferred on the first labelled forward w
 
 heads.py's SequenceClassificationHead uses them.
 
-Offers: PROBLEM_TYPES, label_count, configure_labels, last_token_index, sequence_classification_loss.
+Offers: PROBLEM_TYPES, configure_labels, last_token_index, sequence_classification_loss.
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ from gpuformers.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
-
-
-def label_count(config: ModelConfig) -> int:
-    """num_labels: len(id2label), 2 when config.json has none (transformers' default)."""
-    return config.num_labels
 
 
 def configure_labels(config: ModelConfig, num_labels: int | None = None, id2label: dict | None = None,
@@ -66,7 +61,7 @@ def configure_labels(config: ModelConfig, num_labels: int | None = None, id2labe
     kind = extra.get("problem_type")
     if kind is not None and kind not in PROBLEM_TYPES:
         raise ValueError(f"problem_type {kind!r} is not one of: {', '.join(PROBLEM_TYPES)}")
-    if kind == "single_label_classification" and label_count(config) == 1:
+    if kind == "single_label_classification" and config.num_labels == 1:
         raise ValueError('problem_type="single_label_classification" needs num_labels >= 2: use num_labels=2 for '
                          'binary classification, or problem_type="regression" for one output')
     return config

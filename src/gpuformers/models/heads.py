@@ -29,8 +29,9 @@ checkpoint): it is then drawn from N(0, initializer_range), as transformers init
 left unused.
 
 Offers: BaseModelOutputWithPast, SequenceClassifierOutputWithPast, TaskModel, BaseModelHead,
-SequenceClassificationHead, causal_lm_class, base_model_class, sequence_classification_class, checkpoint_view; and, through the module's __getattr__, each family's classes by name (Qwen3Model,
-Qwen3ForSequenceClassification, ...). The labels, the pooling and the loss are classification.py's.
+SequenceClassificationHead, causal_lm_class, base_model_class, sequence_classification_class, checkpoint_view;
+and, through the module's __getattr__, each family's classes by name (Qwen3Model, Qwen3ForSequenceClassification,
+...). The labels, the pooling and the loss are classification.py's.
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ from torch import nn
 
 from gpuformers.generation.cache import Cache, DynamicCache
 from gpuformers.loading.fan_out import FanOut
-from gpuformers.models.classification import (configure_labels, label_count, last_token_index,
-                                               sequence_classification_loss)
+from gpuformers.models.classification import configure_labels, last_token_index, sequence_classification_loss
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.outputs import ModelOutput
 from gpuformers.models.registry import MODEL_TYPES
@@ -214,7 +214,7 @@ class SequenceClassificationHead(TaskModel):
     def __init__(self, config: ModelConfig):
         super().__init__(config)  # the family's causal LM: model (the stack) + lm_head
         del self.lm_head  # built on the meta device by from_pretrained: it never held memory
-        self.num_labels = label_count(config)
+        self.num_labels = config.num_labels
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
 
     @classmethod

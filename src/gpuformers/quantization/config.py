@@ -339,7 +339,9 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     names = [name for name, module in model.named_modules()
              if type(module) is nn.Linear and not _skipped(name, config.skip_modules)]
     if not names:
-        conv1d = [name for name, module in model.named_modules() if getattr(type(module), "fan_in_fan_out", False)]
+        from gpuformers.lora.layers import is_fan_in_fan_out
+
+        conv1d = [name for name, module in model.named_modules() if is_fan_in_fan_out(module)]
         if conv1d:  # GPT-2's layers keep the checkpoint's (in, out) weights: no nn.Linear to swap
             kind = type(model.get_submodule(conv1d[0])).__name__
             raise NotImplementedError(f"quantizing Conv1D-style layers ({kind}: {conv1d[0]}, ... {len(conv1d)} in "

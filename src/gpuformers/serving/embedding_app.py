@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -20,11 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpuformers.serving.api_error import APIError, error_body
 from gpuformers.serving.embedding_request import parse_embedding
 from gpuformers.serving.embeddings import Embedder
-from gpuformers.serving.http import check_api_key, read_json
+from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, read_json
 from gpuformers.serving.job import now
 from gpuformers.serving.metrics import Metrics
-
-logger = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/embeddings"
@@ -48,11 +45,7 @@ def build_embedding_app(embedder: Embedder, model_name: str, api_key: str | None
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(message, kind), status_code=error.status_code)
 
-    @app.exception_handler(Exception)
-    async def on_any_error(request: Request, error: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
-                            status_code=500)
+    add_unexpected_error_handler(app)
 
     def check_auth(request: Request) -> None:
         check_api_key(request, api_key)

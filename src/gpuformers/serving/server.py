@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import threading
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuformers.serving.http import check_api_key, read_json
+from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, read_json
 from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.lora_routes import add_lora_routes
 from gpuformers.serving.metrics import Metrics
@@ -32,9 +31,6 @@ from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_
 from gpuformers.serving.responses import ResponseJob
 from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
                                            template_renders_tools)
-
-logger = logging.getLogger(__name__)
-
 
 
 class _State:
@@ -132,11 +128,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def on_validation_error(request: Request, error: RequestValidationError):
         return JSONResponse(error_body(f"invalid request: {error.errors()}"[:1000]), status_code=422)
 
-    @app.exception_handler(Exception)
-    async def on_any_error(request: Request, error: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
-                            status_code=500)
+    add_unexpected_error_handler(app)
 
     def check_auth(request: Request) -> None:
         check_api_key(request, state.api_key)
