@@ -49,6 +49,31 @@ def assert_engine_matches_generate(model, prompts: list[list[int]] = PROMPTS, ma
     assert [r.generated_tokens for r in outputs.values()] == expected
 
 
+def assert_engine_serves_adapter(folder, adapter, prompts: tuple[list[int], ...] = ([5, 9, 3, 7], [11, 4, 8, 2, 6, 10]),
+                                 max_new_tokens: int = 6) -> None:
+    """Multi-LoRA serving of the adapter folder `adapter` over the checkpoint `folder`: generate_batch's greedy
+    tokens equal generate()'s of the model with that adapter loaded in place (model.load_adapter)."""
+    reference = load(folder)
+    reference.load_adapter(adapter)
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    outputs = load(folder).generate_batch(list(prompts), adapters={"x": str(adapter)}, adapter_names="x",
+                                          max_new_tokens=max_new_tokens, eos_token_id=None, progress_bar=False)
+    assert [r.generated_tokens for r in outputs.values()] == expected
+
+
+def train_logits(model, seed: int) -> torch.Tensor:
+    """Logits of the left-padded batch in training mode (dropout on), the random masks drawn from `seed`."""
+    ids, mask = left_padded()
+    model.train()
+    try:
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            return model(ids, attention_mask=mask).logits[mask.bool()]
+    finally:
+        model.eval()
+
+
 def assert_greedy_matches(ours, hf, cache: str | None = None) -> None:
     """Greedy generate() on a left-padded batch gives transformers' tokens (`cache`: None or "static")."""
     ids, mask = left_padded(seq=10, pad=3)

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 left_padded, load, max_logit_diff)
+from tests.models.parity import (assert_engine_matches_generate, assert_engine_serves_adapter, assert_greedy_matches,
+                                 assert_loss_matches_and_trains, left_padded, load, max_logit_diff)
 
 TINY = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)
@@ -223,7 +223,7 @@ def test_lora_on_conv1d_matches_peft(checkpoints, tmp_path):
 
     import peft
 
-    from gpuformers.lora import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from gpuformers.lora import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     folder, hf = checkpoints["untied-inner-gelu"]
     theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, fan_in_fan_out=True))
@@ -246,14 +246,7 @@ def test_lora_on_conv1d_matches_peft(checkpoints, tmp_path):
     all_linear = get_peft_model(load(folder), LoraConfig(target_modules="all-linear"))
     assert {n.rpartition(".")[2] for n in all_linear.peft_config["default"].target_modules} == \
         {"c_attn", "c_proj", "c_fc"}  # the Conv1D layers, not the LM head, as peft's all-linear
-    reference = load(folder)
-    reference.load_adapter(tmp_path / "adapter")
-    prompts = [[5, 9, 3, 7], [11, 4, 8, 2, 6, 10]]
-    want = [reference.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-            .tolist() for p in prompts]
-    results = load(folder).generate_batch(prompts, adapters={"x": str(tmp_path / "adapter")}, adapter_names="x",
-                                          max_new_tokens=6, eos_token_id=None, progress_bar=False)
-    assert [r.generated_tokens for r in results.values()] == want
+    assert_engine_serves_adapter(folder, tmp_path / "adapter")
 
 
 def test_quantizing_the_conv1d_layers_is_refused_by_name(checkpoints):

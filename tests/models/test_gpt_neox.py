@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import rewrite_config
-from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 checkpoint_cases, left_padded, load, max_logit_diff)
+from tests.models.parity import (assert_engine_matches_generate, assert_engine_serves_adapter, assert_greedy_matches,
+                                 assert_loss_matches_and_trains, checkpoint_cases, left_padded, load, max_logit_diff)
 
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CASES = {
@@ -267,11 +267,4 @@ def test_lora_adapters_are_peft_compatible(checkpoints, tmp_path):
         back = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours")
         assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
     assert get_peft_model(load(folder), LoraConfig()).peft_config["default"].target_modules == ["query_key_value"]
-    reference = load(folder)
-    reference.load_adapter(tmp_path / "peft")
-    prompts = [[5, 9, 3, 7], [11, 4, 8, 2, 6, 10]]
-    want = [reference.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
-            .tolist() for p in prompts]
-    results = load(folder).generate_batch(prompts, adapters={"x": str(tmp_path / "peft")}, adapter_names="x",
-                                          max_new_tokens=6, eos_token_id=None, progress_bar=False)
-    assert [r.generated_tokens for r in results.values()] == want
+    assert_engine_serves_adapter(folder, tmp_path / "peft")

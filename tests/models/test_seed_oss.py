@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load, max_logit_diff)
+                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load, max_logit_diff,
+                                 train_logits)
 
 if not torch.cuda.is_available():  # use_kernels on the CPU runs the Triton interpreter (read when triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -34,18 +35,6 @@ CASES = {
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model)."""
     return checkpoint_cases(tmp_path_factory, "seed_oss", CASES, **COMMON)
-
-
-def _train_logits(model, seed: int) -> torch.Tensor:
-    """Logits of the left-padded batch in training mode (dropout on), the random masks drawn from `seed`."""
-    ids, mask = left_padded()
-    model.train()
-    try:
-        with torch.no_grad():
-            torch.manual_seed(seed)
-            return model(ids, attention_mask=mask).logits[mask.bool()]
-    finally:
-        model.eval()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -94,9 +83,9 @@ def test_training_dropouts_match_transformers(checkpoints, attn):
     ours = load(folder, attn_implementation=attn)
     hf.set_attn_implementation(attn)
     try:
-        expected = _train_logits(hf, seed=3)
-        assert (_train_logits(ours, seed=3) - expected).abs().max() < 1e-4
-        assert (_train_logits(ours, seed=4) - expected).abs().max() > 1e-2  # the masks do change the logits
+        expected = train_logits(hf, seed=3)
+        assert (train_logits(ours, seed=3) - expected).abs().max() < 1e-4
+        assert (train_logits(ours, seed=4) - expected).abs().max() > 1e-2  # the masks do change the logits
     finally:
         hf.set_attn_implementation("sdpa")
 
@@ -164,5 +153,5 @@ def test_use_kernels_keeps_logits_and_the_branch_dropouts(checkpoints, monkeypat
         calls = []
         original = swiglu.silu_and_mul
         monkeypatch.setattr(swiglu, "silu_and_mul", lambda *a: calls.append(1) or original(*a))
-        assert (_train_logits(ours, seed=3) - _train_logits(hf, seed=3)).abs().max() < 1e-4
+        assert (train_logits(ours, seed=3) - train_logits(hf, seed=3)).abs().max() < 1e-4
         assert len(calls) == len(ours.model.layers)  # train() kept the SwiGLU kernel

@@ -16,7 +16,8 @@ import torch
 
 from tests.fixtures.checkpoints import rewrite_config
 from tests.models.parity import (assert_engine_matches_generate, assert_greedy_matches, assert_loss_matches_and_trains,
-                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load, max_logit_diff)
+                                 assert_tensor_parallel_matches, checkpoint_cases, left_padded, load, max_logit_diff,
+                                 train_logits)
 
 if not torch.cuda.is_available():  # use_kernels on the CPU runs the Triton interpreter (read when triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,18 +36,6 @@ CASES = {
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model)."""
     return checkpoint_cases(tmp_path_factory, "starcoder2", CASES, **TOKENS)
-
-
-def _train_logits(model, seed: int) -> torch.Tensor:
-    """Logits of the left-padded batch in training mode (dropout on), the random masks drawn from `seed`."""
-    ids, mask = left_padded()
-    model.train()
-    try:
-        with torch.no_grad():
-            torch.manual_seed(seed)
-            return model(ids, attention_mask=mask).logits[mask.bool()]
-    finally:
-        model.eval()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -120,9 +109,9 @@ def test_training_dropouts_match_transformers(checkpoints, tmp_path):
     rewrite_config(tmp_path, embedding_dropout=0.1, attention_dropout=0.1, residual_dropout=0.2)
     ours = load(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    expected = _train_logits(hf, seed=3)
-    assert (_train_logits(ours, seed=3) - expected).abs().max() < 1e-4
-    assert (_train_logits(ours, seed=4) - expected).abs().max() > 1e-2  # the masks do change the logits
+    expected = train_logits(hf, seed=3)
+    assert (train_logits(ours, seed=3) - expected).abs().max() < 1e-4
+    assert (train_logits(ours, seed=4) - expected).abs().max() > 1e-2  # the masks do change the logits
     assert max_logit_diff(ours, hf, *left_padded()) < 1e-4  # and inference drops nothing
 
 

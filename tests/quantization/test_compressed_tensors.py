@@ -69,14 +69,14 @@ def _calibrate(module):
         module.input_scale.data.fill_(0.05)
 
 
-def write_compressed(folder: Path, weights, dtype, ignore) -> nn.Module:
-    """A tiny llama compressed to disk by compressed-tensors: the transformers model it started from (unquantized)."""
+def compress_in_place(model: nn.Module, weights, ignore):
+    """Quantize `model`'s Linear layers with compressed-tensors (a preset name such as "W4A16", or QuantizationArgs
+    fields), calibrate them and compress their weights in place, as llm-compressor does before saving; returns the
+    compressor (its update_config writes the checkpoint's quantization_config)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config, preset_name_to_scheme)
 
-    model = make_checkpoint(folder).to(dtype)
-    original = copy.deepcopy(model)
     scheme = (preset_name_to_scheme(weights, ["Linear"]) if isinstance(weights, str)
               else QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights)))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore),
@@ -86,6 +86,14 @@ def write_compressed(folder: Path, weights, dtype, ignore) -> nn.Module:
             _calibrate(module)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
+    return compressor
+
+
+def write_compressed(folder: Path, weights, dtype, ignore) -> nn.Module:
+    """A tiny llama compressed to disk by compressed-tensors: the transformers model it started from (unquantized)."""
+    model = make_checkpoint(folder).to(dtype)
+    original = copy.deepcopy(model)
+    compressor = compress_in_place(model, weights, ignore)
     model.save_pretrained(folder)
     compressor.update_config(folder)
     return original

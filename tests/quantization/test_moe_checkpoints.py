@@ -166,22 +166,10 @@ def _linear_tree(state: dict, router: bool) -> nn.Module:
 
 def write_compressed(source: Path, state: dict, folder: Path, weights, ignore: list[str]) -> tuple[Path, dict]:
     """Compressed by the compressed-tensors package (llm-compressor's save): (folder, dequantized tensors)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config, preset_name_to_scheme)
-
-    from tests.quantization.test_compressed_tensors import _calibrate
+    from tests.quantization.test_compressed_tensors import compress_in_place
 
     tree = _linear_tree(state, router=True)
-    scheme = (preset_name_to_scheme(weights, ["Linear"]) if isinstance(weights, str)
-              else QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights)))
-    apply_quantization_config(tree, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore),
-                              show_progress=False)
-    for module in tree.modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            _calibrate(module)
-    compressor = ModelCompressor.from_pretrained_model(tree)
-    compressor.compress_model(tree)
+    compressor = compress_in_place(tree, weights, ignore)
     tensors = {name: value.detach() for name, value in tree.state_dict().items()}
     compressor.decompress_model(tree)  # the package's own dequantization: the reference weights
     reference = {name: value.detach().float() for name, value in tree.state_dict().items()}
