@@ -2,7 +2,8 @@
 graphs and async batching decided by the device) and each request's SamplingParams from a GenerationConfig, with
 the GenerationConfig fields the engine does not honour refused by name.
 
-Offers: ContinuousBatchingConfig, sampling_params_from, unhonoured_fields, check_honoured, free_memory.
+Offers: ContinuousBatchingConfig, sampling_params_from, unhonoured_fields, check_honoured, free_memory,
+decide_prepack.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from gpuformers.engine.cpu_weights import packable_linears, prepack_available
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
@@ -31,6 +33,9 @@ class ContinuousBatchingConfig:
     allow_block_sharing: bool = True  # prefix caching
     use_async_batching: bool | None = None  # default: on with CUDA (True on the CPU works, with nothing to overlap)
     use_cuda_graph: bool | None = None
+    # CPU only: a oneDNN-packed copy of each float32 linear weight for the 4..192-row matmuls of a step
+    # (cpu_weights.py). Default: on when the copies take at most a quarter of the free RAM.
+    prepack_weights: bool | None = None
     scheduler_type: str = "fifo"
     return_logprobs: bool = False
     seed: int | None = None
@@ -68,9 +73,34 @@ class ContinuousBatchingConfig:
             raise NotImplementedError("CUDA graphs with tensor parallelism (collectives inside a captured graph) are "
                                       "not supported yet; leave use_cuda_graph None (off under tp_plan)")
         values["use_cuda_graph"] = (cuda and tp_size == 1) if self.use_cuda_graph is None else self.use_cuda_graph
+        values["prepack_weights"] = decide_prepack(self.prepack_weights, model, tp_size)
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
         return ContinuousBatchingConfig(**values)
+
+
+def decide_prepack(asked: bool | None, model, tp_size: int) -> bool:
+    """prepack_weights for this model: False when asked so; else on for float32 linear layers on the CPU in one
+    process with oneDNN, automatically only while their packed copies take at most a quarter of the free RAM;
+    asked True where it cannot apply is a ValueError saying why."""
+    if asked is False:
+        return False
+    linears = packable_linears(model)
+    why_not = None
+    if model.device.type != "cpu":
+        why_not = f"the model is on {model.device}; packed weights are for the CPU"
+    elif tp_size > 1:
+        why_not = "the model is split by tensor parallelism"
+    elif not prepack_available():
+        why_not = "this torch build has no oneDNN (torch.backends.mkldnn)"
+    elif not linears:
+        why_not = "the model has no float32 nn.Linear layers"
+    if why_not is not None:
+        if asked:
+            raise ValueError(f"prepack_weights=True: {why_not}; leave it None for automatic")
+        return False
+    copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
+    return bool(asked) or copies <= free_memory(model.device, cap=False) // 4
 
 
 def free_memory(device: torch.device, cap: bool = True) -> int:

@@ -94,7 +94,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
                                           place_contiguously=model.device.type != "cuda")
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
-        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size)
+        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size, prepack_weights=cfg.prepack_weights)
         self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)
         logger.info("continuous batching: %s", self.memory_summary())
         if cfg.use_cuda_graph and not adapters:
@@ -130,6 +130,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
         cfg = self.config
         bank = self.adapter_bank
         adapters = f", {len(bank)} LoRA adapter(s) {format_size(bank.nbytes)}" if bank else ""
+        packed = self.runner.packed
+        adapters += f", prepacked linear weights {format_size(packed.nbytes)}" if packed else ""
         return (f"weights {format_size(weights)}{adapters}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks "
                 f"of {cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
                 f"{format_size(free_memory(self.model.device, cap=False))} free on {self.model.device}")

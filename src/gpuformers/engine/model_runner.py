@@ -31,10 +31,12 @@ Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, PROMPT_LOGITS_ROWS.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
+from gpuformers.engine.cpu_weights import PackedLinears
 from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.sampler import TokenCounts, device_tensor, sample_on_device, to_host_samples
@@ -70,7 +72,8 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                 prepack_weights: bool = False):
         self.model = model
         config = model.config
         self.device = model.device
@@ -94,6 +97,8 @@ class ModelRunner:
         self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
         self.adapter_bank = None  # the manager's AdapterBank (lora.py): LoRA adapters of the step's sequences
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
+        # CPU: oneDNN-packed copies of the linear weights, in use during each eager step (cpu_weights.py)
+        self.packed = PackedLinears(model) if prepack_weights else None
 
     # --- inputs -------------------------------------------------------------------------------------------------
 
@@ -170,13 +175,14 @@ class ModelRunner:
             if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
                 logits = logits.index_select(0, device_tensor(sample_rows, logits.device))
         else:
-            with paged_context(context), adapter_rows(lora_rows):
-                hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
-                                         past_key_values=PagedKVCache(context))
-            # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
-            logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
-            for seq, first, rows in prompt_rows:
-                self._record_prompt_logprobs(hidden[0], seq, first, rows)
+            with self.packed.active() if self.packed else contextlib.nullcontext():
+                with paged_context(context), adapter_rows(lora_rows):
+                    hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
+                                             past_key_values=PagedKVCache(context))
+                # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
+                logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
+                for seq, first, rows in prompt_rows:
+                    self._record_prompt_logprobs(hidden[0], seq, first, rows)
         sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
         tokens, logprob_rows, on_device = sample_on_device(logits, sampling, self.token_counts)
         event = None
