@@ -36,27 +36,34 @@ def test_packed_linear_equals_f_linear_and_leaves_other_row_counts_to_it():
     assert "forward" not in layer.__dict__
 
 
-def test_engine_tokens_equal_generate_with_packed_weights_and_the_model_is_left_as_it_was(monkeypatch):
-    model = tiny_model()
+@pytest.mark.parametrize("model_type, overrides", [("qwen3", {}), ("qwen2", {"qkv_bias": True})])
+def test_engine_tokens_equal_generate_with_packed_weights_and_the_model_is_left_as_it_was(monkeypatch, model_type,
+                                                                                         overrides):
+    model = tiny_model(model_type, **overrides)
     prompts = make_prompts(24)
     expected = greedy_reference(model, prompts)
     manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(
         prepack_weights=True))
-    assert manager.runner.packed is not None and len(manager.runner.packed.layers) == len(packable_linears(model))
+    groups = [[layer for layer in group.layers] for group in manager.runner.packed.groups]
+    assert sorted(id(layer) for group in groups for layer in group) == sorted(map(id, packable_linears(model)))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [attention.q_proj, attention.k_proj, attention.v_proj] in groups  # siblings share one matmul
+    assert [mlp.gate_proj, mlp.up_proj] in groups and [mlp.down_proj] in groups
     assert "prepacked linear weights" in manager.memory_summary()
     rows_seen = []
-    packed_forward = cpu_weights._Packed.forward
+    packed_forward = cpu_weights._PackedGroup.forward
 
-    def spy(self, layer, x):
+    def spy(self, index, x):
         rows_seen.append(x.numel() // x.shape[-1])
-        return packed_forward(self, layer, x)
+        return packed_forward(self, index, x)
 
-    monkeypatch.setattr(cpu_weights._Packed, "forward", spy)
+    monkeypatch.setattr(cpu_weights._PackedGroup, "forward", spy)
     ids = [manager.add_request(p, max_new_tokens=10) for p in prompts]
     manager.run_until_done()
     assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == expected
     assert any(rows in PACKED_ROWS for rows in rows_seen)  # the packed path did run
     assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
+    assert all(group.last_input is None for group in manager.runner.packed.groups)  # no activations kept
 
 
 def test_a_weight_changed_between_steps_is_packed_again():
@@ -69,6 +76,7 @@ def test_a_weight_changed_between_steps_is_packed_again():
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(3.0)  # in place: the same storage, a new version
+            layer.self_attn.k_proj.weight.mul_(-2.0)  # one layer of a sibling group
         model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(
             model.model.layers[0].self_attn.o_proj.weight.flip(0).clone())  # a new storage
     expected = greedy_reference(model, prompts, new_tokens=6)
