@@ -13,7 +13,7 @@ from gpuformers.engine import cpu_weights
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.engine.cpu_weights import PACKED_ROWS, PackedLinears, packable_linears, prepack_available
 from gpuformers.engine.manager import ContinuousBatchingManager
-from tests.engine.test_engine import greedy_reference, make_prompts, tiny_model
+from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
 
@@ -83,6 +83,15 @@ def test_a_weight_changed_between_steps_is_packed_again():
     ids = [manager.add_request(p, max_new_tokens=6) for p in prompts]
     manager.run_until_done()
     assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == expected
+
+
+def test_weights_made_in_inference_mode():
+    with torch.inference_mode():  # weights without a version counter, as a loader in inference mode leaves them
+        model = tiny_model()
+    prompts = make_prompts(6, seed=5)
+    expected = greedy_reference(model, prompts)
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS, progress_bar=False, prepack_weights=True)
+    assert [r.generated_tokens for r in out.values()] == expected
 
 
 def test_automatic_decision():

@@ -45,10 +45,12 @@ def prepack_available() -> bool:
 
 
 def packable_linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's plain float32 nn.Linear layers on the CPU (quantized and LoRA layers are other classes; the base
-    layer inside a LoRA wrapper is a plain one and counts)."""
+    """The model's plain float32 nn.Linear layers on the CPU with plain weights (quantized and LoRA layers are other
+    classes, but the base layer inside a LoRA wrapper is a plain one and counts; tensor-parallel weights are
+    DTensors and do not)."""
     return [m for m in model.modules()
-            if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+            if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)  # not a DTensor, say
+            and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
 
 
 # Sibling layers that a decoder feeds the same input, one after the other: one packed weight serves each group
@@ -68,9 +70,10 @@ class _PackedGroup:
         self.last_input = self.last_outputs = None
         self.repack()
 
+    @torch.inference_mode()  # the copies are constants: no autograd record of the concatenation
     def repack(self) -> None:
-        weight = torch.cat([layer.weight.detach() for layer in self.layers]) if len(self.layers) > 1 \
-            else self.layers[0].weight.detach()
+        weight = torch.cat([layer.weight for layer in self.layers]) if len(self.layers) > 1 \
+            else self.layers[0].weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
         self.versions = self._weight_versions()
 
