@@ -31,13 +31,15 @@ def main() -> None:
         model.generate(batch.to(dev), attention_mask=mask.to(dev), pad_token_id=0, **greedy).cpu(),
         whole.generate(batch, attention_mask=mask, pad_token_id=0, **greedy))
     # Each linear layer's local weight shape by its own name (q_proj, c_fc, query_key_value, ...): layer 0's, then
-    # the last layer's MLP, dense in every model here (in the MoE checkpoint, layer 0 is sparse and layer 1 dense)
-    layers = [*model.model.layers[0].named_modules(), *model.model.layers[-1].mlp.named_modules()]
+    # the last layer's MLP, dense in every model here (in the MoE checkpoint, layer 0 is sparse and layer 1 dense).
+    # 2-D weights: nn.Linear (out, in) and GPT-2's Conv1D (in, out); GPT-2's stack names its layers h
+    decoder_layers = getattr(model.model, "layers", None) or model.model.h
+    layers = [*decoder_layers[0].named_modules(), *decoder_layers[-1].mlp.named_modules()]
     result["local_shapes"] = {
         name.rpartition(".")[2]: list(getattr(module.weight, "_local_tensor", module.weight).shape)
         for name, module in layers
         if name and "experts" not in name and getattr(getattr(module, "weight", None), "ndim", 0) == 2}
-    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    experts = getattr(decoder_layers[0].mlp, "experts", None)
     if experts is not None:  # split as plain tensors (local_colwise / local_rowwise)
         result["expert_shapes"] = [list(experts[0].gate_proj.weight.shape), list(experts[0].down_proj.weight.shape)]
         result["experts_plain"] = not hasattr(experts[0].gate_proj.weight, "_local_tensor")

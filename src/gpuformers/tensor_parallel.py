@@ -16,6 +16,15 @@ The llama family's plan (the one transformers writes for these models), over one
                                                   gradients are summed over the processes in the backward
     embeddings, norms, lm_head                    whole in every process (every process gets the full logits)
 
+Other families name their own plans (a model class's tp_plan_auto). Two more styles serve them:
+
+    "packed_colwise"     a layer whose output is `packed_parts` equal parts concatenated (GPT-2's c_attn: q | k | v):
+                         each part split column-wise on its own, so a process holds [q_r | k_r | v_r] (its heads of
+                         each); the weight is a DTensor sharded with torch's _StridedShard, so gathering it (save,
+                         checkpoints) gives the checkpoint's layout back
+    Conv1D layers        weights stored (in, out) (transformers' Conv1D; `fan_in_fan_out = True` on the layer's
+                         class): "colwise" splits weight dim 1, "rowwise" dim 0, the transpose of nn.Linear's
+
 The decoder code does not change: a layer's heads are read from the width of its local q/k/v output, so each
 process attends over num_attention_heads / tp_size heads and num_key_value_heads / tp_size key-value heads, and its
 KV cache holds only those. Every process runs the same generate() on the same input and gets the same tokens.
@@ -48,7 +57,8 @@ import functools
 import torch
 from torch import nn
 
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "allreduce")
+TP_STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce", "local_colwise", "local_rowwise",
+             "allreduce")
 LLAMA_TP_PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.k_proj": "colwise",
@@ -66,7 +76,8 @@ LLAMA_TP_PLAN = {
     "model.layers.*.mlp.experts.*.down_proj": "local_rowwise",
     "model.layers.*.mlp": "allreduce",  # kept only for modules holding local_rowwise layers (the sparse blocks)
 }
-_LINEAR_STYLES = ("colwise", "rowwise", "local_colwise", "local_rowwise")
+_LINEAR_STYLES = ("colwise", "rowwise", "packed_colwise", "local_colwise", "local_rowwise")
+_DTENSOR_STYLES = ("colwise", "rowwise", "packed_colwise")  # split by torch's parallelize_module
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
@@ -97,7 +108,7 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
     stays, so the device never holds the whole model. Needs the process group (torchrun)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tensor parallelism needs several processes: start the script with torchrun "
@@ -111,16 +122,22 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
     check_tp_size(model.config, tp_size)
     for name, style in plan.items():
         layer = model.get_submodule(name)
-        if style in _LINEAR_STYLES and type(layer) is not nn.Linear:
+        conv1d = _fan_in_fan_out(layer) and style in _DTENSOR_STYLES
+        if style in _LINEAR_STYLES and type(layer) is not nn.Linear and not conv1d:
             raise NotImplementedError(f"tensor parallelism over {name} ({type(layer).__name__}) is not supported: "
-                                      "only plain nn.Linear layers are split (no quantized or LoRA layers yet)")
+                                      "only plain nn.Linear and Conv1D layers are split (no quantized or LoRA layers "
+                                      "yet)")
+        parts = getattr(layer, "packed_parts", 1)
+        if style == "packed_colwise" and (not isinstance(parts, int) or parts < 2):
+            raise ValueError(f"tp_plan: {name} is 'packed_colwise' but its layer declares no packed outputs "
+                             f"(packed_parts={parts!r}); use 'colwise', or set packed_parts on the layer")
         if style == "local_rowwise" and layer.bias is not None:
             raise NotImplementedError(f"{name}: a local_rowwise layer with a bias is not supported (the bias would be "
                                       "added once per process)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     mesh = init_device_mesh(device.type, (tp_size,))
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items() if style in styles})
+    parallelize_module(model, mesh, {name: _parallel_style(model.get_submodule(name), style)
+                                     for name, style in plan.items() if style in _DTENSOR_STYLES})
     rank = dist.get_rank()
     for name, style in plan.items():
         if style in ("local_colwise", "local_rowwise"):
@@ -136,6 +153,79 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
                 model.get_submodule(name).register_forward_hook(functools.partial(_sum_output, group))
     model.tp_size, model.tp_plan, model.device_mesh = tp_size, plan, mesh
     return mesh
+
+
+def _fan_in_fan_out(layer: nn.Module) -> bool:
+    """The layer stores its weight (in, out), the transpose of an nn.Linear's (transformers' Conv1D): its class says
+    so with `fan_in_fan_out = True` (a LoRA wrapper's instance attribute of that name does not count)."""
+    return getattr(type(layer), "fan_in_fan_out", False) is True
+
+
+def _parallel_style(layer: nn.Module, style: str):
+    """The ParallelStyle that splits `layer`: torch's ColwiseParallel / RowwiseParallel for an nn.Linear; for a
+    Conv1D (weight (in, out)) the same with the weight's other dims, and for "packed_colwise" each packed part sharded
+    on its own."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    conv1d = _fan_in_fan_out(layer)
+    if style != "packed_colwise" and not conv1d:
+        return ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    colwise, rowwise = _styles()
+    out_dim = 1 if conv1d else 0  # the output features' dim of the weight
+    if style == "rowwise":
+        return rowwise(weight=Shard(1 - out_dim), bias=Replicate())
+    if style == "colwise":
+        return colwise(weight=Shard(out_dim), bias=Shard(0))
+    # _StridedShard(dim, split_factor=parts): the dim cut into `parts` chunks, each chunk sharded over the processes
+    # and a process's shards of every chunk side by side: [q_r | k_r | v_r] of q | k | v
+    parts = layer.packed_parts
+    return colwise(weight=_StridedShard(out_dim, split_factor=parts), bias=_StridedShard(0, split_factor=parts))
+
+
+@functools.cache
+def _styles():
+    """ColwiseParallel and RowwiseParallel with the weight's and bias's placements given, for any layer that
+    computes with `weight` and `bias` (a Conv1D, a packed layer); classes made on first use, as torch.distributed's
+    tensor-parallel module is imported only when a model is split."""
+    from torch.distributed.tensor import distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def partition(placements: dict):
+        def partition_fn(name, module, mesh):
+            for attr, placement in placements.items():
+                param = getattr(module, attr, None)
+                if param is not None:
+                    module.register_parameter(attr, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                                 requires_grad=param.requires_grad))
+        return partition_fn
+
+    class Colwise(ColwiseParallel):
+        """The output goes back as this process's columns as they are: a packed output is _StridedShard, which
+        ColwiseParallel would redistribute to Shard(-1), moving data between the processes."""
+
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.partition_fn = partition({"weight": weight, "bias": bias})
+
+        def _apply(self, module, device_mesh):
+            prepare_input = functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+            return distribute_module(module, device_mesh, self.partition_fn, prepare_input,
+                                     lambda mod, outputs, mesh: outputs.to_local())
+
+    class Rowwise(RowwiseParallel):
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.partition_fn = partition({"weight": weight, "bias": bias})
+            self.desired_input_layouts = self.input_layouts  # Shard(-1): the column-parallel layer's output
+
+        def _apply(self, module, device_mesh):
+            prepare_input = functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+            prepare_output = functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+            return distribute_module(module, device_mesh, self.partition_fn, prepare_input, prepare_output)
+
+    return Colwise, Rowwise
 
 
 def _split_locally(layer: nn.Linear, dim: int, rank: int, tp_size: int, device: torch.device) -> None:

@@ -249,13 +249,6 @@ def test_lora_on_conv1d_matches_peft(checkpoints, tmp_path):
     assert_engine_serves_adapter(folder, tmp_path / "adapter")
 
 
-def test_quantizing_the_conv1d_layers_is_refused_by_name(checkpoints):
-    from gpuformers.quantization import WeightOnlyConfig
-
-    with pytest.raises(NotImplementedError, match=r"Conv1D-style layers \(GPT2Conv1D: transformer\.h\.0\.attn\.c_attn"):
-        load(checkpoints["tied"][0], quantization_config=WeightOnlyConfig(bits=8))
-
-
 @pytest.mark.parametrize("setting, value", [("scale_attn_by_inverse_layer_idx", True),
                                             ("reorder_and_upcast_attn", True), ("add_cross_attention", True),
                                             ("activation_function", "quick_gelu")])
@@ -266,8 +259,20 @@ def test_unsupported_settings_are_refused_by_name(setting, value):
         ModelConfig.from_dict({"model_type": "gpt2", **TINY, setting: value})
 
 
-def test_tensor_parallel_auto_is_refused(checkpoints):
+def test_tensor_parallel_plan_names_gpt2_modules(checkpoints):
     from gpuformers.tensor_parallel import _resolve_plan
 
-    with pytest.raises(NotImplementedError, match='tp_plan="auto" for GPT2LMHeadModel is not supported'):
-        _resolve_plan(load(checkpoints["tied"][0]), "auto")
+    plan = _resolve_plan(load(checkpoints["tied"][0]), "auto")
+    assert plan == {f"transformer.h.{i}.{name}": style for i in range(2) for name, style in
+                    [("attn.c_attn", "packed_colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
+                     ("mlp.c_proj", "rowwise")]}
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_over_two_processes_matches_the_whole_model(checkpoints, tmp_path):
+    # c_attn's q | k | v split one by one (each process: its 2 heads of q, of k and of v), the Conv1D weights (in, out)
+    # split along their other dims, the row-wise biases added once; saving gathers the checkpoint's layout back
+    from tests.models.parity import assert_tensor_parallel_matches
+
+    shapes = assert_tensor_parallel_matches(checkpoints["untied-inner-gelu"][0], tmp_path)["local_shapes"]
+    assert shapes["c_attn"] == [64, 3 * 64 // 2] and shapes["c_fc"] == [64, 96 // 2] and shapes["c_proj"] == [48, 64]

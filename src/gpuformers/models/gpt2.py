@@ -15,12 +15,16 @@ transformers reads. Module names are transformers' (transformer.h.{i}.attn.c_att
 bare GPT2Model (openai-community/gpt2's own file: h.{i}..., wte, no "transformer.") loads through rename rules, in
 both directions (checkpoint_fan_out). `model` is the stack under its llama name, for the engine and the heads.
 
-Not supported, refused by name: scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, add_cross_attention,
-tp_plan="auto" (the llama plan names q/k/v projections), activations other than those in ACTIVATIONS. The Conv1D
-layers are not nn.Linear: LoRA (which gpuformers applies to nn.Linear, without fan_in_fan_out) and weight
-quantization do not reach them.
+tp_plan="auto" (GPT2_TP_PLAN): c_attn "packed_colwise" (its q | k | v outputs are split one by one, so each process
+gets its own heads of each), attn.c_proj and mlp.c_proj row-wise (their bias added once, after the sum), mlp.c_fc
+column-wise. tensor_parallel.py splits a Conv1D along its (in, out) weight's other dims (fan_in_fan_out).
+transformers' own GPT-2 plan (base_model_tp_plan) is empty: it does not split GPT-2.
 
-Offers: GPT2Config, GPT2Conv1D, GPT2Attention, GPT2MLP, GPT2Block, GPT2Decoder, GPT2LMHeadModel, ACTIVATIONS.
+Not supported, refused by name: scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, add_cross_attention,
+activations other than those in ACTIVATIONS.
+
+Offers: GPT2Config, GPT2Conv1D, GPT2Attention, GPT2MLP, GPT2Block, GPT2Decoder, GPT2LMHeadModel, GPT2_TP_PLAN,
+ACTIVATIONS.
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ _RENAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "
             "n_positions": "max_position_embeddings", "activation_function": "hidden_act"}
 # GPT2Config options that change the math in ways this file does not implement
 _REFUSED = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
+# tp_plan="auto" (module doc); the bare GPT2Model's modules (h.*, no "transformer.") are not split, as for llama
+GPT2_TP_PLAN = {
+    "transformer.h.*.attn.c_attn": "packed_colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+}
 
 
 class GPT2Config(ModelConfig):
@@ -115,13 +126,16 @@ class GPT2Config(ModelConfig):
 
 class GPT2Conv1D(nn.Module):
     """transformers' Conv1D: x @ weight + bias, with the weight stored (in_features, out_features), the checkpoint's
-    layout (an nn.Linear holds its transpose). LoRA wraps it as a linear layer (peft's fan_in_fan_out)."""
+    layout (an nn.Linear holds its transpose). LoRA wraps it as a linear layer (peft's fan_in_fan_out); tensor
+    parallelism splits the weight's other dims; quantization transposes it into a Linear's quantized layer.
+    packed_parts: how many equal outputs the layer concatenates (3 for c_attn: q | k | v), which "packed_colwise"
+    splits one by one."""
 
-    fan_in_fan_out = True  # lora/layers.py: merges add the update transposed
+    fan_in_fan_out = True  # lora/layers.py, tensor_parallel.py, quantization/config.py: the weight is (in, out)
 
-    def __init__(self, in_features: int, out_features: int, std: float = 0.02):
+    def __init__(self, in_features: int, out_features: int, std: float = 0.02, packed_parts: int = 1):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.packed_parts = in_features, out_features, packed_parts
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
         nn.init.normal_(self.weight, std=std)  # what from_config draws; from_pretrained overwrites it
@@ -151,15 +165,16 @@ class GPT2Attention(nn.Module):
         self.resid_pdrop = float(config.extra["resid_pdrop"])
         self.sliding_window = None
         hidden = config.hidden_size
-        self.c_attn = GPT2Conv1D(hidden, 3 * hidden, std=config.initializer_range)
+        self.c_attn = GPT2Conv1D(hidden, 3 * hidden, std=config.initializer_range, packed_parts=3)
         self.c_proj = GPT2Conv1D(hidden, hidden, std=_projection_std(config))
         self.attention_fn = AttentionInterface.get("sdpa")
 
     def forward(self, hidden_states, attention_mask, past_key_values, cache_position=None):
         batch, seq, _ = hidden_states.shape
         c_attn, c_proj = plain_calls(self, "c_attn", "c_proj")
-        # (batch, seq, 3 hidden) -> q, k, v each (batch, heads, seq, head_dim)
-        q, k, v = c_attn(hidden_states).view(batch, seq, 3, self.num_heads, self.head_dim).transpose(1, 3).unbind(2)
+        # (batch, seq, 3 hidden) -> q, k, v each (batch, heads, seq, head_dim); heads from the width: under tensor
+        # parallelism c_attn gives this process's share of the heads
+        q, k, v = c_attn(hidden_states).view(batch, seq, 3, -1, self.head_dim).transpose(1, 3).unbind(2)
         if past_key_values is not None:
             k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
         out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
@@ -254,7 +269,7 @@ class GPT2LMHeadModel(LlamaForCausalLM):
     decoder_model_class = GPT2Decoder
     decoder_layer_class = GPT2Block
     no_split_modules = ("GPT2Block",)
-    tp_plan_auto = None  # the llama plan splits q_proj / k_proj / v_proj, which GPT-2 fuses into c_attn
+    tp_plan_auto = GPT2_TP_PLAN
     checkpoint_fan_out = _checkpoint_renames()
 
     def __init__(self, config: ModelConfig):

@@ -12,7 +12,9 @@ Three methods:
 `quantize_linear_layers` swaps a model's `nn.Linear` layers (built on the meta device, before any weight is read)
 for the method's quantized layer, which then quantizes each weight as the loader hands it over: a float checkpoint
 is quantized while loading (peak memory about one layer), a pre-quantized one is read as it is. The LM head is kept
-in full precision unless named otherwise, as transformers does.
+in full precision unless named otherwise, as transformers does. Conv1D-style layers (GPT-2's: weights stored
+(in, out), `fan_in_fan_out`) are swapped too, and their weights go in transposed: the quantized layer is a Linear with
+the same outputs, as in transformers' bitsandbytes integration (a quantized checkpoint then stores them (out, in)).
 
 - `CompressedTensorsConfig` (quant_method "compressed-tensors"): checkpoints written by llm-compressor, read by
   quantization/compressed_tensors.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
@@ -297,7 +299,8 @@ def _skipped(name: str, skip: list[str]) -> bool:
 
 def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: torch.dtype,
                            loaded: bool = False) -> list[str]:
-    """Swap every nn.Linear of `model` that `config` does not skip for its quantized layer; returns the names.
+    """Swap every nn.Linear (and Conv1D-style layer, module doc) of `model` that `config` does not skip for its
+    quantized layer; returns the names.
 
     Before loading (`loaded=False`, the model on the meta device) the new layers quantize their weights as the
     loader hands them over. `loaded=True` quantizes a model whose weights are already there (a GGUF file,
@@ -335,31 +338,39 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
             return WeightOnlyLinear(linear.in_features, linear.out_features, linear.bias is not None, config.bits,
                                     group_size, dtype, device="meta")
 
+    from gpuformers.lora.layers import is_fan_in_fan_out
+
     tied = set(getattr(model, "tied_weights", {}))
     names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear and not _skipped(name, config.skip_modules)]
+             if (type(module) is nn.Linear or is_fan_in_fan_out(module)) and not _skipped(name, config.skip_modules)]
+    conv1d_names = [name for name in names if is_fan_in_fan_out(model.get_submodule(name))]
+    if conv1d_names and isinstance(config, FineGrainedFP8Config):
+        raise NotImplementedError(f"FineGrainedFP8Config loads FP8 checkpoints of Linear layers; "
+                                  f"{type(model).__name__} has Conv1D-style layers ({conv1d_names[0]}, ...): "
+                                  "quantize it with WeightOnlyConfig or BitsAndBytesConfig")
     if not names:
-        from gpuformers.lora.layers import is_fan_in_fan_out
-
-        conv1d = [name for name, module in model.named_modules() if is_fan_in_fan_out(module)]
-        if conv1d:  # GPT-2's layers keep the checkpoint's (in, out) weights: no nn.Linear to swap
-            kind = type(model.get_submodule(conv1d[0])).__name__
-            raise NotImplementedError(f"quantizing Conv1D-style layers ({kind}: {conv1d[0]}, ... {len(conv1d)} in "
-                                      f"all, weights stored (in, out)) is not supported yet; load "
-                                      f"{type(model).__name__} without quantization_config")
         raise ValueError(f"quantization_config quantized no layer: every nn.Linear is in skip_modules "
                          f"{config.skip_modules}")
     for name in names:
         if f"{name}.weight" in tied:
             raise ValueError(f"{name} shares its weight with another layer (tied embeddings) and cannot be "
                              f"quantized on its own; keep it in full precision (leave it in skip_modules)")
+    if conv1d_names and not loaded:
+        # A quantized layer loads its own checkpoint keys: a rename rule whose source is one of them (GPT-2's, toward
+        # the bare GPT2Model's names) would take the key away from it, to a name no module has
+        own_keys = [f"{name}.{tensor}" for name in conv1d_names for tensor in ("weight", "bias")]
+        model.checkpoint_fan_out = tuple(rule for rule in getattr(model, "checkpoint_fan_out", ())
+                                         if not any(rule.matches(key) for key in own_keys))
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         linear = model.get_submodule(name)
         with torch.device("meta"):
             layer = make(name, linear)
+        conv1d = is_fan_in_fan_out(linear)
+        if conv1d and not loaded:
+            _load_conv1d_checkpoint(layer, linear.in_features, linear.out_features)
         if loaded:
-            layer.load_from_checkpoint("weight", linear.weight.detach())
+            layer.load_from_checkpoint("weight", linear.weight.detach().T if conv1d else linear.weight.detach())
             if linear.bias is not None:
                 layer.load_from_checkpoint("bias", linear.bias.detach())
         setattr(model.get_submodule(parent_name), attr, layer)
@@ -372,6 +383,29 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     return names
 
 
+def _load_conv1d_checkpoint(layer: nn.Module, in_features: int, out_features: int) -> None:
+    """`layer`, a Linear's quantized layer standing for a Conv1D, takes the Conv1D's float checkpoint weight
+    (in_features, out_features) transposed while the checkpoint loads (transformers' bitsandbytes loading transposes
+    it the same way). Pre-quantized tensors (already (out, in)) pass as they are. finish_loading removes this: later
+    calls (a LoRA merge requantizing) hand over (out, in) weights, which a square layer could not tell apart."""
+    load = layer.load_from_checkpoint
+
+    def load_from_checkpoint(name: str, tensor: torch.Tensor) -> None:
+        if name == "weight" and tensor.is_floating_point() and tuple(tensor.shape) == (in_features, out_features):
+            tensor = tensor.T.contiguous()
+        load(name, tensor)
+
+    load_from_checkpoint.conv1d_checkpoint = True
+    layer.load_from_checkpoint = load_from_checkpoint
+
+
+def _end_conv1d_checkpoint(model: nn.Module) -> None:
+    """Give the quantized Conv1D layers their own load_from_checkpoint back (_load_conv1d_checkpoint)."""
+    for module in model.modules():
+        if getattr(module.__dict__.get("load_from_checkpoint"), "conv1d_checkpoint", False):
+            del module.load_from_checkpoint
+
+
 def finish_loading(model: nn.Module, config: QuantizationConfig | None,
                    unexpected: list[str]) -> QuantizationConfig | None:
     """After the weights loaded: the quantization the model keeps (None for an FP8 checkpoint dequantized into
@@ -379,6 +413,7 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
     from gpuformers.quantization.moe import restore_routers
 
     restore_routers(model)  # first: a router's stand-in is one of the method's layers
+    _end_conv1d_checkpoint(model)
     if isinstance(config, CompressedTensorsConfig):
         return finish_compressed_loading(model)
     if isinstance(config, (GPTQConfig, AwqConfig)):
