@@ -1,6 +1,6 @@
-"""LoRA adapters in the PEFT format (config.py, layers.py, dora.py, embedding.py, modules_to_save.py, peft_model.py,
-and integration.py for the adapter methods on the model itself): the `peft` library's names, config file and weight
-keys, without peft.
+"""LoRA adapters in the PEFT format (config.py, layers.py, lora_model.py, dora.py, embedding.py, modules_to_save.py,
+peft_model.py, multi_adapter.py, adapter_state.py, and integration.py for the adapter methods on the model itself):
+the `peft` library's names, config file and weight keys, without peft.
 
 Each target linear layer (an nn.Linear, or for QLoRA a quantized one: bitsandbytes 4-bit / 8-bit,
 WeightOnlyLinear) is wrapped in a LoraLinear that adds a low-rank update to its output:
@@ -31,7 +31,7 @@ and is what merge_and_unload() and unload() leave in the model. On a model whose
 each copy trains apart (peft warns), unless ensure_weight_tying=True makes the head's copy the embedding's.
 
 Not here yet (each raises NotImplementedError naming it): DoRA over quantized layers or embeddings, nested
-modules_to_save, several adapters on one model, rank/alpha patterns and the other peft extras.
+modules_to_save, several adapters active at once, rank/alpha patterns and the other peft extras.
 
 Offers: LoraConfig, LoraLayer, LoraLinear, DoraLinear, LoraEmbedding, TiedLoraLinear, ModulesToSaveWrapper, LoraModel,
 PeftModel (alias PeftModelForCausalLM), get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict,
@@ -41,7 +41,8 @@ prepare_model_for_kbit_training.
 from gpuformers.lora.config import LoraConfig
 from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
-from gpuformers.lora.layers import LoraLayer, LoraLinear, LoraModel
+from gpuformers.lora.layers import LoraLayer, LoraLinear
+from gpuformers.lora.lora_model import LoraModel
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 from gpuformers.lora.peft_model import (
     PeftModel,

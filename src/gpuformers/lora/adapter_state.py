@@ -21,7 +21,7 @@ from torch import nn
 from gpuformers.lora.config import (ALL_LINEAR, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _LORA_PARTS,
                                     LoraConfig)
 from gpuformers.lora.embedding import TiedLoraLinear
-from gpuformers.lora.layers import trained_bias_names
+from gpuformers.lora.lora_model import trained_bias_names
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     adapter = {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
     for head_key, embedding_key in _tied_head_keys(model).items():
         adapter[head_key] = adapter[embedding_key].T.contiguous()
-    config = _single_config(model)
+    config = _active_config(model)
     if config is not None:
         adapter.update({k: state[k] for k in trained_bias_names(model, config.bias) if k in state})
     for name, wrapper in model.named_modules():
@@ -127,14 +127,20 @@ def _tied_head_keys(model: nn.Module) -> dict[str, str]:
     return keys
 
 
-def _single_config(model: nn.Module) -> LoraConfig | None:
+def _active_config(model: nn.Module) -> LoraConfig | None:
+    """The LoraConfig of the adapter whose layers are in the model: a PeftModel's active adapter's (the others are
+    parked), else the model's only one (None on a model holding several adapters itself, integration.py's)."""
+    from gpuformers.lora.peft_model import PeftModel  # here: peft_model.py builds on this module
+
+    if isinstance(model, PeftModel):
+        return model.base_model.peft_config[model.active_adapter]  # its LoraModel's: set before it is registered
     configs = getattr(model, "peft_config", None)
     return next(iter(configs.values())) if isinstance(configs, dict) and len(configs) == 1 else None
 
 
 def _embedding_is_targeted(model: nn.Module) -> bool:
     """peft's test (get_peft_model_state_dict): target_modules names an embedding layer."""
-    config = _single_config(model)
+    config = _active_config(model)
     targets = config.target_modules if config is not None else None
     if isinstance(targets, str):
         if targets == ALL_LINEAR:
@@ -172,7 +178,7 @@ def _saves_embedding_layers(model: nn.Module, save_embedding_layers: bool | str,
     if targeted:
         warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`.")
         return True
-    config = _single_config(model)
+    config = _active_config(model)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     base_vocab_size = _base_vocab_size(config.base_model_name_or_path) if config is not None and vocab_size else None
     if base_vocab_size and vocab_size != base_vocab_size:

@@ -21,9 +21,11 @@ active one, set_adapter(name) switches, delete_adapter of the active one activat
 save_pretrained writes the active one; disable_adapters() holds across switches. Several active at once
 (set_adapter([a, b])) raises NotImplementedError. Unlike transformers 5.24, enable_adapters() switches
 modules_to_save copies back on too (transformers leaves them off).
-Under the hood each adapter's layers are those of a PeftModel (layers.py, peft_model.py) that the model holds out of
-its module tree; the inactive ones are parked (LoraModel.park: taken out, their tensors kept), so a switch puts the
-same layers back and an optimizer holding their parameters keeps working.
+Under the hood the model holds one PeftModel (peft_model.py), out of its module tree, whose adapters are
+multi_adapter.py's: the methods here delegate to it and add transformers' differences (a new adapter becomes the
+active one, disable_adapters() holds across switches, the last adapter can be deleted). The inactive adapters are
+parked (LoraModel.park: taken out, their tensors kept), so a switch puts the same layers back and an optimizer holding
+their parameters keeps working.
 
 Offers: PeftAdapterMixin.
 """
@@ -39,13 +41,11 @@ import torch
 from gpuformers.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from gpuformers.lora.layers import LoraLayer
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
-from gpuformers.lora.multi_adapter import one_adapter_name, set_adapter_requires_grad
-from gpuformers.lora.adapter_state import get_peft_model_state_dict, set_peft_model_state_dict
+from gpuformers.lora.multi_adapter import set_adapter_requires_grad
+from gpuformers.lora.adapter_state import PEFT_KEY_PREFIX, get_peft_model_state_dict
 from gpuformers.lora.peft_model import PeftModel
 
-_PEFT_PREFIX = "base_model.model."  # peft's saved keys: the model's parameter names under PeftModel's
-_WRAPPER = "_lora_wrapper"  # the PeftModel of the active adapter, whose layers are in the model
-_ADAPTERS = "_lora_adapters"  # adapter name -> its PeftModel (the active one and the parked ones)
+_PEFT_MODEL = "_lora_peft_model"  # the PeftModel holding every adapter; its active one's layers are in the model
 _DISABLED = "_lora_disabled"  # disable_adapters() was called (it holds across set_adapter)
 
 
@@ -63,8 +63,7 @@ class PeftAdapterMixin:
         # transformers names the model the adapter was added to, whatever the config said
         config = dataclasses.replace(_lora_config(adapter_config, "adapter_config"),
                                      base_model_name_or_path=self.name_or_path)
-        self._hold(self._with_active_parked(lambda: PeftModel(self, config, adapter_name,
-                                                              autocast_adapter_dtype=False)))
+        self._add_active(adapter_name, config)
         self.set_adapter(adapter_name)
 
     def load_adapter(self, peft_model_id: str | os.PathLike | None = None, adapter_name: str | None = None,
@@ -94,27 +93,16 @@ class PeftAdapterMixin:
         config = None if peft_config is None else _lora_config(peft_config, "peft_config")
 
         if adapter_state_dict is None:
-            def load() -> PeftModel:
-                return PeftModel.from_pretrained(self, peft_model_id, adapter_name=adapter_name,
-                                                 is_trainable=is_trainable, config=config,
-                                                 autocast_adapter_dtype=False, **dataclasses.asdict(hub))
+            weights, config = PeftModel._adapter_files(peft_model_id, config, is_trainable, dataclasses.asdict(hub))
         else:
             if config is None:
                 config = LoraConfig.from_pretrained(resolve_model_dir(peft_model_id, [CONFIG_NAME], hub))
             config = dataclasses.replace(config, inference_mode=not is_trainable)
-
-            def load() -> PeftModel:
-                wrapper = PeftModel(self, config, adapter_name, autocast_adapter_dtype=False, _strict=False)
-                try:
-                    set_peft_model_state_dict(wrapper, {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: v
-                                                        for k, v in adapter_state_dict.items()})
-                except Exception:
-                    _take_out(wrapper)
-                    raise
-                if not is_trainable:
-                    self.eval()
-                return wrapper
-        self._hold(self._with_active_parked(load))  # the new adapter is the active one, as in transformers
+            weights = {k if k.startswith(PEFT_KEY_PREFIX) else PEFT_KEY_PREFIX + k: v
+                       for k, v in adapter_state_dict.items()}
+        self._add_active(adapter_name, config, weights)  # the new adapter is the active one, as in transformers
+        if not is_trainable:
+            self.eval()
 
     # --- the active adapter ----------------------------------------------------------------------------------
 
@@ -122,8 +110,8 @@ class PeftAdapterMixin:
         """Make `adapter_name` the active adapter (the others stay loaded, unused); as peft's set_adapter, its
         weights then require grad."""
         self._require_adapter()
-        self._activate(one_adapter_name(adapter_name, list(self.peft_config)))
-        self._set_lora_requires_grad(True)
+        self.__dict__[_PEFT_MODEL].set_adapter(adapter_name)
+        self._apply_disabled()
 
     def disable_adapters(self) -> None:
         """Run the base model alone (LoRA layers off, modules_to_save back to their originals; the adapter stays,
@@ -131,18 +119,18 @@ class PeftAdapterMixin:
         self._require_adapter()
         self.__dict__[_DISABLED] = True
         self._apply_disabled()
-        self._set_lora_requires_grad(False)
+        set_adapter_requires_grad(self, False)
 
     def enable_adapters(self) -> None:
         """Run the active adapter again; as peft's, its weights then require grad."""
         self._require_adapter()
         self.__dict__[_DISABLED] = False
         self._apply_disabled()
-        self._set_lora_requires_grad(True)
+        set_adapter_requires_grad(self, True)
 
     def active_adapters(self) -> list[str]:
         self._require_adapter()
-        return [self.__dict__[_WRAPPER].active_adapter]
+        return self.__dict__[_PEFT_MODEL].active_adapters
 
     def get_adapter_state_dict(self, adapter_name: str | None = None,
                                state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -157,11 +145,12 @@ class PeftAdapterMixin:
         if state_dict is not None:
             raise ValueError(f"state_dict holds the active adapter's tensors ({active!r}), not {adapter_name!r}'s; "
                              f"set_adapter({adapter_name!r}) first")
-        self._switch(adapter_name)  # its layers in the model for a moment, to read their tensors
+        peft_model = self.__dict__[_PEFT_MODEL]
+        peft_model._switch(adapter_name)  # its layers in the model for a moment, to read their tensors
         try:
             return get_peft_model_state_dict(self)
         finally:
-            self._switch(active)
+            peft_model._switch(active)
 
     def delete_adapter(self, adapter_names: str | list[str]) -> None:
         """Take adapters out again. Deleting the active one activates the first remaining (as peft does); with
@@ -172,22 +161,19 @@ class PeftAdapterMixin:
         if missing:
             raise ValueError(f"adapter {', '.join(map(repr, missing))} is not on this model and cannot be deleted; "
                              f"its adapters are {list(self.peft_config)}")
-        adapters = self.__dict__[_ADAPTERS]
-        active = self.active_adapters()[0]
-        for name in names:
-            adapters.pop(name)  # a parked one is simply dropped
-        if active in names:
-            _take_out(self.__dict__.pop(_WRAPPER))
-            if adapters:
-                self._install(next(iter(adapters)))
-                self._set_lora_requires_grad(True)
-        if not adapters:
-            for key in (_ADAPTERS, _DISABLED):
-                self.__dict__.pop(key, None)
+        peft_model = self.__dict__[_PEFT_MODEL]
+        if set(self.peft_config) <= set(names):
+            # the model's own layers and original modules back (not the trained copies unload() would keep)
+            peft_model.base_model._restore(merge=False, keep_trained_copies=False)
+            for key in (_PEFT_MODEL, _DISABLED):
+                self.__dict__.pop(key)
             del self.peft_config
             del self._hf_peft_config_loaded  # back to the class's False
             return
-        self.peft_config = _configs(adapters)
+        for name in dict.fromkeys(names):
+            peft_model.delete_adapter(name)  # the active one: the first remaining takes its place
+        self.peft_config = peft_model.peft_config
+        self._apply_disabled()
 
     # --- saving (save_pretrained delegates here) -------------------------------------------------------------
 
@@ -202,58 +188,37 @@ class PeftAdapterMixin:
         self.peft_config[self.active_adapters()[0]].save_pretrained(path)
         if self.generation_config is not None:
             self.generation_config.save_pretrained(path)
-        state = {_PEFT_PREFIX + k: v.detach() for k, v in self.get_adapter_state_dict(state_dict=state_dict).items()}
+        state = {PEFT_KEY_PREFIX + k: v.detach()
+                 for k, v in self.get_adapter_state_dict(state_dict=state_dict).items()}
         write_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
 
     # --- helpers ---------------------------------------------------------------------------------------------
 
-    def _hold(self, wrapper: PeftModel) -> None:
-        """Register a new adapter whose layers are in the model: it is the active one, and it runs (a new
-        adapter's layers are enabled, as in transformers, even after disable_adapters())."""
-        # Kept in __dict__, out of the module tree: wrapper.base_model.model is this model, and a cycle of
-        # submodules would make state_dict() recurse forever. The wrapper's unload() takes the layers out again.
-        self.__dict__[_WRAPPER] = wrapper
+    def _add_active(self, adapter_name: str, config: LoraConfig,
+                    weights: Path | dict[str, torch.Tensor] | None = None) -> None:
+        """Add an adapter (fresh, or holding `weights`: a folder or peft's keys) as the active one; it runs (a new
+        adapter's layers are enabled, as in transformers, even after disable_adapters()). On failure the model and
+        its adapters are as they were."""
+        peft_model = self.__dict__.get(_PEFT_MODEL)
+        if peft_model is None:
+            # Kept in __dict__, out of the module tree: peft_model.base_model.model is this model, and a cycle of
+            # submodules would make state_dict() recurse forever.
+            peft_model = PeftModel._build(self, config, adapter_name, autocast_adapter_dtype=False, weights=weights)
+            self.__dict__[_PEFT_MODEL] = peft_model
+        else:
+            peft_model._add(adapter_name, peft_model._prepare_config(self, config), autocast_adapter_dtype=False,
+                            weights=weights, activate=True)
         self.__dict__[_DISABLED] = False
-        adapters = self.__dict__.setdefault(_ADAPTERS, {})
-        adapters[wrapper.active_adapter] = wrapper
-        self.peft_config = _configs(adapters)
+        self.peft_config = peft_model.peft_config
         self._hf_peft_config_loaded = True
-
-    def _with_active_parked(self, build):
-        """build() a new adapter's PeftModel with the active adapter (if any) parked; if build fails, the active
-        one is put back and the error raised."""
-        active = self.__dict__.pop(_WRAPPER, None)
-        if active is not None:
-            active.base_model.park()
-        try:
-            return build()
-        except BaseException:
-            if active is not None:
-                active.base_model.reinstall()
-                self.__dict__[_WRAPPER] = active
-            raise
-
-    def _activate(self, adapter_name: str) -> None:
-        if adapter_name != self.active_adapters()[0]:
-            self._switch(adapter_name)
-
-    def _switch(self, adapter_name: str) -> None:
-        """Park the active adapter and put `adapter_name`'s layers in the model (requires_grad left as they are)."""
-        self.__dict__.pop(_WRAPPER).base_model.park()
-        self._install(adapter_name)
-
-    def _install(self, adapter_name: str) -> None:
-        wrapper = self.__dict__[_ADAPTERS][adapter_name]
-        wrapper.base_model.reinstall()
-        self.__dict__[_WRAPPER] = wrapper
-        self._apply_disabled()
 
     def _apply_disabled(self) -> None:
         """disable_adapters() / enable_adapters() hold for whichever adapter set_adapter makes active, as in
         transformers."""
         disabled = self.__dict__.get(_DISABLED, False)
-        for module in self._adapter_modules():
-            module.disabled = disabled
+        for module in self.modules():
+            if isinstance(module, (LoraLayer, ModulesToSaveWrapper)):
+                module.disabled = disabled
 
     def _check_new_adapter(self, adapter_name: str) -> None:
         if self._hf_peft_config_loaded and adapter_name in self.peft_config:
@@ -265,23 +230,6 @@ class PeftAdapterMixin:
             raise ValueError("this model has no adapter; add one with model.add_adapter(LoraConfig(...)) or "
                              "model.load_adapter(folder)")
 
-    def _adapter_modules(self) -> list[LoraLayer | ModulesToSaveWrapper]:
-        return [m for m in self.modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
-
-    def _set_lora_requires_grad(self, requires_grad: bool) -> None:
-        set_adapter_requires_grad(self, requires_grad)
-
-
-def _configs(adapters: dict[str, PeftModel]) -> dict[str, LoraConfig]:
-    """The model's peft_config: every adapter's LoraConfig, in the order they were added."""
-    return {name: wrapper.peft_config[name] for name, wrapper in adapters.items()}
-
-
-def _take_out(wrapper: PeftModel) -> None:
-    """The model's own layers back in place of the adapter's: LoRA layers unmerged, modules_to_save originals
-    (not their trained copies, which unload() would keep)."""
-    wrapper.base_model._restore(merge=False, keep_trained_copies=False)
-
 
 def _lora_config(value, argument: str) -> LoraConfig:
     """A gpuformers LoraConfig from ours, peft's (ported through its to_dict) or a dict of adapter_config.json."""
@@ -292,4 +240,3 @@ def _lora_config(value, argument: str) -> LoraConfig:
     if callable(getattr(value, "to_dict", None)):
         return LoraConfig.from_dict(value.to_dict())
     raise TypeError(f"{argument} is a {type(value).__name__}; pass a LoraConfig (gpuformers' or peft's)")
-

@@ -7,7 +7,8 @@ subfolders of their names, as peft lays them out.
 The inactive adapters are parked (LoraModel.park: their layers taken out of the model, tensors kept) and a switch
 puts the same layers back, so optimizers holding their parameters keep working. Unlike peft, only the active
 adapter's tensors are in `state_dict()` and `parameters()`; several active at once (peft's set_adapter([a, b]),
-add_weighted_adapter) are refused.
+add_weighted_adapter) are refused. integration.py's adapters on the model itself are held here too, in one PeftModel
+the model keeps: they add with activate=True, as transformers activates a new adapter.
 
 Offers: MultiAdapterMixin, one_adapter_name, set_adapter_requires_grad.
 """
@@ -15,17 +16,20 @@ Offers: MultiAdapterMixin, one_adapter_name, set_adapter_requires_grad.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import torch
 from torch import nn
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLayer, LoraModel
+from gpuformers.lora.layers import LoraLayer
+from gpuformers.lora.lora_model import LoraModel
 from gpuformers.lora.modules_to_save import ModulesToSaveWrapper
 
 
 class MultiAdapterMixin:
     """PeftModel's adapter management (module doc). PeftModel provides base_model (the active LoraModel),
-    `_adapters` ({name: LoraModel}, the active one included), _prepare_config and _load_weights."""
+    `_adapters` ({name: LoraModel}, the active one included), _prepare_config, _adapter_files and _load_weights."""
 
     @property
     def peft_config(self) -> dict[str, LoraConfig]:
@@ -42,23 +46,15 @@ class MultiAdapterMixin:
     def add_adapter(self, adapter_name: str, peft_config, low_cpu_mem_usage: bool = False,
                     autocast_adapter_dtype: bool = True) -> None:
         """A fresh adapter beside the others, not active (set_adapter it to use or train it), as peft's."""
-        config = self._prepare_config(self.get_base_model(), peft_config)
-        self._add(adapter_name, lambda: LoraModel(self.get_base_model(), config, adapter_name, autocast_adapter_dtype))
+        self._add(adapter_name, self._prepare_config(self.get_base_model(), peft_config), autocast_adapter_dtype)
 
     def load_adapter(self, model_id: str | os.PathLike, adapter_name: str, is_trainable: bool = False,
                      autocast_adapter_dtype: bool = True, **kwargs) -> None:
         """Another saved adapter (a folder or Hub id) beside the others, not active, as peft's load_adapter; with
         is_trainable=False the model is put in eval() (dropout off), as peft does."""
         folder, config = self._adapter_files(model_id, None, is_trainable, kwargs)
-        config = self._prepare_config(self.get_base_model(), config)
-
-        def build() -> LoraModel:
-            lora = LoraModel(self.get_base_model(), config, adapter_name, autocast_adapter_dtype, strict=False)
-            self.base_model = lora  # set_peft_model_state_dict reads the active adapter's layers
-            self._load_weights(folder)
-            return lora
-
-        self._add(adapter_name, build)
+        self._add(adapter_name, self._prepare_config(self.get_base_model(), config), autocast_adapter_dtype,
+                  weights=folder)
         if not is_trainable:
             self.eval()
 
@@ -80,26 +76,31 @@ class MultiAdapterMixin:
 
     # --- helpers ------------------------------------------------------------------------------------------------
 
-    def _add(self, adapter_name: str, build) -> None:
-        """Build a new adapter's LoraModel with the active one parked, park the new one and bring the active one
-        back; on failure the model is as it was."""
+    def _add(self, adapter_name: str, config: LoraConfig, autocast_adapter_dtype: bool,
+             weights: Path | dict[str, torch.Tensor] | None = None, activate: bool = False) -> None:
+        """Build a new adapter's LoraModel (from a prepared config) with the active one parked and load `weights`
+        into it (see _load_weights; None: a fresh adapter). Unless `activate` (transformers' integration), park it
+        and bring the active one back. On failure the model is as it was."""
         if adapter_name in self._adapters:
             raise ValueError(f"adapter {adapter_name!r} already exists; pass another adapter_name, or "
                              f"delete_adapter({adapter_name!r}) first")
         active = self.base_model
         active.park()
         try:
-            lora = build()
+            # strict: a fresh adapter's target_modules must all match; a saved one's need not, as in peft
+            self.base_model = LoraModel(self.get_base_model(), config, adapter_name, autocast_adapter_dtype,
+                                        strict=weights is None)
+            if weights is not None:
+                self._load_weights(weights)  # into the active adapter's layers: the new ones
         except BaseException:
             if self.base_model is not active:  # built, then failed to load its weights
                 self.base_model._restore(merge=False, keep_trained_copies=False)
             active.reinstall()
             self.base_model = active
             raise
-        lora.park()
-        active.reinstall()
-        self.base_model = active
-        self._adapters[adapter_name] = lora
+        self._adapters[adapter_name] = self.base_model
+        if not activate:
+            self._switch(active.active_adapter)
 
     def _switch(self, adapter_name: str) -> None:
         """Park the active adapter and put `adapter_name`'s layers in the model (requires_grad as they were)."""

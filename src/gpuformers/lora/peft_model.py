@@ -20,7 +20,8 @@ from torch import nn
 from gpuformers.lora.adapter_state import (get_peft_model_state_dict, read_adapter_weights,  # noqa: F401 (offered)
                                            set_peft_model_state_dict)
 from gpuformers.lora.config import CLASSIFIER_MODULES, CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, LoraConfig
-from gpuformers.lora.layers import LoraModel, quantized_linear_types
+from gpuformers.lora.layers import quantized_linear_types
+from gpuformers.lora.lora_model import LoraModel
 from gpuformers.lora.multi_adapter import MultiAdapterMixin
 
 
@@ -181,14 +182,24 @@ class PeftModel(MultiAdapterMixin, nn.Module):
                         autocast_adapter_dtype: bool = True, **kwargs) -> "PeftModel":
         """Load an adapter folder (written by us or by peft, or a Hub id) onto `model`."""
         folder, config = cls._adapter_files(model_id, config, is_trainable, kwargs)
-        peft_model = cls(model, config, adapter_name, autocast_adapter_dtype, _strict=False)
+        peft_model = cls._build(model, config, adapter_name, autocast_adapter_dtype, weights=folder)
+        if not is_trainable:
+            peft_model.eval()  # dropout off, as peft does
+        return peft_model
+
+    @classmethod
+    def _build(cls, model: nn.Module, config: LoraConfig, adapter_name: str, autocast_adapter_dtype: bool,
+               weights: Path | dict[str, torch.Tensor] | None = None) -> "PeftModel":
+        """A PeftModel with one adapter: a fresh one (weights=None; every target_modules entry must match), or one
+        holding `weights` (see _load_weights); if they do not fit, the caller's model is left as it was."""
+        peft_model = cls(model, config, adapter_name, autocast_adapter_dtype, _strict=weights is None)
+        if weights is None:
+            return peft_model
         try:
-            peft_model._load_weights(folder)
+            peft_model._load_weights(weights)
         except Exception:
             peft_model.base_model._restore(merge=False, keep_trained_copies=False)  # the caller's model as it was
             raise
-        if not is_trainable:
-            peft_model.eval()  # dropout off, as peft does
         return peft_model
 
     @staticmethod
@@ -204,9 +215,10 @@ class PeftModel(MultiAdapterMixin, nn.Module):
         config = config or LoraConfig.from_pretrained(folder)
         return folder, dataclasses.replace(config, inference_mode=not is_trainable)
 
-    def _load_weights(self, folder: Path) -> None:
-        """The folder's adapter tensors into the active adapter's layers."""
-        set_peft_model_state_dict(self, read_adapter_weights(folder))
+    def _load_weights(self, weights: Path | dict[str, torch.Tensor]) -> None:
+        """Saved adapter tensors into the active adapter's layers: an adapter folder's file, or the tensors under
+        peft's keys."""
+        set_peft_model_state_dict(self, weights if isinstance(weights, dict) else read_adapter_weights(weights))
 
 
 PeftModelForCausalLM = PeftModel
