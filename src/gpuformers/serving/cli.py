@@ -43,6 +43,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-normalize", dest="normalize", action="store_false", default=None,
                         help="--task embed: return the pooled vectors as they are, not L2-normalised (default: "
                              "normalised unless the checkpoint's modules.json has no Normalize module)")
+    parser.add_argument("--hf-overrides", default=None, metavar="JSON",
+                        help="--task embed: config.json fields to override (vLLM's flag), e.g. --hf-overrides "
+                             "'{\"is_matryoshka\": true}' to accept the dimensions field for a model trained with "
+                             "Matryoshka whose config.json does not say so (Qwen3-Embedding), or "
+                             "'{\"matryoshka_dimensions\": [256, 512, 1024]}' to allow only those sizes")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
@@ -126,6 +131,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     if args.pooling is not None or args.normalize is not None:
         raise ValueError("--pooling and --no-normalize apply to embedding models: add --task embed")
+    if args.hf_overrides is not None:
+        raise ValueError("--hf-overrides applies to embedding models (--task embed) only")
     adapters = _lora_modules(args.lora_modules)
     if name in adapters:
         raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
@@ -176,11 +183,11 @@ def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
         raise ValueError("LoRA adapters (--lora-modules, --allow-runtime-lora-updating) are served with --task "
                          "generate only; drop them for --task embed")
     from gpuformers.serving.embedding_app import build_embedding_app
-    from gpuformers.serving.embeddings import load_embedder
+    from gpuformers.serving.embeddings import load_embedder, parse_hf_overrides
     from gpuformers.serving.server import serve_app
 
     embedder = load_embedder(args.model, args.dtype, args.device, args.quantization, args.pooling, args.normalize,
-                             args.max_model_len)
+                             args.max_model_len, parse_hf_overrides(args.hf_overrides))
     if args.attn_implementation:
         embedder.model.set_attn_implementation(args.attn_implementation)
     print(f"gpuformers serve: embedding model {name} on {embedder.model.device} (pooling: "

@@ -1,7 +1,8 @@
 """The FastAPI app of `gpuformers serve --task embed`: OpenAI's POST /v1/embeddings on an Embedder, beside
 /health, /metrics and /v1/models; the generation routes answer 400 saying the server runs an embedding model.
 
-    HTTP body -> parse_embedding -> Embedder.token_ids (length checks) -> Embedder.embed in a worker thread
+    HTTP body -> parse_embedding -> Embedder.check_dimensions, .truncation_length
+              -> Embedder.token_ids (truncation or length checks) -> Embedder.embed in a worker thread
               -> {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}
 
 Offers: GENERATION_ROUTES, build_embedding_app.
@@ -84,9 +85,10 @@ def build_embedding_app(embedder: Embedder, model_name: str, api_key: str | None
             raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves {model_name!r}",
                            "model", code="model_not_found")
         embedder.check_dimensions(parsed.dimensions)
+        truncate_to = embedder.truncation_length(parsed.truncate_prompt_tokens)
         in_flight += 1
         try:  # tokenizing and the forward passes run in worker threads: the event loop keeps answering
-            rows = await asyncio.to_thread(embedder.token_ids, parsed.inputs)
+            rows = await asyncio.to_thread(embedder.token_ids, parsed.inputs, truncate_to)
             vectors = await asyncio.to_thread(embedder.embed, rows, parsed.dimensions)
         finally:
             in_flight -= 1

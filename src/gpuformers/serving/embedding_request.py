@@ -2,7 +2,9 @@
 
     input   "text" | ["text", ...] | [token id, ...] | [[token id, ...], ...]     (at most MAX_INPUTS inputs)
     encoding_format   "float" (default) | "base64" (little-endian float32 bytes)
-    dimensions        keep the first N values of each vector (checked against the model by the server)
+    dimensions        keep the first N values of each vector (Matryoshka; checked against the model by the server)
+    truncate_prompt_tokens   vLLM's: cut each input to N tokens (-1: the server's maximum) instead of refusing a
+                      longer one (checked against the maximum by the server)
     user              accepted and ignored
 
 Each bad field is an APIError naming the field, its value and what is allowed.
@@ -20,7 +22,7 @@ from gpuformers.serving.request_fields import _int, _model, _type_name
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 ENCODING_FORMATS = ("float", "base64")
-_FIELDS = {"model", "input", "encoding_format", "dimensions"}
+_FIELDS = {"model", "input", "encoding_format", "dimensions", "truncate_prompt_tokens"}
 
 
 @dataclass
@@ -31,6 +33,7 @@ class EmbeddingRequest:
     inputs: list[str] | list[list[int]]
     encoding_format: str = "float"
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None  # -1 or >= 1
 
     @property
     def tokenized(self) -> bool:
@@ -44,7 +47,11 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         raise APIError(400, f"encoding_format {encoding_format!r} is not one of: {', '.join(ENCODING_FORMATS)}",
                        "encoding_format")
     dimensions = _int(body, "dimensions", low=1)
-    return EmbeddingRequest(model, _inputs(body.get("input")), encoding_format, dimensions)
+    truncate = _int(body, "truncate_prompt_tokens", low=-1)
+    if truncate == 0:  # vLLM answers an empty list; an input of no tokens has no vector
+        raise APIError(400, "truncate_prompt_tokens=0 would leave no tokens to embed; give -1 (the server's maximum "
+                            "input length) or a number of tokens >= 1", "truncate_prompt_tokens")
+    return EmbeddingRequest(model, _inputs(body.get("input")), encoding_format, dimensions, truncate)
 
 
 def _inputs(value: Any) -> list[str] | list[list[int]]:

@@ -1,5 +1,6 @@
 """How `gpuformers serve --task embed` turns a decoder's hidden states into one vector per input: the pooling mode
-(last token, mean, first token) and L2 normalisation, read from the checkpoint's sentence-transformers files.
+(last token, mean, first token) and L2 normalisation, read from the checkpoint's sentence-transformers files, which
+also give the longest input (sentence_bert_config.json's max_seq_length: 8192 for Qwen3-Embedding).
 
 A sentence-transformers checkpoint lists its pipeline in modules.json; the Pooling module's folder holds a
 config.json whose pooling_mode_* flag names the mode, and a Normalize module means unit vectors:
@@ -12,7 +13,7 @@ config.json whose pooling_mode_* flag names the mode, and a Normalize module mea
 Without modules.json the default is Qwen3-Embedding's: the last token, normalised. `--pooling` and
 `--no-normalize` override what the checkpoint says.
 
-Offers: POOLING_MODES, Pooling, resolve_pooling, pool.
+Offers: POOLING_MODES, Pooling, resolve_pooling, pool, max_seq_length, read_checkpoint_json.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def resolve_pooling(model: str | Path, mode: str | None = None, normalize: bool 
     return Pooling(mode, normalize, f"command line ({mode}, {'normalised' if normalize else 'not normalised'})")
 
 
+def max_seq_length(model: str | Path) -> int | None:
+    """sentence_bert_config.json's max_seq_length of checkpoint `model`: the longest input sentence-transformers
+    embeds (it cuts longer ones there), or None when the checkpoint has no such file or value."""
+    config = read_checkpoint_json(model, "sentence_bert_config.json")
+    value = None if config is None else config.get("max_seq_length")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{model}: sentence_bert_config.json has max_seq_length {value!r}, not a number of tokens "
+                         ">= 1; fix the file or pass --max-model-len")
+    return value
+
+
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden (batch, seq, hidden) and attention_mask (batch, seq) of 1 / 0 -> (batch, hidden) float32.
 
@@ -77,7 +89,7 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
 def _sentence_transformers_pooling(model: str | Path, need_mode: bool) -> Pooling | None:
     """The Pooling of the checkpoint's modules.json, or None when it has none. A module other than Transformer,
     Pooling and Normalize (a Dense projection, say) is refused: the vectors would differ from the model's."""
-    modules = _read_json(model, "modules.json")
+    modules = read_checkpoint_json(model, "modules.json")
     if modules is None:
         return None
     kinds = {entry.get("type", "").removeprefix(_ST): entry.get("path", "") for entry in modules}
@@ -90,7 +102,7 @@ def _sentence_transformers_pooling(model: str | Path, need_mode: bool) -> Poolin
     if "Pooling" not in kinds or not need_mode:
         return Pooling("last", normalize, f"{model}/modules.json (last token by default)")
     name = f"{kinds['Pooling']}/config.json".lstrip("/")
-    config = _read_json(model, name)
+    config = read_checkpoint_json(model, name)
     if config is None:
         raise ValueError(f"{model}: modules.json names a Pooling module but {name} is missing; pass --pooling "
                          f"{{{','.join(POOLING_MODES)}}}")
@@ -103,7 +115,7 @@ def _sentence_transformers_pooling(model: str | Path, need_mode: bool) -> Poolin
     return Pooling(mode, normalize, f"{model}/{name} ({mode}, {'normalised' if normalize else 'not normalised'})")
 
 
-def _read_json(model: str | Path, name: str):
+def read_checkpoint_json(model: str | Path, name: str):
     """The JSON file `name` of the checkpoint, or None when it has none (fetched from the Hub for a Hub id)."""
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
