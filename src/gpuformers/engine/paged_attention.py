@@ -215,6 +215,9 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         # (nd, length, kv_heads, head_dim) -> (nd, kv_heads, length, head_dim)
         k = key[slots].transpose(1, 2)
         v = value[slots].transpose(1, 2)
+        if not query.is_cuda:  # a CPU cache starts uninitialised: padding slots may hold NaN, which 0 * NaN spreads
+            padding = ~mask.transpose(-1, -2)  # (nd, 1, length, 1)
+            k, v = k.masked_fill(padding, 0), v.masked_fill(padding, 0)
         # Grouped-query attention without copying keys per query head: the n_rep query heads that share a kv head
         # become n_rep query rows of that kv head (all at the same position, so one mask row serves them all).
         # Query head h = kv_head * n_rep + r, the order repeat_kv uses.
