@@ -129,9 +129,13 @@ def _tied_head_keys(model: nn.Module) -> dict[str, str]:
 
 def _active_config(model: nn.Module) -> LoraConfig | None:
     """The LoraConfig of the adapter whose layers are in the model: a PeftModel's active adapter's (the others are
-    parked), else the model's only one (None on a model holding several adapters itself, integration.py's)."""
+    parked), the same for a model holding its adapters itself (integration.py's, through the PeftModel it keeps),
+    else the model's only one."""
+    from gpuformers.lora.integration import held_peft_model
     from gpuformers.lora.peft_model import PeftModel  # here: peft_model.py builds on this module
 
+    if not isinstance(model, PeftModel):
+        model = held_peft_model(model) or model
     if isinstance(model, PeftModel):
         return model.base_model.peft_config[model.active_adapter]  # its LoraModel's: set before it is registered
     configs = getattr(model, "peft_config", None)

@@ -231,6 +231,11 @@ class PeftAdapterMixin:
                              "model.load_adapter(folder)")
 
 
+def held_peft_model(model: torch.nn.Module) -> PeftModel | None:
+    """The PeftModel holding the adapters that the model-level API added to `model`, or None."""
+    return model.__dict__.get(_PEFT_MODEL)
+
+
 def _lora_config(value, argument: str) -> LoraConfig:
     """A gpuformers LoraConfig from ours, peft's (ported through its to_dict) or a dict of adapter_config.json."""
     if isinstance(value, LoraConfig):
