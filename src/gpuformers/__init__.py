@@ -72,6 +72,7 @@ _LAZY = {
     "GPTQConfig": "gpuformers.quantization.gptq_awq",
     "AwqConfig": "gpuformers.quantization.gptq_awq",
     "CompressedTensorsConfig": "gpuformers.quantization.compressed_tensors",
+    "Mxfp4Config": "gpuformers.quantization.mxfp4",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

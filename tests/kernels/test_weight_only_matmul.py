@@ -273,25 +273,26 @@ _COMPILE_SCRIPT = textwrap.dedent('''
 
     wom._multiprocessors = lambda device: 132  # an H100 / H200: decode configs split K
     fn, shared = wom._weight_only_matmul_kernel, {}
-    for bits, group_size in ((8, None), (8, 128), (4, 128)):
+    # (bits, group size, MXFP4: E2M1 codes with uint8 E8M0 scales, kernels/mxfp4_matmul.py)
+    for bits, group_size, mxfp4 in ((8, None, False), (8, 128, False), (4, 128, False), (4, 32, True)):
         for m, n, k in ((1, 3072, 1024), (48, 3072, 1024), (300, 4096, 12288)):
             config = wom.choose_config(m, n, k, group_size, torch.device("cuda", 0))
-            constexprs = dict(BITS=bits, SCALE_OUTPUT=bits == 8 and not group_size, HAS_BIAS=True, EVEN_K=False,
-                              SPLIT_K=config.split_k, PRECISION="tf32", BLOCK_M=config.block_m,
+            constexprs = dict(BITS=bits, MXFP4=mxfp4, SCALE_OUTPUT=bits == 8 and not group_size, HAS_BIAS=True,
+                              EVEN_K=False, SPLIT_K=config.split_k, PRECISION="tf32", BLOCK_M=config.block_m,
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-            pointers = dict(X="*bf16", Q="*i8" if bits == 8 else "*u8", S="*bf16", Z="*bf16", B="*bf16",
-                            Y="*bf16" if config.split_k == 1 else "*fp32")
+            pointers = dict(X="*bf16", Q="*i8" if bits == 8 else "*u8", S="*u8" if mxfp4 else "*bf16", Z="*bf16",
+                            B="*bf16", Y="*bf16" if config.split_k == 1 else "*fp32")
             signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                          for name in fn.arg_names}
             src = ASTSource(fn, signature, {(fn.arg_names.index(key),): v for key, v in constexprs.items()})
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-            shared[f"int{bits} g{group_size} M={m}"] = kernel.metadata.shared
+            shared[f"{'mxfp4' if mxfp4 else f'int{bits}'} g{group_size} M={m}"] = kernel.metadata.shared
     print(json.dumps(shared))
 ''')
 
 
-@pytest.mark.slow  # 9 ptxas compiles: about 10 s on 2 cores
+@pytest.mark.slow  # 12 ptxas compiles: about 13 s on 2 cores
 def test_compiles_for_sm90_at_the_chosen_configs():
     # The interpreter runs the kernel's Python, not Triton's compiler (see test_compile_for_gpu.py); this catches
     # type errors and shared-memory overflow before a GPU does. A subprocess: this session has TRITON_INTERPRET=1.
@@ -300,7 +301,7 @@ def test_compiles_for_sm90_at_the_chosen_configs():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 9 and max(shared.values()) <= 227 * 1024, shared
+    assert len(shared) == 12 and max(shared.values()) <= 227 * 1024, shared
 
 
 # --- GPU: bfloat16 / float16 at real sizes ---------------------------------------------------------------------

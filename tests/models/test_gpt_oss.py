@@ -141,7 +141,7 @@ def test_hub_config_is_read():
                    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
     config = ModelConfig.from_dict(hub)
     assert config.rope_type == "yarn" and config.rope_theta == 150000 and not config.rope_parameters["truncate"]
-    assert "quantization_config" not in config.extra and config.extra["mxfp4_experts"]
+    assert config.extra["quantization_config"]["quant_method"] == "mxfp4" and config.extra["mxfp4_experts"]
     with torch.device("meta"):
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in GptOssForCausalLM(config).state_dict().items()
                   if k.startswith("model.layers.0.mlp.experts.")}
@@ -154,7 +154,9 @@ def test_hub_config_is_read():
         "model.layers.0.mlp.experts.down_proj_scales": ((32, 2880, 90), torch.uint8),
     }
     saved = config.to_dict()
-    assert "quantization_config" not in saved and "mxfp4_experts" not in saved and saved["experts_per_token"] == 4
+    # a config whose experts are packed says so when saved; from_pretrained drops it once it dequantizes them
+    assert saved["quantization_config"]["quant_method"] == "mxfp4"
+    assert "mxfp4_experts" not in saved and saved["experts_per_token"] == 4
 
 
 def test_aux_loss_router_logits_and_gradients_match_transformers(tmp_path):
@@ -274,6 +276,106 @@ def test_mxfp4_experts_dequantize_on_load(mxfp4_checkpoint, tmp_path):
     assert torch.equal(_load(tmp_path).model.layers[0].mlp.experts.down_proj, expected[0]["down_proj"])
 
 
+def _expert_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if ".experts." in name)
+
+
+def test_mxfp4_experts_kept_packed_match_transformers(mxfp4_checkpoint, tmp_path):
+    """Mxfp4Config() keeps the experts as the checkpoint stores them (~4.25 bits a weight) and gives the logits and
+    tokens of the dequantized model; saved, the checkpoint is MXFP4 again, and loads back (dequantized by default on
+    the CPU) to the same weights."""
+    from safetensors.torch import load_file
+
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    folder, hf, expected = mxfp4_checkpoint
+    packed = _load(folder, quantization_config=Mxfp4Config())
+    plain = _load(folder, quantization_config=Mxfp4Config(dequantize=True))
+    experts = packed.model.layers[0].mlp.experts
+    assert experts.packed and not hasattr(experts, "gate_up_proj") and packed.is_quantized
+    assert isinstance(packed.quantization_config, Mxfp4Config) and not plain.is_quantized
+    assert _expert_bytes(packed) < _expert_bytes(plain) / 6  # uint8 codes and scales against float32 weights
+    ids, mask = _batch()
+    with torch.no_grad():
+        logits = packed(ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits, hf(ids, attention_mask=mask).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits, plain(ids, attention_mask=mask).logits, atol=1e-4, rtol=0)
+    prompt = ids[:1]
+    assert (packed.generate(prompt, max_new_tokens=8, do_sample=False).tolist()
+            == hf.generate(prompt, max_new_tokens=8, do_sample=False).tolist())
+    assert_engine_matches_generate(packed, prompts=[[5, 9, 23, 42, 17, 8], [11]])
+
+    packed.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    saved, stored = load_file(tmp_path / "model.safetensors"), load_file(folder / "model.safetensors")
+    for key in ("model.layers.1.mlp.experts.down_proj_blocks", "model.layers.1.mlp.experts.down_proj_scales"):
+        assert torch.equal(saved[key], stored[key])
+    reloaded = _load(tmp_path)
+    assert not reloaded.is_quantized
+    assert torch.equal(reloaded.model.layers[1].mlp.experts.down_proj, expected[1]["down_proj"])
+    import transformers  # reads it as it reads the Hub's MXFP4 checkpoints
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids, attention_mask=mask).logits, logits, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_packed_experts_train_around_them(mxfp4_checkpoint):
+    """Packed experts take no gradient, but the input's gradient flows through them (dequantized for the call): the
+    attention layers before them train as in the dequantized model."""
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    folder, _, _ = mxfp4_checkpoint
+    grads = []
+    for config in (Mxfp4Config(), Mxfp4Config(dequantize=True)):
+        model = _load(folder, quantization_config=config)
+        ids, mask = _batch()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_mxfp4_experts_run_the_triton_kernel(mxfp4_checkpoint, monkeypatch):
+    """With the kernel allowed on the CPU (the interpreter), packed experts run it and give the torch path's logits."""
+    pytest.importorskip("triton")
+    from gpuformers.kernels import mxfp4_matmul
+    from gpuformers.kernels.checks import interpreter_on
+    from gpuformers.quantization import mxfp4
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    if not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    folder, _, _ = mxfp4_checkpoint
+    model = _load(folder, quantization_config=Mxfp4Config())
+    ids, mask = _batch(seq=5)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        calls = []
+        forward = mxfp4_matmul.mxfp4_matmul_forward
+        monkeypatch.setattr(mxfp4_matmul, "mxfp4_matmul_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+        monkeypatch.setattr(mxfp4, "TRITON_ON_CPU", True)
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, atol=1e-4, rtol=0)
+    assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_mxfp4_experts_stay_packed_by_default(mxfp4_checkpoint):
+    """On a CUDA GPU with triton an MXFP4 checkpoint keeps its experts packed with no argument, runs the Triton
+    kernel, and gives the dequantized model's logits in bfloat16."""
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    folder, _, _ = mxfp4_checkpoint
+    packed = load(folder, dtype=torch.bfloat16, device_map="cuda")
+    plain = load(folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=Mxfp4Config(dequantize=True))
+    assert packed.model.layers[0].mlp.experts.packed and isinstance(packed.quantization_config, Mxfp4Config)
+    ids, mask = (t.cuda() for t in _batch())
+    with torch.no_grad():
+        expected = plain(ids, attention_mask=mask).logits.float()
+        torch.testing.assert_close(packed(ids, attention_mask=mask).logits.float(), expected, rtol=0,
+                                   atol=3e-2 * expected.abs().max().item())
+
+
 def test_mxfp4_refusals(mxfp4_checkpoint):
     from gpuformers.models.config import ModelConfig
     from gpuformers.models.gpt_oss import dequantize_mxfp4
@@ -285,6 +387,18 @@ def test_mxfp4_refusals(mxfp4_checkpoint):
         ModelConfig.from_dict(config)
     with pytest.raises(ValueError, match=r"blocks \[2, 15\] and scales \[2\] do not match"):
         dequantize_mxfp4(torch.zeros(2, 15, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8), torch.float32)
+
+
+def test_mxfp4_config_on_other_checkpoints(checkpoints, mxfp4_checkpoint, caplog):
+    from gpuformers.quantization.config import WeightOnlyConfig
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    with pytest.raises(NotImplementedError, match="quantizing a model to MXFP4 while loading is not supported"):
+        _load(checkpoints["gqa-yarn-window"][0], quantization_config=Mxfp4Config())
+    # another method on an MXFP4 checkpoint: the checkpoint's wins, as in transformers, and the model is as without
+    model = _load(mxfp4_checkpoint[0], quantization_config=WeightOnlyConfig(bits=8))
+    assert "WeightOnlyConfig passed to from_pretrained is ignored" in caplog.text
+    assert not model.is_quantized and not model.model.layers[0].mlp.experts.packed
 
 
 # --- kernels and refusals ---------------------------------------------------------------------------------------

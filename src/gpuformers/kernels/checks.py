@@ -73,6 +73,17 @@ def check_same(what: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"these tensors must share one {what}, got {listed}")
 
 
+def check_bias_and_devices(bias: torch.Tensor | None, out_features: int, **tensors: torch.Tensor) -> None:
+    """A matmul launcher's last checks: the bias (None, or one value per output feature) and every tensor on one
+    device."""
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != out_features:
+            raise ValueError(f"bias has {bias.shape[0]} entries, expected out_features={out_features}")
+        tensors["bias"] = bias
+    check_same("device", **tensors)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

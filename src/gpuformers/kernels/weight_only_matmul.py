@@ -6,6 +6,8 @@ The layout is WeightOnlyLinear's (quantization/weight_only.py); with K = in_feat
     bits 8  qweight int8  (N, K)       w = q * scale[n, k // group]                  G = 1: scale the output instead
     bits 4  qweight uint8 (N, K // 2)  w = (q - 8) * scale[n, g] + zero[n, g]        byte j = column 2j (low nibble)
                                                                                      | column 2j + 1 (high nibble)
+    MXFP4   qweight uint8 (N, K // 2)  w = E2M1(q) * 2^(scale[n, k // 32] - 127)   the same nibble order; uint8
+                                                                                     scales (kernels/mxfp4_matmul.py)
 
 One program computes a (BLOCK_M, BLOCK_N) tile of y, walking K in BLOCK_K steps; BLOCK_K divides the group size, so
 each step reads one scale (and zero) per output channel. The tile of W is dequantized in float32, rounded to x's
@@ -24,7 +26,7 @@ get no gradient (QLoRA trains adapters beside the layer). Under torch.compile we
 torch.library op gpuformers::weight_only_matmul (registered on import of this file) instead of its autograd.Function.
 
 Offers: weight_only_matmul, weight_only_matmul_forward, weight_only_matmul_reference, MatmulConfig, choose_config,
-kernel_fits, sum_split_k, WeightOnlyMatmulFunction.
+kernel_fits, launch, sum_split_k, WeightOnlyMatmulFunction.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
-from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
+from gpuformers.kernels.checks import check_bias_and_devices, check_tensor, dot_precision, next_power_of_2
 from gpuformers.kernels.ops import NAMESPACE
 from gpuformers.quantization.weight_only import INT4_MID, dequantize_weight
 
@@ -48,7 +50,8 @@ _INT4_MID = tl.constexpr(INT4_MID)
 
 @triton.jit
 def _weight_only_matmul_kernel(X, Q, S, Z, B, Y, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
-                               group_size, BITS: tl.constexpr, SCALE_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               group_size, BITS: tl.constexpr, MXFP4: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
+                               HAS_BIAS: tl.constexpr,
                                EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -74,6 +77,16 @@ def _weight_only_matmul_kernel(X, Q, S, Z, B, Y, M, N, K, stride_xm, stride_qn, 
             if not SCALE_OUTPUT:
                 scale = tl.load(S + offs_n * stride_sn + k0 // group_size, mask=mask_n, other=0.0).to(tl.float32)
                 w = w * scale[:, None]
+        elif MXFP4:  # E2M1 codes and one E8M0 scale per 32 columns (kernels/mxfp4_matmul.py)
+            c = tl.join(q & 15, q >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.int32)  # codes, column order as below
+            e, m = (c >> 1) & 3, c & 1
+            # the float32 bit pattern of each magnitude: (1 + m/2) * 2^(e - 1) for e > 0, m / 2 for e == 0 (0x3F000000
+            # is 0.5); built from bits, so it is exact on any GPU (no exp2 approximation)
+            bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+            w = bits.to(tl.float32, bitcast=True)
+            w = tl.where(c >= 8, -w, w)
+            s = tl.load(S + offs_n * stride_sn + k0 // group_size, mask=mask_n, other=127).to(tl.int32)
+            w = w * (s << 23).to(tl.float32, bitcast=True)[:, None]  # * 2^(s - 127); s = 0 reads as 0 (2^-127)
         else:
             # Contiguous bytes (vector loads); joining (low, high) on a last axis of 2 and flattening it puts column
             # 2j's nibble before column 2j + 1's.
@@ -193,12 +206,7 @@ def _check(x, qweight, scales, zeros, bits, group_size, bias):
                              f"scales (shape {tuple(scales.shape)}, strides {scales.stride()}); pass .contiguous() "
                              "copies of both")
         tensors["zeros"] = zeros
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != n:
-            raise ValueError(f"bias has {bias.shape[0]} entries, expected out_features={n}")
-        tensors["bias"] = bias
-    check_same("device", **tensors)
+    check_bias_and_devices(bias, n, **tensors)
 
 
 def weight_only_matmul_forward(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -206,6 +214,12 @@ def weight_only_matmul_forward(x: torch.Tensor, qweight: torch.Tensor, scales: t
                                bias: torch.Tensor | None = None, config: MatmulConfig | None = None) -> torch.Tensor:
     """x (..., K) -> x @ W^T + bias (..., N) in x's dtype, W read from the packed layout (no autograd)."""
     _check(x, qweight, scales, zeros, bits, group_size, bias)
+    return launch(x, qweight, scales, zeros, bits, False, group_size, bias, config)
+
+
+def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+           mxfp4: bool, group_size: int | None, bias: torch.Tensor | None, config: MatmulConfig | None) -> torch.Tensor:
+    """Run the kernel on checked inputs (mxfp4: E2M1 codes with E8M0 scales, kernels/mxfp4_matmul.py)."""
     k, n = x.shape[-1], qweight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -224,7 +238,7 @@ def weight_only_matmul_forward(x: torch.Tensor, qweight: torch.Tensor, scales: t
         x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
         m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(-2),
         out.stride(0) if config.split_k > 1 else 0, group_size or k,
-        BITS=bits, SCALE_OUTPUT=bits == 8 and not group_size, HAS_BIAS=bias is not None,
+        BITS=bits, MXFP4=mxfp4, SCALE_OUTPUT=bits == 8 and not group_size, HAS_BIAS=bias is not None,
         EVEN_K=k % config.block_k == 0, SPLIT_K=config.split_k, PRECISION=dot_precision(x.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)

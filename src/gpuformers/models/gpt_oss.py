@@ -23,10 +23,12 @@ store the two expert matrices in MXFP4 instead (config.json quantization_config 
     {proj}_scales  uint8 (experts, rows, cols / 32)       E8M0: the block of 32 values is scaled by 2^(s - 127)
 
 with (rows, cols) the transposed matrix: (2 * intermediate, hidden) for gate_up_proj, (hidden, intermediate) for
-down_proj. Such a checkpoint loads into uint8 buffers under those names and is dequantized once loaded
-(GptOssForCausalLM.reset_buffers) into the dtype the rest of the model loaded in, one expert at a time; the model is
-then an ordinary one and saves unquantized, as transformers' Mxfp4Config(dequantize=True) does. Only the experts
-may be packed (transformers' rule too): a quantization_config that keeps experts unquantized is refused.
+down_proj. Such a checkpoint loads into uint8 buffers under those names; then, as quantization/mxfp4.py's table says
+(Mxfp4Config, and by default the device), they stay packed and each expert runs through mxfp4_linear, or they are
+dequantized once (GptOssExperts.unpack) into the dtype the rest of the model loaded in, one expert at a time, and the
+model is an ordinary one that saves unquantized, as transformers' Mxfp4Config(dequantize=True) does. A model keeping
+them packed saves them packed. Only the experts may be packed (transformers' rule too): a quantization_config that
+keeps experts unquantized is refused.
 
 Backends: sinks need a place between the scores and the softmax, so "sdpa" hands every call to "eager" (as for
 Gemma 2's soft-cap), the engine's paged backends compute them with eager (engine/paged_attention.py), and
@@ -36,8 +38,8 @@ use_kernels=True: RMSNorm, the fused residual add and rotary are llama's and tak
 experts carry no kernel_layer_name, so the SwiGLU and fused-MoE kernels (silu(gate) * up) never replace the clamped
 variant. tp_plan="auto" is refused: no plan splits the fused experts or the per-head sinks yet.
 
-Offers: GptOssConfig, GptOssRouter, GptOssExperts, GptOssMLP, GptOssAttention, GptOssDecoderLayer, GptOssForCausalLM,
-dequantize_mxfp4.
+Offers: GptOssConfig, GptOssRouter, GptOssExperts, GptOssMLP, GptOssAttention, GptOssDecoderLayer, GptOssForCausalLM
+(and dequantize_mxfp4, quantization/mxfp4.py's).
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ from gpuformers.layers.moe import TopKRouter
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
+from gpuformers.quantization.mxfp4 import dequantize_mxfp4, mxfp4_linear
 
 # transformers' rope for gpt-oss when config.json names none (GptOssConfig.__post_init__)
 _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
-# E2M1 (MXFP4's element format) code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _ATTENTION_BACKENDS = ("eager", "sdpa", "paged|eager", "paged|sdpa")  # those that apply the sinks
 
 
@@ -84,14 +85,13 @@ class GptOssConfig(ModelConfig):
         data["num_experts"] = data["num_local_experts"]  # the MoE forward shared with Qwen3-MoE reads num_experts
         quantization = data.get("quantization_config")
         if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
-            # Dequantized on load (module doc): the quantization pipeline never sees it.
+            # The experts are built packed; quantization/config.py's pipeline then keeps or dequantizes them.
             kept = [name for name in quantization.get("modules_to_not_convert") or []
                     if fnmatch.fnmatch("model.layers.0.mlp.experts", name) or "experts" in name]
             if kept:
                 raise NotImplementedError(f"an MXFP4 gpt-oss checkpoint whose experts are partly unquantized "
                                           f"(modules_to_not_convert {kept}) is not supported; every layer's experts "
                                           f"must be stored as *_blocks / *_scales")
-            del data["quantization_config"]
             data["mxfp4_experts"] = True
         return data
 
@@ -110,23 +110,8 @@ class GptOssConfig(ModelConfig):
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         for key in ("num_experts", "mxfp4_experts"):
-            out.pop(key, None)  # our own `extra` entries, when present; the experts are saved dequantized
+            out.pop(key, None)  # our own `extra` entries, when present
         return out
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 blocks (..., groups, 16) uint8 and scales (..., groups) uint8 -> values (..., groups * 32) in `dtype`.
-    Byte j of a block holds values 2j (low nibble) and 2j + 1 (high nibble), each an E2M1 code; the block's 32
-    values are multiplied by 2^(scale - 127). Computed in float32, which holds every such product exactly."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
-                         f"are (..., groups, 16) and scales (..., groups)")
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # (..., groups, 32), low nibble first
-    values = table[codes.long()] * torch.exp2(scales.to(torch.float32) - 127.0)[..., None]
-    return values.flatten(-2).to(dtype)
 
 
 class GptOssRouter(TopKRouter):
@@ -190,17 +175,25 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (tokens, hidden), the router's expert ids and weights (tokens, top_k) -> (tokens, hidden)."""
-        if self.packed:
-            raise RuntimeError("the MXFP4 experts were not dequantized: call model.reset_buffers() after loading "
-                               "their blocks and scales (from_pretrained does)")
         out = torch.zeros_like(x)
         # Which experts got tokens (a host sync, as in transformers): only those run, in expert order.
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)
-            gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            y = self.clamped_swiglu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
+            y = self.down(self.clamped_swiglu(self.gate_up(x[token], e)), e)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's x (tokens, hidden) @ gate_up_proj[e] + its bias -> (tokens, 2 * intermediate)."""
+        if self.packed:
+            return mxfp4_linear(x, self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], self.gate_up_proj_bias[e])
+        return x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+
+    def down(self, h: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's h (tokens, intermediate) @ down_proj[e] + its bias -> (tokens, hidden)."""
+        if self.packed:
+            return mxfp4_linear(h, self.down_proj_blocks[e], self.down_proj_scales[e], self.down_proj_bias[e])
+        return h @ self.down_proj[e] + self.down_proj_bias[e]
 
     def extra_repr(self) -> str:
         experts, hidden, inter2 = self._shapes["gate_up_proj"]
@@ -258,15 +251,6 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
     no_split_modules = ("GptOssDecoderLayer",)
     tp_plan_auto = None
     checkpoint_fan_out = ()  # its experts are fused in the checkpoint and in the model alike
-
-    def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """As PreTrainedModel's, and MXFP4 experts (an MXFP4 checkpoint just loaded) dequantized: the model is then
-        an unquantized one, and its config says so."""
-        super().reset_buffers(device)
-        for module in self.modules():
-            if isinstance(module, GptOssExperts) and module.packed:
-                module.unpack()
-        self.config.extra.pop("mxfp4_experts", None)
 
     def set_attn_implementation(self, name: str) -> None:
         """As PreTrainedModel's, refusing the backends that would drop the attention sinks."""

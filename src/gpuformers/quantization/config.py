@@ -20,6 +20,8 @@ the same outputs, as in transformers' bitsandbytes integration (a quantized chec
   quantization/compressed_tensors.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
 - `GPTQConfig` / `AwqConfig` (quant_method "gptq" / "awq"): GPTQ and AWQ checkpoints, read by
   quantization/gptq_awq.py: kept packed as WeightOnlyLinear where exact, else dequantized on load.
+- `Mxfp4Config` (quant_method "mxfp4"): gpt-oss checkpoints whose experts are MXFP4 (quantization/mxfp4.py): the
+  experts kept packed or dequantized on load; the model builds them packed, so no layer is swapped here.
 
 Mixture-of-experts models load through the same layers (their experts are per-expert Linears); routers a checkpoint
 quantizes and transformers' fused FP8 experts are handled by quantization/moe.py.
@@ -27,7 +29,7 @@ quantizes and transformers' fused FP8 experts are handled by quantization/moe.py
 Other methods transformers knows (hqq, torchao, quanto, ...) raise NotImplementedError naming the method.
 
 Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig, GPTQConfig, AwqConfig,
-quantization_config_from, checkpoint_quantization, quantize_linear_layers, finish_loading.
+Mxfp4Config, quantization_config_from, checkpoint_quantization, quantize_linear_layers, finish_loading.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from gpuformers.quantization.gptq_awq import (
     gptq_awq_quantization,
     swap_gptq_awq_layers,
 )
+from gpuformers.quantization.mxfp4 import Mxfp4Config, keeps_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -215,15 +218,14 @@ class FineGrainedFP8Config:
 
 
 _METHODS = {"bitsandbytes": BitsAndBytesConfig, "weight_only": WeightOnlyConfig, "fp8": FineGrainedFP8Config,
-            "compressed-tensors": CompressedTensorsConfig, "gptq": GPTQConfig, "awq": AwqConfig}
+            "compressed-tensors": CompressedTensorsConfig, "gptq": GPTQConfig, "awq": AwqConfig, "mxfp4": Mxfp4Config}
 QuantizationConfig = (BitsAndBytesConfig | WeightOnlyConfig | FineGrainedFP8Config | CompressedTensorsConfig
-                      | GPTQConfig | AwqConfig)
+                      | GPTQConfig | AwqConfig | Mxfp4Config)
 
 
 def quantization_config_from(value) -> QuantizationConfig:
     """A config object, or its dict form (config.json, or transformers' BitsAndBytesConfig.to_dict()) -> ours."""
-    if isinstance(value, (BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig,
-                          GPTQConfig, AwqConfig)):
+    if isinstance(value, tuple(_METHODS.values())):
         return value
     if not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
         # transformers' own config objects; its CompressedTensorsConfig leaves the `dequantize` flag out of to_dict()
@@ -252,6 +254,17 @@ def checkpoint_quantization(stored, requested) -> QuantizationConfig | None:
     asked = quantization_config_from(requested) if requested is not None else None
     if isinstance(stored, (GPTQConfig, AwqConfig)) or (stored is None and isinstance(asked, (GPTQConfig, AwqConfig))):
         return gptq_awq_quantization(stored, asked)
+    if isinstance(asked, Mxfp4Config) and not isinstance(stored, Mxfp4Config):
+        raise NotImplementedError("Mxfp4Config loads checkpoints whose experts are already MXFP4 (gpt-oss); "
+                                  "quantizing a model to MXFP4 while loading is not supported by gpuformers: use "
+                                  "WeightOnlyConfig or BitsAndBytesConfig")
+    if isinstance(stored, Mxfp4Config):
+        if asked is not None and not isinstance(asked, Mxfp4Config):
+            logger.warning("the checkpoint's experts are MXFP4 (config.json's quantization_config): %s passed to "
+                           "from_pretrained is ignored; pass Mxfp4Config(dequantize=...) to choose how they load",
+                           type(asked).__name__)
+            asked = None
+        return stored.for_loading(asked)
     if stored is not None and not isinstance(stored, FineGrainedFP8Config):
         if requested is not None:
             logger.warning("the checkpoint is already quantized (config.json has a quantization_config): its "
@@ -313,6 +326,11 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
         return swap_compressed_layers(model, config, dtype, loaded) + swap_routers(model, config, dtype)
     if isinstance(config, (GPTQConfig, AwqConfig)):  # pre-quantized layers, or unquantized ones as stored
         return swap_gptq_awq_layers(model, config, dtype, loaded) + swap_routers(model, config, dtype)
+    if isinstance(config, Mxfp4Config):  # only gpt-oss's experts, which the model builds packed for it
+        if not any(getattr(m, "packed", False) for m in model.modules()):
+            raise NotImplementedError(f"MXFP4 checkpoints are supported for gpt-oss's experts only, not for "
+                                      f"{type(model).__name__}")
+        return []
     if isinstance(config, BitsAndBytesConfig):
         from gpuformers.quantization.bnb import bnb_linear
 
@@ -418,6 +436,8 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
         return finish_compressed_loading(model)
     if isinstance(config, (GPTQConfig, AwqConfig)):
         return finish_gptq_awq_loading(model, config)
+    if isinstance(config, Mxfp4Config):
+        return _finish_mxfp4_loading(model, config)
     if not isinstance(config, FineGrainedFP8Config):
         return config
     from gpuformers.quantization.fp8 import check_fp8_devices, restore_linear_layers
@@ -433,4 +453,17 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
         return config
     restore_linear_layers(model)
     model.config.extra.pop("quantization_config", None)
+    return None
+
+
+def _finish_mxfp4_loading(model: nn.Module, config: Mxfp4Config) -> Mxfp4Config | None:
+    """Keep the packed MXFP4 experts, or dequantize them (quantization/mxfp4.py's table): the kept config, or None
+    for a model that is then unquantized (and saves so)."""
+    packed = [m for m in model.modules() if getattr(m, "packed", False) and hasattr(m, "unpack")]
+    if keeps_mxfp4(config, {b.device for m in packed for b in m.buffers()}):
+        return dataclasses.replace(config, dequantize=False)
+    for module in packed:
+        module.unpack()
+    model.config.extra.pop("quantization_config", None)
+    model.config.extra.pop("mxfp4_experts", None)
     return None

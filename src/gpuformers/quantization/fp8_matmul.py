@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
-from gpuformers.kernels.checks import check_same, check_tensor, dot_precision
+from gpuformers.kernels.checks import check_bias_and_devices, check_tensor, dot_precision
 from gpuformers.kernels.ops import NAMESPACE
 from gpuformers.kernels.weight_only_matmul import MatmulConfig, choose_config, sum_split_k
 from gpuformers.kernels.weight_only_matmul import kernel_fits as _block_k_fits
@@ -95,12 +95,7 @@ def _check(x, weight, scale_inv, block_size, bias):
         raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for a "
                          f"{(n, k)} weight in blocks of {list(block_size)}")
     tensors = dict(x=x, weight=weight, weight_scale_inv=scale_inv)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != n:
-            raise ValueError(f"bias has {bias.shape[0]} entries, expected out_features={n}")
-        tensors["bias"] = bias
-    check_same("device", **tensors)
+    check_bias_and_devices(bias, n, **tensors)
 
 
 def fp8_matmul_forward(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int],
