@@ -1,7 +1,9 @@
-"""y = x @ W^T + b for MXFP4 weights (gpt-oss's packed experts, quantization/mxfp4.py): the weight-only matmul kernel
-(kernels/weight_only_matmul.py) in its MXFP4 mode, which decodes each E2M1 code into its float32 bit pattern and
-multiplies by the block's 2^(scale - 127), also built from bits, so the dequantized tile is exact before it is
-rounded to x's dtype (where every such value fits, barring the exponent range) and multiplied on the tensor cores:
+"""y = x @ W^T + b for MXFP4 weights (gpt-oss's packed experts, quantization/mxfp4.py) as a Triton kernel.
+
+It is the weight-only matmul kernel (kernels/weight_only_matmul.py) in its MXFP4 mode, which decodes each E2M1 code
+into its float32 bit pattern and multiplies by the block's 2^(scale - 127), also built from bits, so the dequantized
+tile is exact before it is rounded to x's dtype (where every such value fits, barring the exponent range) and
+multiplied on the tensor cores:
 
     blocks (N, K / 32, 16) uint8 ── viewed (N, K / 2) ──► q tile ──► codes ──► E2M1 bits * 2^(s - 127) ─┐
     x (M, K) ──► x tile ────────────────────────────────────────────────────────────────────── tl.dot ──► y (M, N)
