@@ -11,7 +11,7 @@ Every value is a 2-bit-mantissa number times a power of two, so float32, bfloat1
 their exponent range): dequantizing into any of them loses nothing.
 
 Loading an MXFP4 gpt-oss checkpoint (models/gpt_oss.py), the experts are either kept packed, about 4.25 bits a weight
-(gpt-oss-20b's ~13 GB instead of ~42 GB in bfloat16), or dequantized once into ordinary parameters:
+(gpt-oss-20b: ~14 GB instead of ~42 GB in bfloat16), or dequantized once into ordinary parameters:
 
     quantization_config          experts
     none                         kept packed on a CUDA GPU with Triton, dequantized elsewhere (transformers decides
