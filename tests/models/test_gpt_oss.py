@@ -320,6 +320,23 @@ def test_mxfp4_experts_kept_packed_match_transformers(mxfp4_checkpoint, tmp_path
         torch.testing.assert_close(theirs(ids, attention_mask=mask).logits, logits, atol=1e-4, rtol=0)
 
 
+def test_mxfp4_packed_model_dequantizes(mxfp4_checkpoint):
+    """model.dequantize() turns packed experts into the parameters the checkpoint's values give, exactly."""
+    from gpuformers.quantization.mxfp4 import Mxfp4Config
+
+    folder, _, expected = mxfp4_checkpoint
+    model = _load(folder, quantization_config=Mxfp4Config())
+    ids, mask = _batch()
+    with torch.no_grad():
+        packed = model(ids, attention_mask=mask).logits
+        model.dequantize()
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, packed, atol=1e-4, rtol=0)
+    assert not model.is_quantized and "quantization_config" not in model.config.to_dict()
+    for i, layer in enumerate(model.model.layers):
+        assert not layer.mlp.experts.packed
+        assert torch.equal(layer.mlp.experts.gate_up_proj, expected[i]["gate_up_proj"])
+
+
 def test_mxfp4_packed_experts_train_around_them(mxfp4_checkpoint):
     """Packed experts take no gradient, but the input's gradient flows through them (dequantized for the call): the
     attention layers before them train as in the dequantized model."""

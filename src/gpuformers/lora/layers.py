@@ -89,8 +89,6 @@ class LoraLinear(LoraLayer):
     def __init__(self, base_layer: nn.Module, config: LoraConfig, autocast_adapter_dtype: bool = True):
         super().__init__()
         self.base_layer = base_layer
-        self.fan_in_fan_out = is_fan_in_fan_out(base_layer)  # weight (in, out): merges add the update transposed
-        self.quantized = type(base_layer) is not nn.Linear and not self.fan_in_fan_out
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
         dtype, device = _adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
@@ -100,6 +98,16 @@ class LoraLinear(LoraLayer):
         self.merged = False
         self.disabled = False
         self.reset_lora_parameters(config.init_lora_weights)
+
+    # Read from the base layer at each use: model.dequantize() may swap a quantized base for a float one.
+    @property
+    def fan_in_fan_out(self) -> bool:
+        """The base weight is (in, out): merges add the update transposed."""
+        return is_fan_in_fan_out(self.base_layer)
+
+    @property
+    def quantized(self) -> bool:
+        return type(self.base_layer) is not nn.Linear and not self.fan_in_fan_out
 
     @torch.no_grad()
     def reset_lora_parameters(self, init_lora_weights: bool | str) -> None:

@@ -147,6 +147,13 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin, Token
     def is_quantized(self) -> bool:
         return self.quantization_config is not None
 
+    def dequantize(self, dtype: torch.dtype | None = None) -> "PreTrainedModel":
+        """Turn every quantized layer back into a float one in `dtype` (default: the model's), in place; the model is
+        then unquantized and saves so (quantization/dequantize.py). Returns the model, as transformers' does."""
+        from gpuformers.quantization.dequantize import dequantize_model
+
+        return dequantize_model(self, dtype)
+
     # --- loading and saving ---------------------------------------------------------------------------------
 
     @classmethod

@@ -54,6 +54,7 @@ from gpuformers.quantization.gptq_awq import (
     gptq_awq_quantization,
     swap_gptq_awq_layers,
 )
+from gpuformers.quantization.dequantize import remember_original
 from gpuformers.quantization.mxfp4 import Mxfp4Config, keeps_mxfp4
 
 logger = logging.getLogger(__name__)
@@ -391,6 +392,7 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
             layer.load_from_checkpoint("weight", linear.weight.detach().T if conv1d else linear.weight.detach())
             if linear.bias is not None:
                 layer.load_from_checkpoint("bias", linear.bias.detach())
+        remember_original(layer, linear)  # what model.dequantize() gives back
         setattr(model.get_submodule(parent_name), attr, layer)
     if isinstance(config, FineGrainedFP8Config):
         names += swap_routers(model, config, dtype)
