@@ -216,14 +216,18 @@ class GenerationConfig:
         self.validate()
         return unused
 
-    def merged_with(self, base: "GenerationConfig | None") -> "GenerationConfig":
+    def merged_with(self, base: "GenerationConfig | None", none_is_unset: bool = False) -> "GenerationConfig":
         """A copy of this config whose unset fields take `base`'s values (transformers' rule for a config passed to
-        generate() on top of model.generation_config). Fields set in either stay marked as set."""
+        generate() on top of model.generation_config). Fields set in either stay marked as set.
+
+        none_is_unset: a field this config sets to None counts as unset too, as in transformers' generate(), where
+        None is what "unset" looks like: a passed GenerationConfig(eos_token_id=None) keeps the model's eos there
+        (while generate(eos_token_id=None) drops it)."""
         merged = self.copy()
         if base is None:
             return merged
         for name in base._explicit:
-            if name not in self._explicit:
+            if name not in self._explicit or (none_is_unset and getattr(self, name) is None):
                 setattr(merged, name, copy.deepcopy(getattr(base, name)))
         for key, value in base.extra.items():
             merged.extra.setdefault(key, copy.deepcopy(value))

@@ -104,13 +104,14 @@ def check_generation_config(config: GenerationConfig) -> None:
     _check_number("repetition_penalty", config.repetition_penalty, low=0.0, low_open=True,
                   hint="; 1.0 means no penalty")
     _check_number("length_penalty", config.length_penalty)
-    if config.num_return_sequences > 1 and not config.do_sample:
-        if config.num_beams == 1:
+    if config.num_return_sequences > 1:
+        if config.num_beams == 1 and not config.do_sample:
             raise ValueError(
                 f"generation config field num_return_sequences ({config.num_return_sequences}) needs do_sample=True "
                 f"or num_beams >= {config.num_return_sequences}: greedy search returns one sequence per prompt"
             )
-        if config.num_return_sequences > config.num_beams:
+        # beam sampling (do_sample=True) too returns the best of its num_beams finished sequences
+        if config.num_beams > 1 and config.num_return_sequences > config.num_beams:
             raise ValueError(
                 f"generation config field num_return_sequences ({config.num_return_sequences}) must be <= num_beams "
                 f"({config.num_beams}) for beam search"
@@ -129,6 +130,17 @@ def check_generation_config(config: GenerationConfig) -> None:
                 raise ValueError(f"generation config field {name} must be a list of token ids, got {value!r}")
             for token in value:
                 _check_int(name, token, minimum=0)
+    if config.suppress_tokens is not None:
+        # transformers refuses this too: at the forcing step every score is -inf, and sampling fails on nan
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            value = getattr(config, name)
+            forced = set() if value is None else {value} if isinstance(value, int) else set(value)
+            if forced and forced <= set(config.suppress_tokens):
+                raise ValueError(
+                    f"generation config field {name} {sorted(forced)} is all in suppress_tokens: forcing a token "
+                    f"while suppressing it leaves no token to choose at the forcing step; remove it from one of "
+                    f"the two (to keep eos from coming early, use min_new_tokens instead)"
+                )
     if config.bad_words_ids is not None:
         if not isinstance(config.bad_words_ids, (list, tuple)) or not all(
             isinstance(seq, (list, tuple)) and len(seq) > 0

@@ -102,8 +102,8 @@ class GenerationMixin(GenerationPreparation):
         `prefix_allowed_tokens_fn(batch_id, input_ids) -> allowed token ids` constrains each next token
         (generation/prefix_constrained.py).
         """
-        from gpuformers.generation.logits import LogitsProcessorList, build_logits_processors
-        from gpuformers.generation.stopping import StoppingCriteriaList, build_stopping_criteria
+        from gpuformers.generation.logits import build_logits_processors, merge_processors
+        from gpuformers.generation.stopping import build_stopping_criteria
 
         input_ids = kwargs.pop("input_ids", None)
         cache = kwargs.pop("past_key_values", None)
@@ -124,8 +124,6 @@ class GenerationMixin(GenerationPreparation):
             attention_mask = None  # nothing padded: the model needs no mask (one check, before the loop)
 
         max_length = self._prepare_max_length(config, prompt_length)
-        if assisted:
-            self._refuse_cache_rebuild(assistant_model, prompt_length, max_length)
 
         beams = config.num_beams
         if beams > 1 and streamer is not None:
@@ -137,12 +135,20 @@ class GenerationMixin(GenerationPreparation):
                 attention_mask = attention_mask.repeat_interleave(expand, dim=0)
         rows = input_ids.shape[0]
 
+        # the caller's processors and criteria join the built ones as in transformers (merge_processors)
         processors = build_logits_processors(config, prompt_length, device=input_ids.device,
                                              attention_mask=attention_mask,
-                                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        processors = LogitsProcessorList([*processors, *(logits_processor or [])])
+                                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                             logits_processor=logits_processor)
         criteria = build_stopping_criteria(config, prompt_length, tokenizer=tokenizer)
-        criteria = StoppingCriteriaList([*criteria, *(stopping_criteria or [])])
+        criteria = merge_processors(criteria, list(stopping_criteria or []))
+        if criteria.max_length is not None and criteria.max_length != max_length:
+            # A caller's MaxLengthCriteria replaced the built one, so it decides where generation ends, shorter or
+            # longer, as in transformers (which still checks it after the first new token); the buffers and the
+            # cache below are sized to it. The processors keep the config's length (forced eos), as there.
+            max_length = config.max_length = max(criteria.max_length, prompt_length + 1)
+        if assisted:
+            self._refuse_cache_rebuild(assistant_model, prompt_length, max_length)
 
         # When nothing the loop makes can leave this call but the token ids (no cache passed in, no dict of scores
         # and cache returned), the loop runs in inference mode: no autograd bookkeeping on each of the ~700 ops of a

@@ -7,8 +7,9 @@ input. Every decision that depends on data stays on the device (masks, `torch.wh
 the host already knows, choose a branch, so no processor waits on the GPU.
 
 `build_logits_processors(generation_config, prompt_length)` builds the list generate() applies, in transformers'
-order: penalties and constraints first (sequence_bias first of all), then (only with do_sample=True) the sampling
-warpers, temperature -> top_h -> top_k -> top_p -> min_p -> typical_p -> epsilon -> eta, then renormalisation.
+order: penalties and constraints first (sequence_bias first of all), then the caller's logits_processor, then (only
+with do_sample=True) the sampling warpers, temperature -> top_h -> top_k -> top_p -> min_p -> typical_p -> epsilon
+-> eta, then renormalisation.
 The processors live by kind: generation/penalties.py (what the sequence already holds), generation/constraints.py
 (lengths, forced and suppressed tokens), generation/warpers.py (sampling), on the base classes of
 generation/logits_processor.py; all are re-exported here, so every processor can be imported from this module.
@@ -16,7 +17,7 @@ generation/logits_processor.py; all are re-exported here, so every processor can
 PrefixConstrainedLogitsProcessor (generate(prefix_allowed_tokens_fn=...)) lives in generation/prefix_constrained.py;
 it calls the user's Python function per row, so it is the one processor that waits for the device.
 
-Offers: LogitsProcessor, LogitsProcessorList, build_logits_processors, and the processors:
+Offers: LogitsProcessor, LogitsProcessorList, build_logits_processors, merge_processors, and the processors:
 SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor,
 NoBadWordsLogitsProcessor, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, ForcedBOSTokenLogitsProcessor,
 ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, ExponentialDecayLengthPenalty,
@@ -70,6 +71,7 @@ def build_logits_processors(
     device: torch.device | str | None = None,
     attention_mask: torch.Tensor | None = None,
     prefix_allowed_tokens_fn=None,
+    logits_processor=None,
 ) -> LogitsProcessorList:
     """The processors `generation_config` asks for, in transformers' order.
 
@@ -78,6 +80,9 @@ def build_logits_processors(
     accepted for symmetry with transformers; the processors follow the device of the scores they get.
     prefix_allowed_tokens_fn: generate()'s `fn(batch_id, input_ids) -> allowed token ids`, which adds a
     PrefixConstrainedLogitsProcessor (generation/prefix_constrained.py).
+    logits_processor: generate()'s own processors, placed as transformers places them: after the penalties and
+    constraints, before the sampling warpers and the renormalisation; one of the same class as a built one
+    replaces it in its place (merge_processors).
     """
     gc = generation_config
     eos = gc.eos_token_ids
@@ -123,9 +128,11 @@ def build_logits_processors(
         # with a one-token prompt and a forced bos, the first free choice comes one step later
         begin = prompt_length if prompt_length > 1 or gc.forced_bos_token_id is None else prompt_length + 1
         processors.append(SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
+    processors = merge_processors(processors, logits_processor or [])
     if gc.do_sample:
-        # beam sampling keeps one token more than there are eos tokens, so every beam can continue
-        keep = len(eos) + 1 if gc.num_beams > 1 and eos else 2 if gc.num_beams > 1 else 1
+        # beam sampling keeps one token more than there are eos tokens, so every beam can continue; as in
+        # transformers, an explicit empty eos list counts (1 token kept) and only None falls back to 2
+        keep = 1 if gc.num_beams == 1 else 2 if gc.eos_token_id is None else len(eos) + 1
         if gc.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(gc.temperature))
         if gc.top_h is not None:
@@ -145,3 +152,16 @@ def build_logits_processors(
     if gc.renormalize_logits:
         processors.append(LogitNormalization())
     return processors
+
+
+def merge_processors(built: list, custom: list) -> list:
+    """transformers' merge of the processors (or stopping criteria) generate() built with the caller's: a caller's
+    one of the same class as a built one takes its place, the others follow the built ones. Returns a list of the
+    type of `built`."""
+    if not custom:
+        return built
+    merged = type(built)()
+    for default in built:
+        merged.append(next((c for c in custom if type(c) is type(default)), default))
+    merged.extend(c for c in custom if not any(c is m for m in merged))
+    return merged

@@ -36,12 +36,15 @@ class GenerationPreparation:
         base = getattr(self, "generation_config", None)
         if base is None:
             base = GenerationConfig.from_model_config(self.config)
-        config = generation_config.merged_with(base) if generation_config is not None else base.copy()
-        if generation_config is None and config.cache_implementation == "hybrid":
-            # Checkpoints with sliding-window layers (Gemma 2 / 3) ship "hybrid", which transformers now reads, from
-            # the model's own defaults, as the default dynamic cache (it handles the windows); so do we.
-            config.cache_implementation = None
+        if generation_config is not None:
+            config = generation_config.merged_with(base, none_is_unset=True)
+        else:
+            config = base.copy()
         unknown = config.update(**kwargs)
+        if config.cache_implementation == "hybrid":
+            # Checkpoints with sliding-window layers (Gemma 2 / 3) ship "hybrid", which transformers now reads, from
+            # wherever it comes, as the default dynamic cache (it handles the windows); so do we.
+            config.cache_implementation = None
         if unknown:
             hints = []
             for name in sorted(unknown):

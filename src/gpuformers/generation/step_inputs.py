@@ -2,7 +2,8 @@
 input ids, position ids, attention mask, cache position), built once per call into buffers sized to the final length.
 
 Left padding: the attention mask covers prompt and generated tokens; positions count real tokens only
-(`mask.cumsum(-1) - 1`), so a padded row continues from where its text ends. A decode step only slices the buffers.
+(`mask.cumsum(-1) - 1`), so a padded row continues from where its text ends (transformers' rule: new tokens follow
+the prompt's last position). A decode step only slices the buffers.
 
 Cache rebuild: before each forward the model is asked `cache_must_be_rebuilt(past_length, length)` (Python ints, no
 host sync); where it says so (Phi-3's longrope passing original_max_position_embeddings, as transformers' Phi-3
@@ -30,7 +31,7 @@ class StepInputs:
     """Everything a forward needs besides the tokens: positions, attention mask and cache, kept in buffers sized
     to the final length so that a decode step only slices them.
 
-    positions: (rows, max_length); a left-padded row counts only its real tokens; padding slots hold 1.
+    positions: (rows, max_length); a left-padded row counts only its real tokens; padding slots hold 0.
     mask: (rows, max_length) of 1 for real tokens, or None when nothing is padded (the model then needs no mask).
     """
 
@@ -53,7 +54,14 @@ class StepInputs:
         else:
             self.mask = torch.ones(rows, max_length, dtype=attention_mask.dtype, device=device)
             self.mask[:, :prompt_length] = attention_mask
-            self.positions = (self.mask.cumsum(-1) - 1).masked_fill_(self.mask == 0, 1)
+            # transformers' rule: the prompt's positions count its real tokens (padding at 0), and each new token
+            # comes one after the prompt's last position. With left padding that continues the count; after a
+            # right-padded prompt (last slot masked, position 0) it restarts at 1, as in transformers.
+            prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 0)
+            self.positions = torch.empty(rows, max_length, dtype=torch.long, device=device)
+            self.positions[:, :prompt_length] = prompt_positions  # (rows, prompt_length)
+            steps = torch.arange(1, max_length - prompt_length + 1, device=device)
+            self.positions[:, prompt_length:] = prompt_positions[:, -1:] + steps  # (rows, new tokens)
 
     def _mask_until(self, length: int) -> torch.Tensor | None:
         if self.mask is None or self.full_mask:
