@@ -17,7 +17,13 @@ With asynchronous batching a decode's input token may still be on the device (sa
 model runner scatters it into the step's input_ids before `run`, whose copy into the static input buffer is
 ordered after it on the stream, so a graph needs nothing special and no host sync.
 
-Offers: DecodeGraphs, BATCH_BUCKETS.
+A forward that waits on the host cannot be captured: the mixture-of-experts blocks' torch forwards read which
+experts got tokens (`torch.unique(...).tolist()`, as transformers' do), and a layer class says so with
+`syncs_host = True`. `decide_cuda_graph` leaves graphs off for a model holding such a layer (unless a kernel replaced
+its forward: use_kernels=True gives Qwen3-MoE-style blocks the fused MoE kernel, which syncs nothing), rather than
+let the first capture fail; asked for explicitly, they are an error naming the layer.
+
+Offers: DecodeGraphs, BATCH_BUCKETS, capture_blockers, decide_cuda_graph.
 """
 
 from __future__ import annotations
@@ -31,6 +37,32 @@ from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def capture_blockers(model: torch.nn.Module) -> list[str]:
+    """Names of the modules whose forward waits on the host (class attribute `syncs_host`, forward not replaced on
+    the instance by a kernel), so a CUDA graph cannot capture the model."""
+    return [name for name, module in model.named_modules()
+            if getattr(type(module), "syncs_host", False) and "forward" not in module.__dict__]
+
+
+def decide_cuda_graph(asked: bool | None, model: torch.nn.Module, cuda: bool, tp_size: int) -> bool:
+    """use_cuda_graph for this model: as asked, or (None) on for a model on a CUDA device in one process whose
+    forward never waits on the host; asked True for a model that waits is a ValueError naming the layer."""
+    if asked is False or (asked is None and (not cuda or tp_size > 1)):
+        return False
+    blockers = capture_blockers(model)
+    if blockers:
+        layer = type(model.get_submodule(blockers[0])).__name__
+        fix = ("load the model with use_kernels=True (its fused MoE kernel syncs nothing)"
+               if getattr(type(model.get_submodule(blockers[0])), "kernel_layer_name", None) else
+               "no kernel replaces this layer yet")
+        if asked:
+            raise ValueError(f"use_cuda_graph=True: {blockers[0]} ({layer}) reads which experts got tokens on the "
+                             f"host, which a CUDA graph cannot capture; {fix}, or leave use_cuda_graph None")
+        logger.info("CUDA graphs off: %s (%s) waits on the host in its forward; %s", blockers[0], layer, fix)
+        return False
+    return True
 
 
 def _bucket(value: int, buckets) -> int | None:

@@ -65,6 +65,7 @@ class SparseMoeBlock(nn.Module):
     # read as gate_proj / up_proj / down_proj (the fused kernel stacks them by these names); a family whose
     # checkpoint names them otherwise sets its own (Mixtral's w1 / w3 / w2).
     expert_class = GatedMLP
+    syncs_host = True  # forward reads the routed experts on the host: no CUDA graph (engine/cuda_graphs.py)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()

@@ -135,6 +135,8 @@ class GptOssExperts(nn.Module):
     """All experts of a layer as fused tensors (module doc). With packed=True (an MXFP4 checkpoint) the two matrices
     are uint8 {proj}_blocks / {proj}_scales buffers until `unpack` turns them into the parameters."""
 
+    syncs_host = True  # forward reads the routed experts on the host: no CUDA graph (engine/cuda_graphs.py)
+
     def __init__(self, config: ModelConfig, packed: bool = False):
         super().__init__()
         experts, hidden, inter = config.extra["num_local_experts"], config.hidden_size, config.intermediate_size
