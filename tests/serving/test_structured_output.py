@@ -167,6 +167,21 @@ def test_engine_api_with_async_batching_and_preemption(reference, compiler):
         manager.add_request(prompts[0], structured_output={"type": "json_object"})
 
 
+def test_a_grammar_with_no_way_on_fails_its_sampled_request_alone(reference, compiler):
+    """A grammar that can start but never finish ("a" then an endless recursion) allows no token after "a": a sampled
+    row masked to all -inf used to give NaN probabilities that failed every request of the step."""
+    model, tokenizer = reference
+    dead_end = compiler.compile({"type": "grammar", "grammar": 'root ::= "a" b\nb ::= b "x"'})
+    prompt = tokenizer.encode(PROMPTS[0])
+    manager = model.init_continuous_batching(max_new_tokens=8)
+    other = manager.add_request(prompt, do_sample=True, seed=1)
+    stuck = manager.add_request(prompt, do_sample=True, seed=2, structured_output=dead_end)
+    manager.run_until_done()
+    assert "does not fit grammar" in manager.get_result(stuck, timeout=0).error
+    output = manager.get_result(other, timeout=0)
+    assert output.error is None and len(output.generated_tokens) == 8
+
+
 # ---------------------------------------------------------------------------------------------- the server
 
 def test_json_object_is_forced_for_requests_at_once(server, reference):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from gpuformers.engine.cpu_weights import packable_linears, prepack_available
+from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
@@ -72,7 +73,7 @@ class ContinuousBatchingConfig:
         if self.use_cuda_graph and tp_size > 1:
             raise NotImplementedError("CUDA graphs with tensor parallelism (collectives inside a captured graph) are "
                                       "not supported yet; leave use_cuda_graph None (off under tp_plan)")
-        values["use_cuda_graph"] = (cuda and tp_size == 1) if self.use_cuda_graph is None else self.use_cuda_graph
+        values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size)
         values["prepack_weights"] = decide_prepack(self.prepack_weights, model, tp_size)
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
@@ -162,15 +163,20 @@ def check_honoured(generation_config) -> None:
 
 
 def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig, prompt_length: int,
-                         **overrides) -> SamplingParams:
+                         max_position_embeddings: int | None = None, **overrides) -> SamplingParams:
     """Per-request SamplingParams: the generation config's values, then this request's overrides. Raises
     NotImplementedError naming the generation config's fields that would change the tokens and that the engine
-    does not implement (check_honoured)."""
+    does not implement (check_honoured). max_position_embeddings: the model's; it caps the default length (20 new
+    tokens) as in generate()."""
     config = generation_config
     check_honoured(config)
     max_new = overrides.pop("max_new_tokens", None)
     if max_new is None:
-        max_new = config.max_length_for(prompt_length) - prompt_length
+        max_length = config.max_length_for(prompt_length, max_position_embeddings)
+        if max_length <= prompt_length:
+            raise ValueError(f"max_length={max_length} leaves no room for new tokens after a prompt of "
+                             f"{prompt_length} tokens; set max_new_tokens instead")
+        max_new = max_length - prompt_length
     values = dict(
         max_new_tokens=max_new,
         do_sample=config.do_sample,

@@ -25,7 +25,9 @@ Offers: GenerationOutput, ContinuousBatchingManager.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import queue
 import threading
 import time
@@ -106,11 +108,14 @@ class ContinuousBatchingManager(AdapterServingMixin):
         # queue in `_streams`, which request_id_iter drops once it has yielded the final one.
         self._finished: dict[str, GenerationOutput] = {}
         self._streams: dict[str, queue.Queue] = {}
+        # The ids of the requests whose final output the caller has not taken yet: a second request under one of
+        # them would overwrite the first one's output or stream (the first one lost), so add_request refuses it.
+        self._live_ids: set[str] = set()
         self.num_finished = 0  # requests finished so far (a count, not a store: for progress bars)
         self._done = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next_id = 0
+        self._next_ids = itertools.count()  # req_0, req_1, ...: next() is atomic, callers may add from many threads
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
         self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
@@ -342,25 +347,74 @@ class ContinuousBatchingManager(AdapterServingMixin):
         the base model). `sampling` overrides this request's temperature, top_p, top_k, min_p, do_sample, stop,
         seed, ignore_eos, repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens, logit_bias,
         return_logprobs, top_logprobs, prompt_logprobs, structured_output (see SamplingParams; a prompt_logprobs
-        request takes no prefix-cache hits)."""
+        request takes no prefix-cache hits). A bad prompt or setting raises ValueError here, before the request can
+        reach a step; so does a `request_id` whose earlier request's final output has not been taken yet."""
         if adapter_name is not None:
             self.adapter_bank.check_name(adapter_name)
         if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() > 1 and input_ids.shape[0] != 1:
+                raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} hold {input_ids.shape[0]} prompts; "
+                                 f"add_request takes one (add_requests takes a list of them)")
             input_ids = input_ids.reshape(-1).tolist()
-        if request_id is None:
-            request_id = f"req_{self._next_id}"
-            self._next_id += 1
+        input_ids = self._checked_prompt(input_ids, request_id)
         params = sampling_params_from(self.generation_config, self.config, len(input_ids),
+                                      max_position_embeddings=self.model.config.max_position_embeddings,
                                       max_new_tokens=max_new_tokens, **sampling)
         check_structured_output(params.structured_output, self.model.config.vocab_size, self._lockstep is not None)
-        seq = Sequence(request_id, list(input_ids), params, streaming=streaming, adapter_name=adapter_name)
-        seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
-        seq.created_time = time.time()
-        if streaming:
-            with self._done:
+        self._check_positions(len(input_ids), params.max_new_tokens, request_id)
+        with self._done:
+            if request_id is None:
+                request_id = next(f"req_{n}" for n in self._next_ids if f"req_{n}" not in self._live_ids)
+            elif request_id in self._live_ids:
+                raise ValueError(f"request_id {request_id!r} is already in use by a request whose final output has "
+                                 f"not been taken yet; give another id, or take that one's result first")
+            seq = Sequence(request_id, input_ids, params, streaming=streaming, adapter_name=adapter_name)
+            seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
+            seq.created_time = time.time()
+            self._live_ids.add(request_id)
+            if streaming:
                 self._streams[request_id] = queue.Queue()
         self._inbox.put(("add", seq))
         return request_id
+
+    def _checked_prompt(self, input_ids, request_id: str | None) -> list[int]:
+        """The prompt as a list of ints, refused in the caller's thread when it would fail inside an engine step: a
+        token id outside the embedding table would fail the whole step (every request in it, not this one alone).
+        A prompt longer than the model's positions is refused as generate() refuses it."""
+        name = f"request {request_id!r}: " if request_id is not None else ""
+        vocab_size = self.model.config.vocab_size
+        prompt = []
+        for position, value in enumerate(input_ids):
+            try:
+                token = operator.index(value)  # ints, numpy ints, 0-d integer tensors; not floats
+            except TypeError:
+                token = None
+            if token is None or not 0 <= token < vocab_size:
+                raise ValueError(f"{name}prompt token {value!r} at position {position} is not a token id of this model "
+                                 f"(an int in [0, {vocab_size})); check that the tokenizer matches the model")
+            prompt.append(token)
+        config = self.model.config
+        limit = config.max_position_embeddings
+        if len(prompt) > limit and config.rope_type != "dynamic":
+            raise ValueError(f"{name}the prompt has {len(prompt)} tokens but the model handles at most "
+                             f"max_position_embeddings={limit} positions (rope_type {config.rope_type!r} does not "
+                             f"extend beyond them); shorten the prompt")
+        return prompt
+
+    def _check_positions(self, prompt_length: int, max_new_tokens: int, request_id: str | None) -> None:
+        """A model with learned absolute positions (GPT-2's wpe table) has no embedding past them: a request that
+        would get there is refused here, since the IndexError of its step would fail every request in that step.
+        (Rotary models go on past max_position_embeddings, as generate() does.)"""
+        table = getattr(self.model.model, "wpe", None)
+        if not isinstance(table, torch.nn.Embedding):
+            return
+        needed = prompt_length + max_new_tokens - 1  # the last new token is never fed back
+        if needed > table.num_embeddings:
+            name = f"request {request_id!r}: " if request_id is not None else ""
+            raise ValueError(f"{name}a prompt of {prompt_length} tokens with max_new_tokens={max_new_tokens} needs "
+                             f"{needed} positions but {type(self.model).__name__} has learned positions for "
+                             f"{table.num_embeddings} (max_position_embeddings); give max_new_tokens <= "
+                             f"{table.num_embeddings - prompt_length + 1}")
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
                      **sampling) -> list[str]:
@@ -383,6 +437,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
             if not self._done.wait_for(ready, timeout):
                 return None
             key = request_id if request_id is not None else next(iter(self._finished))  # the oldest
+            self._live_ids.discard(key)
             return self._finished.pop(key)
 
     def _last_output(self, request_id: str, stream: queue.Queue, timeout: float | None) -> GenerationOutput | None:
@@ -396,6 +451,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
             if output.is_finished():
                 with self._done:
                     self._streams.pop(request_id, None)
+                    self._live_ids.discard(request_id)
                 return output
 
     def request_id_iter(self, request_id: str):
@@ -415,6 +471,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
                 # that is never resumed after it) must not keep the request alive.
                 with self._done:
                     self._streams.pop(request_id, None)
+                    self._live_ids.discard(request_id)
                 yield output
                 return
             yield output

@@ -9,6 +9,7 @@ transformers lacks), all on the device:
     -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial (per row, its generator)
 
 A step in which no request adjusts its logits skips the first two lines entirely (host checks on the params).
+Logprobs, greedy or sampled, are those of the adjusted logits (before temperature and the filters).
 The penalties count tokens in TokenCounts: a row per request on the device, to which each step adds the tokens
 it sampled, so no step sends token lists or waits for the host.
 
@@ -166,6 +167,7 @@ def _filter_row(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # also when top_p is below float32's smallest step (it rounds to 0 and 0 >= 0)
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     if min_p:
         probs = logits.softmax(-1)
@@ -188,10 +190,9 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
     if constrained:
         logits = mask_logits(logits, [sequences[i].grammar_matcher for i in constrained], constrained)
     tokens = greedy_tokens(logits)  # greedy rows: one call for all of them
-    scores = logits
     sampled = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
     if sampled:
-        tokens, scores = tokens.clone(), logits.clone()
+        tokens = tokens.clone()
         for i in sampled:
             params = sequences[i].params
             row = _filter_row(logits[i] / params.temperature, params.top_k, params.top_p, params.min_p)
@@ -199,7 +200,6 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
                 sequences[i].generator = torch.Generator(device=logits.device).manual_seed(params.seed)
             probs = row.softmax(-1)
             tokens[i] = torch.multinomial(probs, 1, generator=sequences[i].generator)[0]
-            scores[i] = row
     if penalised is not None:
         index, table_rows = penalised
         counts.add(table_rows, tokens.index_select(0, index))
@@ -207,7 +207,10 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
     out = [tokens]
     if want_logprobs:
         rows = device_tensor(want_logprobs, logits.device)
-        log_probs = torch.log_softmax(scores[rows], -1)  # (rows, vocab)
+        # From the adjusted logits, before temperature and the top-k / top-p / min_p filters: those change which token
+        # is drawn, not the distribution reported (OpenAI's and vLLM's logprobs; filtered ones would be -inf, with
+        # arbitrary ids among the top alternatives).
+        log_probs = torch.log_softmax(logits[rows], -1)  # (rows, vocab)
         out.append(log_probs.gather(1, tokens[rows, None])[:, 0])
         k = max(sequences[i].params.top_logprobs for i in want_logprobs)
         if k:

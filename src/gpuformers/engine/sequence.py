@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,14 +84,25 @@ class SamplingParams:
     structured_output: Any = None
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        # Each value is checked here, for its own request: one that fails inside a step (a NaN temperature, a float
+        # top_k or seed) would fail every request of that step.
+        if _as_int(self.max_new_tokens) is None or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if _as_int(self.top_k) is None or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 turns it off)")
+        if self.seed is not None and _as_int(self.seed) is None:
+            raise ValueError(f"seed={self.seed!r} must be an int (or None: no per-request generator)")
+        self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
+        self.seed = None if self.seed is None else int(self.seed)
+        stops = [self.stop] if _as_int(self.stop) is not None else self.stop
+        if not isinstance(stops, (list, tuple)):
+            raise ValueError(f"stop={self.stop!r} must be a list of token ids and token-id sequences (text stops: "
+                             f"tokenize them; the server's stop= matches text)")
+        self.stop = [_stop_sequence(s) for s in stops]
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, 20]")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
@@ -121,7 +133,6 @@ class SamplingParams:
         if self.top_logprobs:
             self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
-        self.stop = [[s] if isinstance(s, int) else [int(t) for t in s] for s in self.stop]
         self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
 
     @property
@@ -148,6 +159,24 @@ class SamplingParams:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_int(value) -> int | None:
+    """value as an int when it is an integer (Python, numpy or a 0-d tensor's; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _stop_sequence(stop) -> list[int]:
+    """One entry of SamplingParams.stop (a token id or a sequence of them) -> a list of token ids."""
+    tokens = [_as_int(t) for t in stop] if isinstance(stop, (list, tuple)) else [_as_int(stop)]
+    if not tokens or None in tokens:
+        raise ValueError(f"stop entry {stop!r} must be a token id or a non-empty list of token ids")
+    return tokens
 
 
 _arrivals = itertools.count()

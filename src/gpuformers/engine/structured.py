@@ -231,6 +231,11 @@ def mask_logits(logits: torch.Tensor, matchers: list, rows: list[int]) -> torch.
     bitmask = torch.empty((len(rows), (logits.shape[-1] + 31) // 32), dtype=torch.int32, pin_memory=cuda)
     for k, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, k)
+        if not bitmask[k].any():
+            # A grammar with no way on (it can never finish): masking every token would leave a sampled row all -inf,
+            # whose NaN fails the whole step. Left unmasked, the token drawn fails this request alone when its
+            # matcher refuses it, as a greedy row does.
+            bitmask[k] = -1
     index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=True)
     masked = logits.index_select(0, index)  # (rows, vocab), a copy
     if cuda:  # elementwise on the device: no kernel to compile (xgrammar's is Triton)
