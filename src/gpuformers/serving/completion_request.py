@@ -3,8 +3,8 @@
 The fields completions and chat share (sampling, logit adjustments, n, stop, stream) are read here once; chat and
 the Responses API add theirs in chat_request.py and responses_request.py.
 
-Offers: CompletionRequest, parse_completion, MAX_N, MAX_COMPLETION_LOGPROBS (and, to the other request modules,
-_common, _sampling, _COMMON).
+Offers: CompletionRequest, parse_completion, MAX_N, MAX_COMPLETION_LOGPROBS, SEED_MIN, SEED_MAX (and, to the other
+request modules, _common, _sampling, _COMMON).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from gpuformers.serving.structured_request import STRUCTURED_FIELDS, structured_
 
 MAX_N = 16  # choices per request: each is a full engine request
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI allows
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a torch generator's seed is an int64 (vLLM's bounds too)
+MIN_REPETITION_PENALTY = 0.01  # far below any useful value; a tinier one divides logits into inf, then nan
 
 
 @dataclass
@@ -70,7 +72,8 @@ class CompletionRequest:
         return "max_output_tokens" if self.responses else "max_tokens"
 
 
-# Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce).
+# Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce; a non-empty
+# suffix would, and is refused in parse_completion).
 _IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", "best_of", "suffix"}
 _ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
@@ -102,19 +105,24 @@ def _sampling(body: dict) -> dict:
     return dict(temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
                 top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
                 top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
-                seed=_int(body, "seed", default=None), ignore_eos=_bool(body, "ignore_eos"))
+                seed=_int(body, "seed", SEED_MIN, SEED_MAX, None), ignore_eos=_bool(body, "ignore_eos"))
 
 
 def _adjustments(body: dict, max_tokens: int | None) -> dict:
     """The logit adjustments of completions and chat: OpenAI's frequency_penalty, presence_penalty (in [-2, 2])
-    and logit_bias ({"token id": bias in [-100, 100]}), and vLLM's repetition_penalty (in (0, 2]), min_p and
+    and logit_bias ({"token id": bias in [-100, 100]}), and vLLM's repetition_penalty (in [0.01, 2]), min_p and
     min_tokens (at most max_tokens). Each is None when not sent."""
     min_tokens = _int(body, "min_tokens", 0)
+    repetition_penalty = _float(body, "repetition_penalty", 0.0, 2.0, None, low_open=True)
+    if repetition_penalty is not None and repetition_penalty < MIN_REPETITION_PENALTY:
+        raise APIError(400, f"repetition_penalty={repetition_penalty} is below {MIN_REPETITION_PENALTY}: it would "
+                            f"scale the logits of seen tokens past float range; use a value in "
+                            f"[{MIN_REPETITION_PENALTY}, 2] (1.0 turns it off)", "repetition_penalty")
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise APIError(400, f"min_tokens={min_tokens} must be at most max_tokens ({max_tokens})", "min_tokens")
     return dict(frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, None),
                 presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, None), logit_bias=_logit_bias(body),
-                repetition_penalty=_float(body, "repetition_penalty", 0.0, 2.0, None, low_open=True),
+                repetition_penalty=repetition_penalty,
                 min_p=_float(body, "min_p", 0.0, 1.0, None), min_tokens=min_tokens)
 
 
@@ -158,6 +166,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     if logprobs is not None:
         request.logprobs, request.top_logprobs = True, logprobs
     request.echo = _bool(body, "echo")
+    if body.get("suffix"):  # ignored, the answer would silently not be the insertion the client asked for
+        raise APIError(400, f"suffix {body['suffix']!r} is not supported: this server completes the prompt only (no "
+                            "fill-in-the-middle); leave suffix out, or put the text in the prompt"[:300], "suffix")
     if request.echo and request.stream and request.logprobs:
         raise APIError(400, "echo=true with logprobs is not supported with stream=true (the prompt's logprobs come "
                             "only in a whole response); drop stream, echo or logprobs", "echo")

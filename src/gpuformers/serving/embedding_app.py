@@ -46,7 +46,7 @@ def build_embedding_app(embedder: Embedder, model_name: str, api_key: str | None
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(message, kind), status_code=error.status_code)
 
-    add_unexpected_error_handler(app)
+    add_unexpected_error_handler(app, metrics)
 
     def check_auth(request: Request) -> None:
         check_api_key(request, api_key)

@@ -272,11 +272,11 @@ class Job:
             return None
         tokenizer = self.state.tokenizer
         end = choice.num_tokens_kept() if end is None else end
-        ids, values = choice.token_ids[start:end], choice.logprobs[start:end]
+        ids, values = choice.token_ids[start:end], [_finite(v) for v in choice.logprobs[start:end]]
         if self.parsed.chat:
             strings = [tokenizer.decode([t]) for t in ids]
             # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-            tops = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in choice.top_logprobs[start:end]]
+            tops = [[(tokenizer.decode([t]), _finite(lp)) for t, lp in top] for top in choice.top_logprobs[start:end]]
             tops += [[] for _ in range(len(strings) - len(tops))]
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
                                  "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
@@ -304,10 +304,11 @@ class Job:
                     continue
                 alternatives: dict[str, float] = {}
                 for token_id, logprob in top:  # best first: a later token with the same text keeps the first
-                    alternatives.setdefault(tokenizer.decode([token_id]), logprob)
-                alternatives.setdefault(string, value)
+                    alternatives.setdefault(tokenizer.decode([token_id]), _finite(logprob))
+                alternatives.setdefault(string, _finite(value))
                 top_dicts.append(alternatives)
-        return {"tokens": strings, "token_logprobs": values, "top_logprobs": top_dicts, "text_offset": offsets}
+        return {"tokens": strings, "token_logprobs": [_finite(v) for v in values], "top_logprobs": top_dicts,
+                "text_offset": offsets}
 
     def _echo_text(self) -> str:
         """The prompt as echo returns it: as the client sent it, or decoded when it sent token ids."""
@@ -442,3 +443,12 @@ class Job:
             return
         finally:
             self.close()
+
+
+# The logprob reported for a token the request's masks ruled out (a grammar, min_tokens' eos mask): -inf is not JSON
+# (a 500 for a whole response, an invalid "-Infinity" in a stream), so it is vLLM's -9999.0
+MASKED_LOGPROB = -9999.0
+
+
+def _finite(logprob: float | None) -> float | None:
+    return logprob if logprob is None or logprob > MASKED_LOGPROB else MASKED_LOGPROB

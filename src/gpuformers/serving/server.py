@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpuformers.serving.completion_request import SEED_MIN
 from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, read_json
 from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.lora_routes import add_lora_routes
@@ -31,6 +32,11 @@ from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_
 from gpuformers.serving.responses import ResponseJob
 from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
                                            template_renders_tools)
+
+# A temperature below this is greedy decoding (vLLM's _SAMPLING_EPS), and a top_p below it is raised to it (which
+# keeps the top token only all the same): in float32 a tinier temperature divides the logits into inf and a tinier
+# top_p rounds to 0, and either makes the sampler's probabilities nan, which fails every request in the engine step
+SAMPLING_EPS = 1e-5
 
 
 class _State:
@@ -80,9 +86,23 @@ class _State:
                     # a model without eos ids ends a grammar at its tokenizer's eos: a "stop" too (in place: the
                     # jobs share this set)
                     self.eos_ids.update(self._grammars.stop_token_ids)
-            return self._grammars.compile(spec)
+            grammar = self._grammars.compile(spec)
         except (ImportError, ValueError) as error:  # xgrammar missing; a schema it cannot compile
             raise APIError(400, str(error), param) from None
+        _check_first_token(grammar, param)
+        return grammar
+
+
+def _check_first_token(grammar, param: str) -> None:
+    """A 400 for a grammar that allows no first token, so matches no text at all (`root ::= root "a"`, the regex
+    `[^\\s\\S]`): the engine would sample from a row of -inf logits, whose nan fails every request in the step."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, grammar.vocab_size)  # (1, ceil(vocab / 32)) int32
+    grammar.matcher().fill_next_token_bitmask(bitmask, 0)
+    if not bitmask.any():
+        raise APIError(400, f"{param}: the {grammar.name} matches no text (it allows no first token: a rule with no "
+                            f"way to end, or an empty character class); fix the grammar", param)
 
 
 def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = None, api_key: str | None = None,
@@ -128,7 +148,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def on_validation_error(request: Request, error: RequestValidationError):
         return JSONResponse(error_body(f"invalid request: {error.errors()}"[:1000]), status_code=422)
 
-    add_unexpected_error_handler(app)
+    add_unexpected_error_handler(app, state.metrics)
 
     def check_auth(request: Request) -> None:
         check_api_key(request, state.api_key)
@@ -232,12 +252,14 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": parsed.ignore_eos,
                                   "return_logprobs": parsed.logprobs, "top_logprobs": parsed.top_logprobs,
                                   "structured_output": grammar, "adapter_name": adapter_name}
-        if parsed.temperature == 0:
+        if parsed.temperature < SAMPLING_EPS:
             values["do_sample"] = False
         else:
-            values.update(do_sample=True, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k)
+            values.update(do_sample=True, temperature=parsed.temperature, top_p=max(parsed.top_p, SAMPLING_EPS),
+                          top_k=parsed.top_k)
         if parsed.seed is not None:
-            values["seed"] = parsed.seed + index  # n choices with one seed must still differ from each other
+            # n choices with one seed must still differ from each other; wrapped to stay an int64 at the top end
+            values["seed"] = (parsed.seed + index - SEED_MIN) % (1 << 64) + SEED_MIN
         if parsed.echo and parsed.logprobs and index == 0:  # the n choices share one prompt: score it once
             values["prompt_logprobs"] = parsed.top_logprobs
         return values
@@ -245,12 +267,17 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     async def serve(request: Request, parsed: CompletionRequest, endpoint: str):
         if state.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+        if parsed.n > state.engine.max_pending:  # a 429 would have the client retry a request that can never fit
+            raise APIError(400, f"n={parsed.n} choices are {parsed.n} engine requests, more than this server ever "
+                                f"holds at once ({state.engine.max_pending}, --max-pending); lower n", "n")
         adapter = None if parsed.model == state.model_name else parsed.model  # a LoRA adapter's name, or unknown
         if adapter is not None and adapter not in manager.adapters:
             served = ", ".join(map(repr, [state.model_name, *manager.adapters]))
             raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves {served}", "model",
                            code="model_not_found")
-        prompt_ids = prompt_ids_of(parsed)
+        # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
+        # that other clients' streams keep flowing meanwhile
+        prompt_ids = await asyncio.to_thread(prompt_ids_of, parsed)
         max_tokens = check_lengths(parsed, len(prompt_ids))
         grammar = None
         if parsed.structured_output is not None:  # structured_request.py
