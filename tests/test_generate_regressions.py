@@ -202,3 +202,16 @@ def test_beam_sampling_with_an_empty_eos_list_keeps_one_token(pair):
     kwargs = dict(num_beams=2, do_sample=True, top_k=1, eos_token_id=[], pad_token_id=5, max_new_tokens=3,
                   return_dict_in_generate=True, output_scores=True)
     _assert_same(_generate(ours, ids, **kwargs), _generate(hf, ids, **kwargs))
+
+
+def test_generating_past_gpt2s_learned_positions_is_a_clear_error(tmp_path):
+    """GPT-2 has no position embedding past n_positions: the step that got there raised a bare IndexError."""
+    from gpuformers import AutoModelForCausalLM
+
+    make_checkpoint(tmp_path, "gpt2", max_position_embeddings=16)  # GPT-2 reads it as n_positions
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, progress=False)
+    ids = torch.arange(3, 13)[None]  # 10 tokens
+    with pytest.raises(ValueError, match=r"needs 17 positions, but GPT2LMHeadModel has learned positions for 16 .* "
+                                         r"at most 7 new tokens"):
+        model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert model.generate(ids, max_new_tokens=7, do_sample=False).shape == (1, 17)  # the 17th token is never fed

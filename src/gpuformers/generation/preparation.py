@@ -111,6 +111,14 @@ class GenerationPreparation:
                 f"max_length={max_length} leaves no room for new tokens after a prompt of {prompt_length} tokens; "
                 f"set max_new_tokens instead"
             )
+        table = getattr(getattr(self, "model", None), "wpe", None)  # learned absolute positions (GPT-2's)
+        if isinstance(table, torch.nn.Embedding) and max_length - 1 > table.num_embeddings:
+            # the last new token is never fed back, so max_length - 1 positions are looked up
+            raise ValueError(
+                f"a prompt of {prompt_length} tokens generated up to max_length={max_length} needs {max_length - 1} "
+                f"positions, but {type(self).__name__} has learned positions for {table.num_embeddings} "
+                f"(max_position_embeddings); ask for at most {table.num_embeddings + 1 - prompt_length} new tokens"
+            )
         config.max_new_tokens = None
         config.max_length = max_length
         return max_length
