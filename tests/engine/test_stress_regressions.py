@@ -151,3 +151,26 @@ def test_a_top_p_below_float32_precision_keeps_the_top_token():
     logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
     kept = _filter_row(logits, top_k=0, top_p=1e-300, min_p=0.0)
     assert torch.isfinite(kept).tolist() == [False, True, False, False]
+
+
+def test_a_broken_loop_fails_the_requests_it_never_took_and_refuses_new_ones(model, monkeypatch):
+    """When the background loop died on an error, requests still in its inbox were never published (their callers
+    waited forever) and later add_request calls queued to a dead loop."""
+    manager = manager_for(model)
+
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(manager, "_drain_inbox", broken)
+    queued = manager.add_request([1, 2, 3], max_new_tokens=4)
+    manager.start()
+    output = manager.get_result(queued, timeout=10)
+    assert output is not None and output.status is RequestStatus.FAILED and "RuntimeError: boom" in output.error
+    manager._thread.join(10)
+    with pytest.raises(RuntimeError, match=r"the engine loop has stopped \(engine stopped: RuntimeError: boom\)"):
+        manager.add_request([1, 2, 3], max_new_tokens=4)
+    monkeypatch.undo()  # fixed: start() runs the loop again and it serves
+    manager.start()
+    again = manager.add_request([1, 2, 3], max_new_tokens=4)
+    assert manager.get_result(again, timeout=30).status is RequestStatus.FINISHED
+    manager.stop()

@@ -115,6 +115,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
         self._done = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.broken: str | None = None  # why the background loop stopped, when an error stopped it
         self._next_ids = itertools.count()  # req_0, req_1, ...: next() is atomic, callers may add from many threads
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
@@ -273,6 +274,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
     def start(self) -> "ContinuousBatchingManager":
         if self.is_running():
             return self
+        self.broken = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="continuous-batching", daemon=True)
         self._thread.start()
@@ -286,16 +288,34 @@ class ContinuousBatchingManager(AdapterServingMixin):
         except Exception as error:  # the engine itself broke: fail what is queued so that no caller waits forever
             logger.exception("the continuous batching loop stopped")
             self._in_flight = None
+            message = f"engine stopped: {type(error).__name__}: {error}"
+            self.broken = message  # add_request refuses from now on, until start() runs the loop again
             for seq in self.scheduler.waiting + self.scheduler.running:
                 self.scheduler.cancel(seq.request_id)
-                seq.error = f"engine stopped: {type(error).__name__}: {error}"
+                seq.error = message
                 self._publish_one(seq, final=True)
+            self._fail_inbox(message)
         finally:
             self.adapter_bank.uninstall()
             if self._lockstep is not None:
                 from gpuformers.engine.lockstep import STOP
 
                 self._lockstep.exchange([(STOP, None)])  # the followers' loops end with this one
+
+    def _fail_inbox(self, message: str) -> None:
+        """Fail what was sent to a loop that broke before taking it: requests, and adapter changes waiting on it."""
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                item.fail(message)
+                self._publish_one(item, final=True)
+            elif kind == "call":
+                _, done = item
+                if done.set_running_or_notify_cancel():
+                    done.set_exception(RuntimeError(message))
 
     # --- tensor parallelism: the processes' engines in lockstep -----------------------------------------------
 
@@ -349,6 +369,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
         return_logprobs, top_logprobs, prompt_logprobs, structured_output (see SamplingParams; a prompt_logprobs
         request takes no prefix-cache hits). A bad prompt or setting raises ValueError here, before the request can
         reach a step; so does a `request_id` whose earlier request's final output has not been taken yet."""
+        if self.broken is not None and not self.is_running():
+            raise RuntimeError(f"the engine loop has stopped ({self.broken}); start() it again, or make a new manager")
         if adapter_name is not None:
             self.adapter_bank.check_name(adapter_name)
         if isinstance(input_ids, torch.Tensor):
