@@ -47,21 +47,27 @@ class BatchEncoding(dict):
             if hasattr(value, "shape"):
                 continue
             rows = value if value and isinstance(value[0], (list, tuple)) else None
-            if rows is not None and len({len(row) for row in rows}) > 1:
-                raise ValueError(
-                    f"Unable to create a tensor from {key!r}: its rows have different lengths "
-                    f"({sorted({len(row) for row in rows})}). Pass padding=True (and truncation=True) to get "
-                    "rows of the same length."
-                )
+            ragged = rows is not None and len({len(row) for row in rows}) > 1
+            # Values keep their shape, as in transformers: tokenizer calls hand over rows already, and a
+            # per-row value (length, overflow_to_sample_mapping) is one number per row, a (batch,) tensor.
             if tensor_type == "pt":
                 import torch
 
-                # A single unbatched sequence still becomes a (1, seq) tensor, as in transformers.
+                if ragged:
+                    raise ValueError(
+                        f"Unable to create a tensor from {key!r}: its rows have different lengths "
+                        f"({sorted({len(row) for row in rows})}). Pass padding=True (and truncation=True) to get "
+                        "rows of the same length."
+                    )
+                # An empty batch has no values to infer a dtype from; ids are integers (as below for numpy).
                 tensor = torch.tensor(value)
-                self[key] = tensor.unsqueeze(0) if tensor.dim() == 1 and rows is None else tensor
+                self[key] = tensor.long() if tensor.numel() == 0 else tensor
+            elif ragged:
+                # numpy holds rows of different lengths as an object array of int arrays, as transformers does.
+                self[key] = np.asarray([np.asarray(row) for row in rows], dtype=object)
             else:
                 array = np.asarray(value)
-                self[key] = array[None] if array.ndim == 1 and rows is None else array
+                self[key] = array.astype(np.int64) if array.size == 0 else array
         return self
 
     def to(self, device, non_blocking: bool = False) -> "BatchEncoding":

@@ -53,43 +53,128 @@ class EncodingMixin:
 
     def __call__(
         self,
-        text: str | Sequence[str],
-        text_pair: str | Sequence[str] | None = None,
+        text: str | Sequence[str] | Sequence[Sequence[str]] | None = None,
+        text_pair: str | Sequence[str] | Sequence[Sequence[str]] | None = None,
+        text_target: str | Sequence[str] | None = None,
+        text_pair_target: str | Sequence[str] | None = None,
         *,
         add_special_tokens: bool = True,
         padding: bool | str = False,
         truncation: bool | str | None = None,
         max_length: int | None = None,
         stride: int = 0,
+        is_split_into_words: bool = False,
         pad_to_multiple_of: int | None = None,
         padding_side: str | None = None,
         return_tensors: str | None = None,
         return_attention_mask: bool | None = None,
         return_token_type_ids: bool | None = None,
+        return_overflowing_tokens: bool = False,
         return_special_tokens_mask: bool = False,
         return_offsets_mapping: bool = False,
         return_length: bool = False,
         split_special_tokens: bool | None = None,
+        verbose: bool = True,
     ) -> BatchEncoding:
-        """Tokenize one text or a batch; a single text gives flat lists (a (1, seq) tensor with return_tensors)."""
-        batched = isinstance(text, (list, tuple))
+        """Tokenize one text or a batch; a single text gives flat lists (a (1, seq) tensor with return_tensors).
+
+        `is_split_into_words=True` takes words (a list of strings, or a batch of such lists) instead of text.
+        `return_overflowing_tokens=True` returns what truncation cut off as extra rows (windows that overlap by
+        `stride` tokens), with `overflow_to_sample_mapping` naming the input each row came from. `text_target`
+        is tokenized the same way and returned as `labels`. `verbose` is accepted for transformers' signature;
+        there are no warnings to silence.
+        """
+        options = dict(
+            add_special_tokens=add_special_tokens,
+            padding=padding,
+            truncation=truncation,
+            max_length=max_length,
+            stride=stride,
+            is_split_into_words=is_split_into_words,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding_side=padding_side,
+            return_tensors=return_tensors,
+            return_attention_mask=return_attention_mask,
+            return_token_type_ids=return_token_type_ids,
+            return_overflowing_tokens=return_overflowing_tokens,
+            return_special_tokens_mask=return_special_tokens_mask,
+            return_offsets_mapping=return_offsets_mapping,
+            return_length=return_length,
+            split_special_tokens=split_special_tokens,
+        )
+        if text is None and text_target is None:
+            raise ValueError("give the text to tokenize: text= (or text_target= for labels only)")
+        encoded = self._encode(text, text_pair, **options) if text is not None else None
+        if text_target is None:
+            return encoded
+        targets = self._encode(text_target, text_pair_target, **options)
+        if encoded is None:
+            return targets
+        encoded["labels"] = targets["input_ids"]
+        return encoded
+
+    def _encode(
+        self,
+        text,
+        text_pair,
+        *,
+        add_special_tokens,
+        padding,
+        truncation,
+        max_length,
+        stride,
+        is_split_into_words,
+        pad_to_multiple_of,
+        padding_side,
+        return_tensors,
+        return_attention_mask,
+        return_token_type_ids,
+        return_overflowing_tokens,
+        return_special_tokens_mask,
+        return_offsets_mapping,
+        return_length,
+        split_special_tokens,
+    ) -> BatchEncoding:
+        # With words given, a batch is a list of word lists; otherwise a list of texts.
+        item_type = (list, tuple) if is_split_into_words else str
+        batched = isinstance(text, (list, tuple)) and (
+            not is_split_into_words or (bool(text) and isinstance(text[0], (list, tuple)))
+        )
         texts = list(text) if batched else [text]
         for item in texts:
-            if not isinstance(item, str):
-                raise TypeError(
-                    f"text must be a string or a list of strings, got an item of type {type(item).__name__}: {item!r}"
+            words = item if is_split_into_words and isinstance(item, (list, tuple)) else None
+            if not isinstance(item, item_type) or (words is not None and not all(isinstance(w, str) for w in words)):
+                expected = "a list of words (strings), or a batch of such lists" if is_split_into_words else (
+                    "a string or a list of strings (pass is_split_into_words=True for lists of words)"
                 )
-        if text_pair is not None:
-            pairs = list(text_pair) if isinstance(text_pair, (list, tuple)) else [text_pair]
+                raise TypeError(f"text must be {expected}; got an item of type {type(item).__name__}: {item!r}")
+        if batched and text_pair is not None:
+            if isinstance(text_pair, str):
+                raise TypeError("with a batch of texts, text_pair must be a list of the same length, got a string")
+            pairs = list(text_pair)
             if len(pairs) != len(texts):
                 raise ValueError(f"text has {len(texts)} items but text_pair has {len(pairs)}; give one pair per text")
             inputs = list(zip(texts, pairs))
+        elif not batched and text_pair:
+            inputs = [(text, text_pair)]
         else:
+            # transformers drops an empty single text_pair ("" or []) rather than encoding an empty second sequence.
             inputs = texts
 
         padding_strategy, truncation_strategy, max_length = self._padding_and_truncation(
             padding, truncation, max_length
         )
+        if (
+            truncation_strategy != "do_not_truncate"
+            and padding_strategy != "do_not_pad"
+            and pad_to_multiple_of is not None
+            and max_length is not None
+            and max_length % pad_to_multiple_of
+        ):
+            raise ValueError(
+                f"Truncation and padding are both activated but truncation length ({max_length}) is not a multiple of "
+                f"pad_to_multiple_of ({pad_to_multiple_of}); pick a max_length that is one."
+            )
         side = padding_side or self.padding_side
         if side not in ("left", "right"):
             raise ValueError(f'padding_side "{side}" is not one of: left, right')
@@ -111,7 +196,18 @@ class EncodingMixin:
                 self.split_special_tokens if split_special_tokens is None else split_special_tokens
             )
             try:
-                encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
+                encodings = backend.encode_batch(
+                    inputs, add_special_tokens=add_special_tokens, is_pretokenized=is_split_into_words
+                )
+            except BaseException as err:
+                # `tokenizers` panics (a BaseException from Rust) when the overflow windows cannot move forward.
+                if type(err).__name__ != "PanicException":
+                    raise
+                raise ValueError(
+                    f"stride={stride} is too large for max_length={max_length}: the stride must be smaller than the "
+                    f"room each sequence gets (max_length less the special tokens, shared by a pair) ({err}); lower "
+                    "stride or raise max_length"
+                ) from None
             finally:
                 backend.no_truncation()
                 backend.no_padding()
@@ -121,20 +217,30 @@ class EncodingMixin:
             return_attention_mask = "attention_mask" in self.model_input_names
         if return_token_type_ids is None:
             return_token_type_ids = "token_type_ids" in self.model_input_names
-        data: dict[str, list] = {"input_ids": [e.ids for e in encodings]}
+        # Each overflow window becomes a row of its own, right after the row it overflowed from.
+        rows, sample_of_row = [], []
+        for sample, encoding in enumerate(encodings):
+            windows = [encoding, *encoding.overflowing] if return_overflowing_tokens else [encoding]
+            rows += windows
+            sample_of_row += [sample] * len(windows)
+        data: dict[str, list] = {"input_ids": [e.ids for e in rows]}
         if return_token_type_ids:
-            data["token_type_ids"] = [e.type_ids for e in encodings]
+            data["token_type_ids"] = [e.type_ids for e in rows]
         if return_attention_mask:
-            data["attention_mask"] = [e.attention_mask for e in encodings]
+            data["attention_mask"] = [e.attention_mask for e in rows]
         if return_special_tokens_mask:
-            data["special_tokens_mask"] = [e.special_tokens_mask for e in encodings]
+            data["special_tokens_mask"] = [e.special_tokens_mask for e in rows]
         if return_offsets_mapping:
-            data["offset_mapping"] = [e.offsets for e in encodings]
+            data["offset_mapping"] = [e.offsets for e in rows]
         if return_length:
-            data["length"] = [len(e.ids) for e in encodings]
-        if not batched and return_tensors is None:
-            data = {key: value[0] for key, value in data.items()}
-        return BatchEncoding(data, encodings=encodings, tensor_type=return_tensors)
+            data["length"] = [len(e.ids) for e in rows]
+        if return_overflowing_tokens:
+            data["overflow_to_sample_mapping"] = sample_of_row
+        elif not batched and return_tensors is None:
+            # A single text gives flat lists; with overflow rows it stays a batch, as in transformers.
+            # (`length` is one number per row, so it stays a one-item list.)
+            data = {key: (value if key == "length" else value[0]) for key, value in data.items()}
+        return BatchEncoding(data, encodings=rows, tensor_type=return_tensors)
 
     def _padding_and_truncation(self, padding, truncation, max_length) -> tuple[str, str, int | None]:
         """Normalise the user's padding / truncation / max_length the way transformers does."""
@@ -219,7 +325,8 @@ class EncodingMixin:
                         )
                         for row in data[key]
                     ]
-        if single and return_tensors is None:
+        if single:
+            # One unbatched row stays one row: a (seq,) tensor with return_tensors, as in transformers.
             data = {key: value[0] for key, value in data.items()}
         return BatchEncoding(data, tensor_type=return_tensors)
 

@@ -96,11 +96,12 @@ class VocabularyMixin:
         so that it is never split and `decode(skip_special_tokens=True)` drops the special ones."""
         known = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
         to_add: list[AddedToken] = []
+        # Every token of the config is added again, even one tokenizer.json has: where the two files disagree on
+        # lstrip / rstrip / special, the config wins, as in transformers (re-adding keeps the id, sets the flags).
         for _, token in sorted(added_tokens_decoder.items()):
             token = token if isinstance(token, AddedToken) else AddedToken(token, special=True, normalized=False)
-            if token.content not in known:
-                to_add.append(token)
-                known.add(token.content)
+            to_add.append(token)
+            known.add(token.content)
         for token in [*self._special_tokens.values(), *self._extra_special_tokens]:
             if token is None or str(token) in known:
                 continue
