@@ -54,6 +54,8 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     config = _active_config(model)
     if config is not None:
         adapter.update({k: state[k] for k in trained_bias_names(model, config.bias) if k in state})
+        if config.bias == "all":
+            adapter.update({k: state[k] for k in _wrapper_bias_keys(state)})
     for name, wrapper in model.named_modules():
         if isinstance(wrapper, ModulesToSaveWrapper):
             copy_prefix = f"{name}.modules_to_save."
@@ -64,6 +66,12 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
         prefixes = tuple(f"{name}." for name in _embedding_layer_names(model, targeted))
         adapter.update({k: v for k, v in state.items() if prefixes and k.startswith(prefixes)})
     return _checkpoint_keys(model, adapter)
+
+
+def _wrapper_bias_keys(state: dict[str, torch.Tensor]) -> list[str]:
+    """The biases inside modules_to_save wrappers (`<module>.original_module.bias`, `<module>.modules_to_save.bias`):
+    peft's bias="all" saves every parameter named bias, these too, beside the copy's own `<module>.bias`."""
+    return [k for k in state if k.endswith((".original_module.bias", ".modules_to_save.bias"))]
 
 
 def _checkpoint_keys(model: nn.Module, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +93,10 @@ def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) 
     such key must match exactly. Embedding weights saved with save_embedding_layers go into the model's
     embeddings, as peft loads them."""
     own = get_peft_model_state_dict(model, save_embedding_layers=False)
-    missing = sorted(set(own) - set(state))
+    # the wrappers' inner biases (bias="all") repeat the copy's and the frozen original's: files written before we
+    # saved them as peft does may lack them
+    optional = set(_wrapper_bias_keys(own))
+    missing = sorted(set(own) - set(state) - optional)
     extra = sorted(set(state) - set(own))
     embeddings = _embedding_layer_state(model) if extra else {}
     unexpected = [k for k in extra if k not in embeddings]
@@ -110,7 +121,7 @@ def set_peft_model_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) 
     with torch.no_grad():
         for key in extra:  # first: a copy's own key wins over the embedding state peft saves beside it
             embeddings[key].copy_(state[key])
-        for key in own:
+        for key in own.keys() & state.keys():
             own[key].copy_(state[key])
 
 

@@ -14,6 +14,7 @@ CLASSIFIER_MODULES.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -54,6 +55,24 @@ _UNSUPPORTED_DEFAULTS = {
 }
 # Fields peft writes that change nothing in the forward.
 _IGNORED_FIELDS = {"peft_version", "auto_mapping", "megatron_core", "qalora_group_size"}
+# peft 0.21's other LoraConfig fields: features gpuformers lacks. LoraConfig(...) takes them at their "off" value
+# and refuses any other by name, as loading an adapter_config.json does (rather than a TypeError for a peft field).
+_PEFT_ONLY_FIELDS = frozenset({
+    *_UNSUPPORTED_DEFAULTS, *_IGNORED_FIELDS, "alora_invocation_tokens", "arrow_config", "corda_config",
+    "eva_config", "kasa_config", "lora_ga_config", "monteclora_config", "runtime_config", "use_bdlora", "use_qalora",
+    "velora_config"})
+
+
+def _check_peft_only_field(key: str, value) -> None:
+    """Refuse a peft field gpuformers does not have unless it leaves the feature off."""
+    if key in _IGNORED_FIELDS or key == "runtime_config":  # runtime_config: peft's GPU offload at load, no output
+        return
+    if key in _UNSUPPORTED_DEFAULTS and value == _UNSUPPORTED_DEFAULTS[key]:
+        return
+    if value in (None, False, {}, []):  # peft writes target_parameters=[] over fused MoE experts it did not target
+        return
+    raise NotImplementedError(f"{key}={value!r} asks for a peft LoRA feature gpuformers does not support yet; "
+                              f"leave {key} out (for a saved adapter: use one trained without it)")
 
 
 @dataclass
@@ -207,14 +226,8 @@ class LoraConfig:
     def from_dict(cls, data: dict) -> "LoraConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         for key, value in data.items():
-            if key in known or key in _IGNORED_FIELDS:
-                continue
-            if key in _UNSUPPORTED_DEFAULTS and value == _UNSUPPORTED_DEFAULTS[key]:
-                continue
-            if key not in _UNSUPPORTED_DEFAULTS and value in (None, False, {}, []):
-                continue  # a peft field we do not know, left at an "off" value
-            raise NotImplementedError(f"the adapter config sets {key}={value!r}, which gpuformers' LoRA does not "
-                                      f"support yet; use an adapter trained without it")
+            if key not in known:  # a peft field, or one of a later peft: taken when it leaves its feature off
+                _check_peft_only_field(key, value)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
@@ -229,3 +242,16 @@ class LoraConfig:
             raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}: pass the folder save_pretrained() wrote")
         return cls.from_dict(json.loads(path.read_text()))
 
+
+def _taking_peft_only_fields(init):
+    """LoraConfig's __init__, which also takes peft's fields for features we lack (_check_peft_only_field)."""
+    def __init__(self, *args, **kwargs):
+        for key in sorted(kwargs.keys() & _PEFT_ONLY_FIELDS):
+            _check_peft_only_field(key, kwargs.pop(key))
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__signature__ = init.__doc__, inspect.signature(init)
+    return __init__
+
+
+LoraConfig.__init__ = _taking_peft_only_fields(LoraConfig.__init__)

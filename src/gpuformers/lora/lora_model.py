@@ -22,7 +22,7 @@ from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
 from gpuformers.lora.layers import LoraLayer, LoraLinear, is_fan_in_fan_out, quantized_linear_types
 from gpuformers.lora.modules_to_save import (ModulesToSaveWrapper, check_tied_modules, find_modules_to_save,
-                                           in_modules_to_save)
+                                           in_modules_to_save, peft_names)
 
 
 class LoraModel(nn.Module):
@@ -70,7 +70,7 @@ class LoraModel(nn.Module):
             module = model.get_submodule(name)
             layer_class = (LoraEmbedding if type(module) is nn.Embedding else DoraLinear if config.use_dora
                            else LoraLinear)
-            _replace(model, name, layer_class(module, config.for_module(name), autocast_adapter_dtype))
+            _replace(model, name, layer_class(module, _config_for(model, config, name), autocast_adapter_dtype))
         for name in heads_to_tie:  # after the embedding's LoRA layer, whose tensors the tied heads use
             _replace(model, name, TiedLoraLinear(model.get_submodule(name), model.get_input_embeddings(), config))
         for name in to_save:
@@ -241,6 +241,14 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return head if head is not None else getattr(model, "lm_head", None)
 
 
+def _config_for(model: nn.Module, config: LoraConfig, name: str) -> LoraConfig:
+    """config.for_module for layer `name`: the rank and alpha patterns are matched against its transformers name
+    first, then ours (peft_names)."""
+    aliases = peft_names(model, name)
+    default = (config.r, config.lora_alpha)
+    return config.for_module(next((a for a in aliases if config.rank_and_alpha(a) != default), aliases[0]))
+
+
 def _is_linear(module: nn.Module) -> bool:
     """A layer "all-linear" selects: an nn.Linear (bitsandbytes' layers are subclasses), a WeightOnlyLinear, or a
     Conv1D-style layer (GPT-2's, weight stored (in, out): `fan_in_fan_out`), as peft selects Conv1D."""
@@ -256,6 +264,8 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
     the names it found, as peft does, so the saved config names the layers). Quantized linear layers count as
     linear."""
     modules = [(n, m) for n, m in model.named_modules() if n]
+    # each module's names to match: transformers' (peft's), then ours where they differ (GPT-NeoX)
+    aliases = {n: peft_names(model, n) for n, _ in modules}
     linear_suffixes = sorted({n.rpartition(".")[2] for n, m in modules if _is_linear(m)})
     targets = config.target_modules
     if targets is None:
@@ -266,27 +276,37 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
         targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         head = _output_head(model)
-        names = [n for n, m in modules if _is_linear(m) and m is not head and not in_modules_to_save(n, config)
-                 and not config.excludes(n)]
-        config.target_modules = sorted(names)
+        names = [n for n, m in modules if _is_linear(m) and m is not head
+                 and not any(in_modules_to_save(a, config) or config.excludes(a) for a in aliases[n])]
+        config.target_modules = sorted(aliases[n][0] for n in names)  # transformers' names: the file loads in peft
         return names
     if isinstance(targets, str):
-        names = [n for n, _ in modules if re.fullmatch(targets, n)]
+        names = [n for n, _ in modules if any(re.fullmatch(targets, a) for a in aliases[n])]
         unmatched = [] if names else [targets]
     else:
-        names = [n for n, _ in modules if any(n == t or n.endswith("." + t) for t in targets)]
-        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n, _ in modules)]
-        names = [n for n in names if config.in_transformed_layer(n)]  # peft: with a list of targets only
+        def selects(n: str, t: str) -> bool:
+            return any(a == t or a.endswith("." + t) for a in aliases[n])
+
+        names = [n for n, _ in modules if any(selects(n, t) for t in targets)]
+        unmatched = [t for t in targets if not any(selects(n, t) for n, _ in modules)]
+        # peft applies layers_to_transform to a list's suffix matches only: an entry that is a module's whole name
+        # ("lm_head") selects it whatever the layer indices
+        selected = names
+        names = [n for n in names if any(a in targets for a in aliases[n]) or config.in_transformed_layer(n)]
+        if selected and not names:
+            raise ValueError(f"layers_to_transform={config.layers_to_transform!r} (layers_pattern="
+                             f"{config.layers_pattern!r}) keeps none of the layers target_modules={targets!r} "
+                             f"selects ({', '.join(selected[:2])}, ...); pass the indices of existing layers")
     if (strict and unmatched) or not names:
         raise ValueError(f"target_modules entry {', '.join(map(repr, unmatched))} matches no layer of "
                          f"{type(model).__name__}; its linear layers are named {', '.join(linear_suffixes)} "
                          f"(pass some of those, or \"all-linear\")")
-    if excluded := [n for n in names if config.excludes(n)]:
+    if excluded := [n for n in names if any(config.excludes(a) for a in aliases[n])]:
         names = [n for n in names if n not in excluded]
         if not names:
             raise ValueError(f"exclude_modules={config.exclude_modules!r} takes back every layer target_modules="
                              f"{targets!r} selects ({', '.join(excluded[:4])}); exclude fewer layers")
-    kept = [n for n in names if not in_modules_to_save(n, config)]
+    kept = [n for n in names if not any(in_modules_to_save(a, config) for a in aliases[n])]
     if not kept:
         raise ValueError(f"target_modules={targets!r} selects only layers inside modules_to_save="
                          f"{config.modules_to_save!r} ({', '.join(names[:4])}), which are trained fully and get no "

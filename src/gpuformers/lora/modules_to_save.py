@@ -1,7 +1,7 @@
 """peft's modules_to_save: modules trained whole (a frozen original plus a trainable copy) beside the LoRA layers,
 and which modules an adapter's modules_to_save entries select, tied embeddings included.
 
-Offers: ModulesToSaveWrapper, in_modules_to_save, find_modules_to_save, check_tied_modules.
+Offers: ModulesToSaveWrapper, in_modules_to_save, find_modules_to_save, check_tied_modules, peft_names.
 """
 
 from __future__ import annotations
@@ -46,6 +46,18 @@ class ModulesToSaveWrapper(nn.Module):
         return (self.original_module if self.disabled else self.modules_to_save)(*args, **kwargs)
 
 
+def peft_names(model: nn.Module, name: str) -> tuple[str, ...]:
+    """The names a config's module names are matched against: the module's name in transformers' model (the one
+    peft sees, so adapter configs written over transformers select the same modules), then ours. They differ for a
+    family whose modules are named otherwise here (its `checkpoint_key`: GPT-NeoX's model.layers.0.self_attn.dense
+    is gpt_neox.layers.0.attention.dense, lm_head is embed_out)."""
+    rename = getattr(model, "checkpoint_key", None)
+    if rename is None or not name:
+        return (name,)
+    hub = rename(f"{name}.weight").removesuffix(".weight")  # checkpoint_key renames parameter names
+    return (name,) if hub == name else (hub, name)
+
+
 def in_modules_to_save(name: str, config: LoraConfig) -> bool:
     """peft's rule (check_target_module_exists): no LoRA on a modules_to_save module or anything inside it. The
     entries are regular expressions there, as here."""
@@ -59,7 +71,7 @@ def find_modules_to_save(model: nn.Module, entries: list[str], lora_names: list[
     that selects nothing is an error, unless it is one of `optional`."""
     names, matched = [], set()
     for key, module in model.named_modules(remove_duplicate=False):
-        hits = {e for e in entries if key and key.endswith(e)}
+        hits = {e for e in entries if key and any(n.endswith(e) for n in peft_names(model, key))}
         if not hits or key in names:
             continue
         matched |= hits

@@ -54,7 +54,9 @@ class PeftModel(MultiAdapterMixin, nn.Module):
             peft_config = LoraConfig.from_dict(peft_config.to_dict())  # peft's own LoraConfig, ported as is
         config = dataclasses.replace(peft_config)
         if config.task_type == "SEQ_CLS":  # peft's PeftModelForSequenceClassification: the head trains fully
-            config.modules_to_save = [*(config.modules_to_save or []), *CLASSIFIER_MODULES]
+            # an adapter_config.json saved with SEQ_CLS lists them already: add each once
+            present = config.modules_to_save or []
+            config.modules_to_save = [*present, *(m for m in CLASSIFIER_MODULES if m not in present)]
         if config.base_model_name_or_path is None:
             name = getattr(model, "name_or_path", None)
             config.base_model_name_or_path = str(name) if name else None
