@@ -268,3 +268,14 @@ def test_lora_adapters_are_peft_compatible(checkpoints, tmp_path):
         assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
     assert get_peft_model(load(folder), LoraConfig()).peft_config["default"].target_modules == ["query_key_value"]
     assert_engine_serves_adapter(folder, tmp_path / "peft")
+    # the LM head: transformers 5 names the module lm_head (its checkpoint key stays embed_out), and so do peft's keys
+    head = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, target_modules=["lm_head", "dense"],
+                                                                  init_lora_weights=False))
+    head.save_pretrained(tmp_path / "peft-head")
+    with torch.no_grad():
+        expected = head(input_ids=ids, attention_mask=mask).logits
+        ours = PeftModel.from_pretrained(load(folder), tmp_path / "peft-head")
+        assert (ours(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
+        ours.save_pretrained(tmp_path / "ours-head")
+        back = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours-head")
+        assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5

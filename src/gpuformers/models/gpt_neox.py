@@ -35,7 +35,7 @@ Not supported: LoRA adapters saved by peft for GPT-NeoX name gpt_neox.* modules,
 (adapters trained here save and load here, under our names).
 
 Offers: GPTNeoXConfig, GPTNeoXAttention, GPTNeoXMLP, GPTNeoXLayer, GPTNeoXModel, GPTNeoXForCausalLM,
-GPT_NEOX_TP_PLAN, checkpoint_name.
+GPT_NEOX_TP_PLAN, checkpoint_name, module_name.
 """
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ _TO_CHECKPOINT = (
     (re.compile(r"(^|\.)norm\."), r"\1final_layer_norm."),
     (re.compile(r"\.self_attn\."), ".attention."),
 )
+
+
+def module_name(name: str) -> str:
+    """Our parameter name -> transformers 5's module path for it, which peft's adapter keys and configs use: the
+    checkpoint's names (checkpoint_name) but for the LM head, which is the module lm_head there (embed_out only in
+    the checkpoint file)."""
+    if name.startswith("lm_head."):
+        return name
+    return checkpoint_name(name)
 
 
 def checkpoint_name(name: str) -> str:
@@ -256,7 +265,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
     no_split_modules = ("GPTNeoXLayer",)
     tp_plan_auto = GPT_NEOX_TP_PLAN
     checkpoint_fan_out = _rules()
-    checkpoint_key = staticmethod(checkpoint_name)  # LoRA adapters are saved and read under the Hub's names
+    checkpoint_key = staticmethod(module_name)  # LoRA adapters are saved and read under transformers' module names
 
     def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
