@@ -256,26 +256,23 @@ def test_lora_adapters_are_peft_compatible(checkpoints, tmp_path):
     from gpuformers.lora import LoraConfig, PeftModel, get_peft_model
 
     folder, hf = checkpoints["pythia"]
-    theirs = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
-    theirs.save_pretrained(tmp_path / "peft")
     ids, mask = left_padded()
-    with torch.no_grad():
-        expected = theirs(input_ids=ids, attention_mask=mask).logits
-        ours = PeftModel.from_pretrained(load(folder), tmp_path / "peft")
-        assert (ours(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
-        ours.save_pretrained(tmp_path / "ours")
-        back = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours")
-        assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
+
+    def round_trip(config, name):
+        """peft's adapter loads in ours with peft's logits, and ours saved loads back in peft with them too."""
+        theirs = peft.get_peft_model(copy.deepcopy(hf), config)
+        theirs.save_pretrained(tmp_path / f"peft-{name}")
+        with torch.no_grad():
+            expected = theirs(input_ids=ids, attention_mask=mask).logits
+            ours = PeftModel.from_pretrained(load(folder), tmp_path / f"peft-{name}")
+            assert (ours(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
+            ours.save_pretrained(tmp_path / f"ours-{name}")
+            back = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / f"ours-{name}")
+            assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
+        return tmp_path / f"peft-{name}"
+
+    adapter = round_trip(peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False), "default")
     assert get_peft_model(load(folder), LoraConfig()).peft_config["default"].target_modules == ["query_key_value"]
-    assert_engine_serves_adapter(folder, tmp_path / "peft")
+    assert_engine_serves_adapter(folder, adapter)
     # the LM head: transformers 5 names the module lm_head (its checkpoint key stays embed_out), and so do peft's keys
-    head = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, target_modules=["lm_head", "dense"],
-                                                                  init_lora_weights=False))
-    head.save_pretrained(tmp_path / "peft-head")
-    with torch.no_grad():
-        expected = head(input_ids=ids, attention_mask=mask).logits
-        ours = PeftModel.from_pretrained(load(folder), tmp_path / "peft-head")
-        assert (ours(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
-        ours.save_pretrained(tmp_path / "ours-head")
-        back = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours-head")
-        assert (back(input_ids=ids, attention_mask=mask).logits - expected).abs().max() < 1e-5
+    round_trip(peft.LoraConfig(r=4, target_modules=["lm_head", "dense"], init_lora_weights=False), "head")

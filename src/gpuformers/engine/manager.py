@@ -415,28 +415,23 @@ class ContinuousBatchingManager(AdapterServingMixin):
                 raise ValueError(f"{name}prompt token {value!r} at position {position} is not a token id of this model "
                                  f"(an int in [0, {vocab_size})); check that the tokenizer matches the model")
             prompt.append(token)
-        config = self.model.config
-        limit = config.max_position_embeddings
-        if len(prompt) > limit and config.rope_type != "dynamic":
-            raise ValueError(f"{name}the prompt has {len(prompt)} tokens but the model handles at most "
-                             f"max_position_embeddings={limit} positions (rope_type {config.rope_type!r} does not "
-                             f"extend beyond them); shorten the prompt")
+        error = self.model.prompt_length_error(len(prompt))
+        if error:
+            raise ValueError(f"{name}{error}")
         return prompt
 
     def _check_positions(self, prompt_length: int, max_new_tokens: int, request_id: str | None) -> None:
         """A model with learned absolute positions (GPT-2's wpe table) has no embedding past them: a request that
         would get there is refused here, since the IndexError of its step would fail every request in that step.
         (Rotary models go on past max_position_embeddings, as generate() does.)"""
-        table = getattr(self.model.model, "wpe", None)
-        if not isinstance(table, torch.nn.Embedding):
-            return
+        positions = self.model.learned_positions
         needed = prompt_length + max_new_tokens - 1  # the last new token is never fed back
-        if needed > table.num_embeddings:
+        if positions is not None and needed > positions:
             name = f"request {request_id!r}: " if request_id is not None else ""
             raise ValueError(f"{name}a prompt of {prompt_length} tokens with max_new_tokens={max_new_tokens} needs "
                              f"{needed} positions but {type(self.model).__name__} has learned positions for "
-                             f"{table.num_embeddings} (max_position_embeddings); give max_new_tokens <= "
-                             f"{table.num_embeddings - prompt_length + 1}")
+                             f"{positions} (max_position_embeddings); give max_new_tokens <= "
+                             f"{positions - prompt_length + 1}")
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
                      **sampling) -> list[str]:

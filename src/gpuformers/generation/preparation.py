@@ -85,13 +85,9 @@ class GenerationPreparation:
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(ids.shape)}; "
                 f"they must match (pass the mask the tokenizer returned with these ids)"
             )
-        limit = self.config.max_position_embeddings
-        if ids.shape[1] > limit and self.config.rope_type != "dynamic":
-            raise ValueError(
-                f"the prompt has {ids.shape[1]} tokens but the model handles at most max_position_embeddings="
-                f"{limit} positions (rope_type {self.config.rope_type!r} does not extend beyond them); "
-                f"shorten the prompt, e.g. tokenizer(..., truncation=True, max_length={limit})"
-            )
+        error = self.prompt_length_error(ids.shape[1])
+        if error:
+            raise ValueError(error)
         return ids.long(), attention_mask
 
     @staticmethod
@@ -111,13 +107,13 @@ class GenerationPreparation:
                 f"max_length={max_length} leaves no room for new tokens after a prompt of {prompt_length} tokens; "
                 f"set max_new_tokens instead"
             )
-        table = getattr(getattr(self, "model", None), "wpe", None)  # learned absolute positions (GPT-2's)
-        if isinstance(table, torch.nn.Embedding) and max_length - 1 > table.num_embeddings:
+        positions = self.learned_positions
+        if positions is not None and max_length - 1 > positions:
             # the last new token is never fed back, so max_length - 1 positions are looked up
             raise ValueError(
                 f"a prompt of {prompt_length} tokens generated up to max_length={max_length} needs {max_length - 1} "
-                f"positions, but {type(self).__name__} has learned positions for {table.num_embeddings} "
-                f"(max_position_embeddings); ask for at most {table.num_embeddings + 1 - prompt_length} new tokens"
+                f"positions, but {type(self).__name__} has learned positions for {positions} "
+                f"(max_position_embeddings); ask for at most {positions + 1 - prompt_length} new tokens"
             )
         config.max_new_tokens = None
         config.max_length = max_length

@@ -18,11 +18,10 @@ Offers: mxfp4_matmul_forward, mxfp4_matmul_reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gpuformers.kernels.checks import check_bias_and_devices, check_tensor
 from gpuformers.kernels.weight_only_matmul import MatmulConfig, launch
-from gpuformers.quantization.mxfp4 import BLOCK, dequantize_mxfp4
+from gpuformers.quantization.mxfp4 import BLOCK, mxfp4_linear_reference
 
 
 def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -51,7 +50,4 @@ def mxfp4_matmul_forward(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Te
     return launch(x, qweight, scales, None, 4, True, BLOCK, bias, config)
 
 
-def mxfp4_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the kernel computes, in torch: F.linear(x, the dequantized weight, bias)."""
-    return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
+mxfp4_matmul_reference = mxfp4_linear_reference  # what the kernel computes, in torch

@@ -289,6 +289,10 @@ class GPT2LMHeadModel(LlamaForCausalLM):
         return self.transformer
 
     @property
+    def learned_positions(self) -> int:
+        return self.transformer.wpe.num_embeddings
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         """wte under the llama name, which the bare model's get_input_embeddings reads."""
         modules = self._modules

@@ -147,6 +147,20 @@ class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin, Token
     def is_quantized(self) -> bool:
         return self.quantization_config is not None
 
+    # How many positions a learned position table holds (GPT-2's wpe), else None: past them a token has no position
+    # embedding to look up. Rotary models go on past max_position_embeddings.
+    learned_positions: int | None = None
+
+    def prompt_length_error(self, prompt_length: int) -> str | None:
+        """Why a prompt of `prompt_length` tokens cannot run (longer than max_position_embeddings, which a rope
+        other than "dynamic" does not extend), or None: what generate() and the engine both refuse."""
+        limit = self.config.max_position_embeddings
+        if prompt_length <= limit or self.config.rope_type == "dynamic":
+            return None
+        return (f"the prompt has {prompt_length} tokens but the model handles at most max_position_embeddings="
+                f"{limit} positions (rope_type {self.config.rope_type!r} does not extend beyond them); shorten the "
+                f"prompt, e.g. tokenizer(..., truncation=True, max_length={limit})")
+
     def dequantize(self, dtype: torch.dtype | None = None) -> "PreTrainedModel":
         """Turn every quantized layer back into a float one in `dtype` (default: the model's), in place; the model is
         then unquantized and saves so (quantization/dequantize.py). Returns the model, as transformers' does."""

@@ -55,7 +55,7 @@ from gpuformers.quantization.gptq_awq import (
     swap_gptq_awq_layers,
 )
 from gpuformers.quantization.dequantize import remember_original
-from gpuformers.quantization.mxfp4 import Mxfp4Config, keeps_mxfp4
+from gpuformers.quantization.mxfp4 import Mxfp4Config, keeps_mxfp4, packed_experts, unpack_experts
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
     if isinstance(config, (GPTQConfig, AwqConfig)):  # pre-quantized layers, or unquantized ones as stored
         return swap_gptq_awq_layers(model, config, dtype, loaded) + swap_routers(model, config, dtype)
     if isinstance(config, Mxfp4Config):  # only gpt-oss's experts, which the model builds packed for it
-        if not any(getattr(m, "packed", False) for m in model.modules()):
+        if not packed_experts(model):
             raise NotImplementedError(f"MXFP4 checkpoints are supported for gpt-oss's experts only, not for "
                                       f"{type(model).__name__}")
         return []
@@ -461,11 +461,8 @@ def finish_loading(model: nn.Module, config: QuantizationConfig | None,
 def _finish_mxfp4_loading(model: nn.Module, config: Mxfp4Config) -> Mxfp4Config | None:
     """Keep the packed MXFP4 experts, or dequantize them (quantization/mxfp4.py's table): the kept config, or None
     for a model that is then unquantized (and saves so)."""
-    packed = [m for m in model.modules() if getattr(m, "packed", False) and hasattr(m, "unpack")]
-    if keeps_mxfp4(config, {b.device for m in packed for b in m.buffers()}):
+    if keeps_mxfp4(config, {b.device for m in packed_experts(model) for b in m.buffers()}):
         return dataclasses.replace(config, dequantize=False)
-    for module in packed:
-        module.unpack()
+    unpack_experts(model)
     model.config.extra.pop("quantization_config", None)
-    model.config.extra.pop("mxfp4_experts", None)
     return None

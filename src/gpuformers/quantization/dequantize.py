@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpuformers.quantization.mxfp4 import unpack_experts
+from gpuformers.quantization.packed import _replace
+
 ORIGINAL = "_original_module"  # the float layer a quantized layer replaced (meta), kept out of the module tree
 
 
@@ -41,15 +44,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     # The new weights train as the model's other weights do: frozen under an adapter (QLoRA), else not.
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     trainable = embeddings is None or embeddings.weight.requires_grad
+    unpack_experts(model, dtype, trainable)
     for name, module in list(model.named_modules()):
-        if getattr(module, "packed", False) and callable(getattr(module, "unpack", None)):  # MXFP4 experts
-            module.unpack()
-            module.to(dtype).requires_grad_(trainable)
-        elif isinstance(module, layer_types):
+        if isinstance(module, layer_types):
             _replace(model, name, _float_layer(module, dtype, trainable))
     model.quantization_config = None
-    for key in ("quantization_config", "mxfp4_experts"):
-        model.config.extra.pop(key, None)
+    model.config.extra.pop("quantization_config", None)
     return model
 
 
@@ -82,8 +82,3 @@ def _float_layer(layer: nn.Module, dtype: torch.dtype, trainable: bool) -> nn.Mo
     if bias is not None:
         new.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=trainable)
     return new
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent), attr, module)

@@ -26,7 +26,8 @@ gradient, the weight is dequantized for the call (the packed weights take no gra
 packed saves them packed, with the quantization_config, as the Hub's checkpoints are. Quantizing a float model to
 MXFP4 while loading is not supported (NotImplementedError).
 
-Offers: Mxfp4Config, dequantize_mxfp4, mxfp4_linear, keeps_mxfp4, E2M1_VALUES, TRITON_ON_CPU.
+Offers: Mxfp4Config, dequantize_mxfp4, mxfp4_linear, mxfp4_linear_reference, keeps_mxfp4, packed_experts,
+unpack_experts, E2M1_VALUES, TRITON_ON_CPU.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
         from gpuformers.kernels.mxfp4_matmul import mxfp4_matmul_forward
 
         return mxfp4_matmul_forward(x, blocks, scales, bias)
+    return mxfp4_linear_reference(x, blocks, scales, bias)
+
+
+def mxfp4_linear_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """mxfp4_linear in torch: F.linear(x, the dequantized weight, bias), for the call only."""
     return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -122,3 +129,21 @@ def keeps_mxfp4(config: Mxfp4Config, devices: set[torch.device]) -> bool:
     from gpuformers.kernels.checks import triton_importable
 
     return bool(devices) and all(d.type == "cuda" for d in devices) and triton_importable()
+
+
+def packed_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's experts that hold MXFP4 blocks and scales (gpt-oss's GptOssExperts before `unpack`)."""
+    return [m for m in model.modules() if getattr(m, "packed", False) and callable(getattr(m, "unpack", None))]
+
+
+def unpack_experts(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                   requires_grad: bool | None = None) -> None:
+    """Dequantize every packed expert into its parameters (in `dtype` when given), and drop the config's note that
+    the model builds them packed."""
+    for module in packed_experts(model):
+        module.unpack()
+        if dtype is not None:
+            module.to(dtype)
+        if requires_grad is not None:
+            module.requires_grad_(requires_grad)
+    model.config.extra.pop("mxfp4_experts", None)
