@@ -1,7 +1,8 @@
-"""CPU matmuls of an engine step: F.linear (MKL, which packs the weight on every call) against the weight packed
-once for oneDNN (engine/cpu_weights.py), over one pass of a Qwen3-shaped model's linear layers and its LM head at
-each row count. The layers' weights add up to far more than the caches, so each pass reads them from memory as a
-real step does. Prints ms per pass and the ratio; the engine routes PACKED_ROWS to the packed weights.
+"""CPU matmuls of a decode or engine step: F.linear (MKL, which packs the weight on every call) against the weight
+packed once for oneDNN (kernels/cpu_linear.py), over one pass of a Qwen3-shaped model's linear layers and its LM
+head at each row count. The layers' weights add up to far more than the caches, so each pass reads them from
+memory as a real step does. Prints ms per pass, the ratio, and which one generate() and the engine take at that
+row count on this machine (packed_faster: its own quick measurement, printed first, or GPUFORMERS_CPU_PACKED_ROWS).
 
     python benchmarks/bench_cpu_linear.py                       # 100M shape, 1 thread
     python benchmarks/bench_cpu_linear.py --rows 1 4 16 64 --repeats 10
@@ -38,7 +39,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def main(argv=None) -> None:
-    from gpuformers.engine.cpu_weights import PACKED_ROWS, _PACK_HINT_ROWS, prepack_available
+    from gpuformers.kernels.cpu_linear import _PACK_HINT_ROWS, calibration, packed_faster, prepack_available
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -50,11 +51,13 @@ def main(argv=None) -> None:
     if not prepack_available():
         raise SystemExit("this torch build has no oneDNN: nothing to compare")
     torch.set_num_threads(args.threads)
+    print("calibration (ms for 32 MB of weights, F.linear / packed): " + ", ".join(
+        f"{rows} rows {plain:.2f} / {fast:.2f}" for rows, (plain, fast) in calibration().items()))
     weights = model_weights(args.shape)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS) for w in weights]
     print(f"{args.shape}: {sum(w.numel() for w in weights) / 1e6:.0f}M weights, {args.threads} thread(s); "
           f"ms per pass over every linear layer and the LM head")
-    print(f"{'rows':>5} {'F.linear':>9} {'packed':>9} {'ratio':>6}  engine uses")
+    print(f"{'rows':>5} {'F.linear':>9} {'packed':>9} {'ratio':>6}  gpuformers uses")
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in weights}}
@@ -69,7 +72,7 @@ def main(argv=None) -> None:
 
             ours, theirs = timed(onednn, args.repeats), timed(mkl, args.repeats)
             print(f"{rows:5d} {theirs * 1e3:9.1f} {ours * 1e3:9.1f} {theirs / ours:6.2f}  "
-                  f"{'packed' if rows in PACKED_ROWS else 'F.linear'}")
+                  f"{'packed' if packed_faster(rows) else 'F.linear'}")
 
 
 if __name__ == "__main__":

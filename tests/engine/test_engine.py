@@ -210,7 +210,7 @@ def test_memory_summary_says_where_memory_goes(qwen3):
     from gpuformers.engine.model_runner import kv_bytes_per_block
 
     model = qwen3[0]
-    manager = model.init_continuous_batching(num_blocks=8, block_size=16, prepack_weights=False)  # (test_cpu_weights)
+    manager = model.init_continuous_batching(num_blocks=8, block_size=16, prepack_weights=False)  # (tests/kernels/test_cpu_linear.py)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = kv_bytes_per_block(model.config, 16, model.dtype) * 9  # the 8 blocks and the scratch block
     summary = manager.memory_summary()

@@ -8,12 +8,11 @@ decide_prepack.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from gpuformers.engine.cpu_weights import packable_linears, prepack_available
+from gpuformers.kernels.cpu_linear import available_ram, packable_linears, packs_some_rows, prepack_available
 from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
@@ -34,8 +33,9 @@ class ContinuousBatchingConfig:
     allow_block_sharing: bool = True  # prefix caching
     use_async_batching: bool | None = None  # default: on with CUDA (True on the CPU works, with nothing to overlap)
     use_cuda_graph: bool | None = None
-    # CPU only: a oneDNN-packed copy of each float32 linear weight for the 4..192-row matmuls of a step
-    # (cpu_weights.py). Default: on when the copies take at most a quarter of the free RAM.
+    # CPU only: a oneDNN-packed copy of each float32 linear weight for the matmuls of a step at the row counts
+    # where this machine runs it faster (kernels/cpu_linear.py). Default: on when it is faster at some row count
+    # and the copies take at most a quarter of the free RAM.
     prepack_weights: bool | None = None
     scheduler_type: str = "fifo"
     return_logprobs: bool = False
@@ -100,8 +100,10 @@ def decide_prepack(asked: bool | None, model, tp_size: int) -> bool:
         if asked:
             raise ValueError(f"prepack_weights=True: {why_not}; leave it None for automatic")
         return False
+    if asked:
+        return True
     copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
-    return bool(asked) or copies <= free_memory(model.device, cap=False) // 4
+    return copies <= free_memory(model.device, cap=False) // 4 and packs_some_rows()
 
 
 def free_memory(device: torch.device, cap: bool = True) -> int:
@@ -109,10 +111,7 @@ def free_memory(device: torch.device, cap: bool = True) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = _CPU_CACHE_CAP
+    available = available_ram() or _CPU_CACHE_CAP
     return min(available, _CPU_CACHE_CAP) if cap else available
 
 

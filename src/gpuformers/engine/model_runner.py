@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpuformers.engine.cpu_weights import PackedLinears
+from gpuformers.kernels.cpu_linear import packed_linears
 from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.sampler import TokenCounts, device_tensor, sample_on_device, to_host_samples
@@ -97,8 +97,9 @@ class ModelRunner:
         self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
         self.adapter_bank = None  # the manager's AdapterBank (lora.py): LoRA adapters of the step's sequences
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
-        # CPU: oneDNN-packed copies of the linear weights, in use during each eager step (cpu_weights.py)
-        self.packed = PackedLinears(model) if prepack_weights else None
+        # CPU: oneDNN-packed copies of the linear weights, in use during each eager step (kernels/cpu_linear.py),
+        # the same ones generate() uses on this model
+        self.packed = packed_linears(model) if prepack_weights else None
 
     # --- inputs -------------------------------------------------------------------------------------------------
 

@@ -161,13 +161,14 @@ class GenerationMixin(GenerationPreparation):
             step_inputs = StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device,
                                      self, config.prefill_chunk_size)
             forward = self._decode_forward(config, cache)
-            if assisted:
-                out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors, criteria,
-                                        streamer)
-            elif beams > 1:
-                out = beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
-            else:
-                out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
+            with self._cpu_matmuls(forward):
+                if assisted:
+                    out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors,
+                                            criteria, streamer)
+                elif beams > 1:
+                    out = beam_search(self, input_ids, step_inputs, forward, config, processors, criteria, batch)
+                else:
+                    out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
         return out.clone() if private else out
 
     def compute_transition_scores(self, sequences: torch.Tensor, scores: tuple[torch.Tensor, ...],

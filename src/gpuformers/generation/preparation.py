@@ -7,12 +7,17 @@ On CUDA, for a model with `supports_compiled_decode`, the decode step gets fixed
 `torch.compile(mode="reduce-overhead")` (CUDA graphs) unless `disable_compile=True`, as transformers does.
 Elsewhere it runs eagerly and attends over the written slots only, which makes it no slower than the dynamic cache.
 
+CPU matmuls: an eager generate() on the CPU runs its float32 linear layers on oneDNN-packed copies of their weights
+where this machine runs those faster than F.linear (kernels/cpu_linear.py: measured once per process, kept with
+the model while they take at most a quarter of the free RAM; GPUFORMERS_CPU_PACKED_ROWS=none turns them off).
+
 Offers: GenerationPreparation (_prepare_generation_config, _prepare_prompt, _infer_attention_mask,
-_prepare_max_length, _refuse_cache_rebuild, _prepare_cache, _compiles_decode, _decode_forward).
+_prepare_max_length, _refuse_cache_rebuild, _prepare_cache, _compiles_decode, _decode_forward, _cpu_matmuls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import warnings
@@ -185,3 +190,13 @@ class GenerationPreparation:
             compiled = (key, torch.compile(self.forward, **kwargs))
             self._compiled_decode = compiled
         return compiled[1]
+
+    def _cpu_matmuls(self, forward):
+        """The context generate() decodes in: the packed-weight switch of kernels/cpu_linear.py for an eager
+        forward with float32 linear layers on the CPU where they pay (packed_for says), else nothing."""
+        from gpuformers.kernels.cpu_linear import packed_for
+
+        if forward is not self or self.get_input_embeddings().weight.device.type != "cpu":
+            return contextlib.nullcontext()
+        packed = packed_for(self)
+        return packed.active() if packed is not None else contextlib.nullcontext()

@@ -1,0 +1,274 @@
+"""oneDNN-packed linear weights on the CPU (kernels/cpu_linear.py): the same numbers as F.linear up to rounding, the
+same greedy tokens from the engine and generate() as without them, the model untouched outside a use, weights
+changed between uses repacked, the row counts they serve (measured, or GPUFORMERS_CPU_PACKED_ROWS), and the
+automatic decisions (on for float32 on the CPU while the copies fit; refused by name elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpuformers.engine import config as engine_config
+from gpuformers.engine.config import ContinuousBatchingConfig
+from gpuformers.kernels import cpu_linear
+from gpuformers.kernels.cpu_linear import PackedLinears, packable_linears, packed_faster, prepack_available
+from gpuformers.engine.manager import ContinuousBatchingManager
+from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def packed_everywhere(monkeypatch):
+    """Packed weights for every row count, whatever this machine's calibration says, so that each test runs the
+    path it is about; tests of the calibration itself unset it."""
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+
+
+def test_packed_linear_equals_f_linear_and_leaves_other_row_counts_to_it(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "4-192")
+    layer = torch.nn.Linear(64, 96, bias=True)
+    packed = PackedLinears(layer)
+    with torch.inference_mode(), packed.active():
+        for rows in (1, 3, 4, 17, 192, 193, 300):
+            x = torch.randn(1, rows, 64)
+            got, want = layer(x), F.linear(x, layer.weight, layer.bias)
+            assert got.shape == want.shape == (1, rows, 96)
+            if packed_faster(rows):
+                assert (got - want).abs().max() < 1e-5  # another summation order
+            else:
+                assert torch.equal(got, want)  # F.linear itself
+    with torch.enable_grad(), packed.active():  # a call that records a backward stays on F.linear
+        x = torch.randn(8, 64, requires_grad=True)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize("model_type, overrides", [("qwen3", {}), ("qwen2", {"qkv_bias": True})])
+def test_engine_tokens_equal_generate_with_packed_weights_and_the_model_is_left_as_it_was(monkeypatch, model_type,
+                                                                                         overrides):
+    model = tiny_model(model_type, **overrides)
+    prompts = make_prompts(24)
+    expected = greedy_reference(model, prompts)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(
+        prepack_weights=True))
+    groups = [[layer for layer in group.layers] for group in manager.runner.packed.groups]
+    assert sorted(id(layer) for group in groups for layer in group) == sorted(map(id, packable_linears(model)))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [attention.q_proj, attention.k_proj, attention.v_proj] in groups  # siblings share one matmul
+    assert [mlp.gate_proj, mlp.up_proj] in groups and [mlp.down_proj] in groups
+    assert "prepacked linear weights" in manager.memory_summary()
+    rows_seen = []
+    packed_forward = cpu_linear._PackedGroup.forward
+
+    def spy(self, index, x):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return packed_forward(self, index, x)
+
+    monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
+    ids = [manager.add_request(p, max_new_tokens=10) for p in prompts]
+    manager.run_until_done()
+    assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == expected
+    assert any(packed_faster(rows) for rows in rows_seen)  # the packed path did run
+    assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
+    assert all(getattr(group._last, "input", None) is None for group in manager.runner.packed.groups)  # none kept
+
+
+def test_a_weight_changed_between_steps_is_packed_again():
+    model = tiny_model()
+    prompts = make_prompts(8, seed=3)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(
+        prepack_weights=True))
+    ids = [manager.add_request(p, max_new_tokens=4) for p in prompts]
+    manager.run_until_done()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(3.0)  # in place: the same storage, a new version
+            layer.self_attn.k_proj.weight.mul_(-2.0)  # one layer of a sibling group
+        model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(
+            model.model.layers[0].self_attn.o_proj.weight.flip(0).clone())  # a new storage
+    expected = greedy_reference(model, prompts, new_tokens=6)
+    ids = [manager.add_request(p, max_new_tokens=6) for p in prompts]
+    manager.run_until_done()
+    assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == expected
+
+
+def test_weights_made_in_inference_mode():
+    with torch.inference_mode():  # weights without a version counter, as a loader in inference mode leaves them
+        model = tiny_model()
+    prompts = make_prompts(6, seed=5)
+    expected = greedy_reference(model, prompts)
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS, progress_bar=False, prepack_weights=True)
+    assert [r.generated_tokens for r in out.values()] == expected
+
+
+def test_automatic_decision(monkeypatch):
+    model = tiny_model()
+    assert ContinuousBatchingConfig().resolve(model).prepack_weights is True
+    monkeypatch.setenv(cpu_linear.ENV, "none")  # as on a CPU where they are never faster: not worth the memory
+    assert ContinuousBatchingConfig().resolve(model).prepack_weights is False
+    assert ContinuousBatchingConfig(prepack_weights=True).resolve(model).prepack_weights is True
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    assert ContinuousBatchingConfig(prepack_weights=False).resolve(model).prepack_weights is False
+    half = tiny_model().to(torch.bfloat16)
+    assert ContinuousBatchingConfig().resolve(half).prepack_weights is False
+    with pytest.raises(ValueError, match="prepack_weights=True: the model has no float32 nn.Linear"):
+        ContinuousBatchingConfig(prepack_weights=True).resolve(half)
+
+
+def test_automatic_decision_leaves_them_out_when_memory_is_short(monkeypatch):
+    model = tiny_model()
+    linear_bytes = sum(layer.weight.numel() * 4 for layer in packable_linears(model))
+    monkeypatch.setattr(engine_config, "free_memory", lambda device, cap=True: 3 * linear_bytes)
+    assert ContinuousBatchingConfig().resolve(model).prepack_weights is False
+    assert ContinuousBatchingConfig(prepack_weights=True, num_blocks=8).resolve(model).prepack_weights is True
+
+
+# --- which row counts: measured, or set by GPUFORMERS_CPU_PACKED_ROWS ------------------------------------------------
+
+
+def test_row_counts_follow_the_environment_variable(monkeypatch):
+    for value, packed_rows in [("all", {1, 3, 4, 7, 192, 193, 300, 5000}), ("none", set()),
+                               ("4-192,300-", {4, 7, 192, 300, 5000}), ("7", {7})]:
+        monkeypatch.setenv(cpu_linear.ENV, value)
+        assert {r for r in (1, 3, 4, 7, 192, 193, 300, 5000) if packed_faster(r)} == packed_rows, value
+    monkeypatch.setenv(cpu_linear.ENV, "4..192")
+    with pytest.raises(ValueError, match="GPUFORMERS_CPU_PACKED_ROWS='4..192'"):
+        packed_faster(8)
+
+
+def test_row_counts_follow_this_machines_measurement(monkeypatch):
+    monkeypatch.delenv(cpu_linear.ENV)
+    measured = cpu_linear.calibration()  # the real one: every probe timed both ways
+    assert sorted(measured) == list(cpu_linear._PROBES)
+    assert all(plain > 0 and packed > 0 for plain, packed in measured.values())
+    # Each row count takes the decision of the largest probe at or below it.
+    fake = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (2.0, 1.0), 16: (2.0, 1.0), 64: (2.0, 1.0), 256: (1.0, 1.5)}
+    monkeypatch.setattr(cpu_linear, "calibration", lambda: fake)
+    cpu_linear._decide.cache_clear()
+    try:
+        assert [r for r in (1, 3, 4, 100, 255, 256, 4096) if packed_faster(r)] == [4, 100, 255]
+        assert cpu_linear.packs_some_rows()
+        monkeypatch.setattr(cpu_linear, "calibration", lambda: {r: (1.0, 2.0) for r in cpu_linear._PROBES})
+        cpu_linear._decide.cache_clear()
+        assert not cpu_linear.packs_some_rows()
+        assert cpu_linear.packed_for(tiny_model()) is None  # never faster here: generate() keeps F.linear
+    finally:
+        cpu_linear._decide.cache_clear()
+
+
+# --- generate() -----------------------------------------------------------------------------------------------------
+
+
+def _generate(model, prompts, **kwargs):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def test_generate_uses_them_with_the_same_tokens_and_leaves_the_model_as_it_was(monkeypatch):
+    model = tiny_model()
+    prompts = make_prompts(5, seed=7)
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    greedy = _generate(model, prompts, do_sample=False)
+    torch.manual_seed(3)
+    sampled = _generate(model, prompts, do_sample=True, top_k=20)
+    beams = _generate(model, prompts[:2], num_beams=3, do_sample=False)
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    rows_seen = []
+    packed_forward = cpu_linear._PackedGroup.forward
+
+    def spy(self, index, x):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return packed_forward(self, index, x)
+
+    monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
+    assert torch.equal(_generate(model, prompts, do_sample=False), greedy)
+    assert 5 in rows_seen and 5 * 48 >= max(rows_seen) > 5  # the decode steps (5 rows) and the prefill
+    torch.manual_seed(3)
+    assert torch.equal(_generate(model, prompts, do_sample=True, top_k=20), sampled)
+    assert torch.equal(_generate(model, prompts[:2], num_beams=3, do_sample=False), beams)
+    packed = cpu_linear.packed_for(model)
+    assert packed is not None and packed is cpu_linear.packed_for(model)  # made once, kept with the model
+    assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
+    rows_seen.clear()
+    with torch.no_grad():
+        model(torch.tensor([prompts[0]]))  # a plain forward outside generate(): F.linear itself
+    assert rows_seen == []
+
+
+def test_generate_after_the_model_changed_packs_again_or_not_at_all(monkeypatch):
+    model = tiny_model()
+    prompts = make_prompts(3, seed=9)
+    first = cpu_linear.packed_for(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(-1.5)  # an edited weight: repacked before its next use
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    expected = _generate(model, prompts, do_sample=False)
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    assert torch.equal(_generate(model, prompts, do_sample=False), expected)
+    assert cpu_linear.packed_for(model) is first
+    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)  # a new layer: packed anew
+    assert cpu_linear.packed_for(model) is not first
+    model.to(torch.bfloat16)  # no float32 linear layer left: nothing to pack
+    assert cpu_linear.packed_for(model) is None
+
+
+def test_biases_are_packed_with_their_weights_and_again_when_edited(monkeypatch):
+    model = tiny_model("qwen2", qkv_bias=True)  # q/k/v with biases: one packed weight and one stacked bias
+    prompts = make_prompts(3, seed=13)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.bias.normal_()
+    packed = cpu_linear.packed_for(model)
+    assert any(group.bias is not None and len(group.layers) == 3 for group in packed.groups)
+    for _ in range(2):
+        monkeypatch.setenv(cpu_linear.ENV, "none")
+        expected = _generate(model, prompts, do_sample=False)
+        monkeypatch.setenv(cpu_linear.ENV, "all")
+        assert torch.equal(_generate(model, prompts, do_sample=False), expected)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.v_proj.bias.mul_(-3.0)  # in place, between two calls
+
+
+def test_generate_and_an_engine_on_one_model_share_one_copy():
+    model = tiny_model()
+    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(
+        prepack_weights=True))
+    assert cpu_linear.packed_for(model) is manager.runner.packed
+
+
+def test_generate_leaves_them_out_when_memory_is_short(monkeypatch):
+    model = tiny_model()
+    linear_bytes = sum(layer.weight.numel() * 4 for layer in packable_linears(model))
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 3 * linear_bytes)
+    assert cpu_linear.packed_for(model) is None
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * linear_bytes)
+    assert cpu_linear.packed_for(model) is not None
+
+
+def test_two_threads_generating_on_one_model_get_their_own_tokens(monkeypatch):
+    import threading
+
+    model = tiny_model()
+    batches = [make_prompts(3, seed=s) for s in (11, 12)]
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    expected = [_generate(model, prompts, do_sample=False) for prompts in batches]
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    results = [[], []]
+
+    def worker(i):
+        for _ in range(4):
+            results[i].append(_generate(model, batches[i], do_sample=False))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(results[i]) == 4 and all(torch.equal(r, expected[i]) for r in results[i])
+    assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
