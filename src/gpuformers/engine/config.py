@@ -12,11 +12,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from gpuformers.kernels.cpu_linear import available_ram, packable_linears, packs_some_rows, prepack_available
 from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
+from gpuformers.kernels.cpu_linear import available_ram, packable_linears, packs_some_rows, prepack_available
 
 _CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
 
