@@ -5,6 +5,8 @@ automatic decisions (on for float32 on the CPU while the copies fit; refused by 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,14 +208,21 @@ def test_generate_after_the_model_changed_packs_again_or_not_at_all(monkeypatch)
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(-1.5)  # an edited weight: repacked before its next use
     monkeypatch.setenv(cpu_linear.ENV, "none")
-    expected = _generate(model, prompts, do_sample=False)
+    expected = _generate(copy.deepcopy(model), prompts, do_sample=False)
     monkeypatch.setenv(cpu_linear.ENV, "all")
     assert torch.equal(_generate(model, prompts, do_sample=False), expected)
     assert cpu_linear.packed_for(model) is first
-    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)  # a new layer: packed anew
+    monkeypatch.setenv(cpu_linear.ENV, "none")  # turned off: the copies are let go
+    _generate(model, prompts, do_sample=False)
+    assert model not in cpu_linear._FOR_MODEL
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    first = cpu_linear.packed_for(model)
+    old = model.model.layers[1].self_attn.o_proj
+    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)  # new
     assert cpu_linear.packed_for(model) is not first
-    model.to(torch.bfloat16)  # no float32 linear layer left: nothing to pack
-    assert cpu_linear.packed_for(model) is None
+    model.to(torch.bfloat16)  # no float32 linear layer left: nothing to pack, and the old copies are let go
+    _generate(model, prompts, do_sample=False)
+    assert model not in cpu_linear._FOR_MODEL
 
 
 def test_biases_are_packed_with_their_weights_and_again_when_edited(monkeypatch):

@@ -196,7 +196,7 @@ class GenerationPreparation:
         forward with float32 linear layers on the CPU where they pay (packed_for says), else nothing."""
         from gpuformers.kernels.cpu_linear import packed_for
 
-        if forward is not self or self.get_input_embeddings().weight.device.type != "cpu":
+        if forward is not self:
             return contextlib.nullcontext()
-        packed = packed_for(self)
+        packed = packed_for(self)  # None off the CPU (no float32 CPU linear layers), and copies made before go
         return packed.active() if packed is not None else contextlib.nullcontext()

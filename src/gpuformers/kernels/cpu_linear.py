@@ -307,10 +307,9 @@ def packed_for(model: nn.Module) -> PackedLinears | None:
     """The packed copies generate() uses for `model` (packed_linears), or None when they would not pay or not fit:
     no oneDNN, no float32 linear layer on the CPU, no row count where calibration() found them faster, or copies
     that would take more than a quarter of the available RAM (unless they are made already)."""
-    if not prepack_available() or not packs_some_rows():
-        return None
-    linears = packable_linears(model)
-    if not linears:
+    linears = packable_linears(model) if prepack_available() else []
+    if not linears or not packs_some_rows():
+        _FOR_MODEL.pop(model, None)  # moved to a GPU or to bfloat16, say: the old copies are dead weight
         return None
     cached = _FOR_MODEL.get(model)
     if cached is None or {id(layer) for layer in cached.layers} != {id(layer) for layer in linears}:
