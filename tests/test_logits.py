@@ -142,9 +142,16 @@ def test_eos_only_bad_word_is_dropped():
     assert torch.isinf(out).nonzero()[:, 1].tolist() == [6]
 
 
-def test_bad_words_beyond_the_lm_head_are_harmless():
-    out = L.NoBadWordsLogitsProcessor([[100], [1, 200]])(torch.tensor([[1]]), torch.zeros(1, 8))
-    assert not torch.isinf(out).any()
+def test_bad_words_beyond_the_lm_head_are_refused_as_in_transformers():
+    import transformers
+
+    for bad in ([[100]], [[3], [1, 200]], [[8]]):
+        with pytest.raises(ValueError, match=r"vocabulary size is 8"):
+            transformers.NoBadWordsLogitsProcessor(bad)(torch.tensor([[1]]), torch.zeros(1, 8))
+        with pytest.raises(ValueError, match=r"bad_words_ids bans token ids \[\d+\].*8 columns \(ids 0-7\)"):
+            L.NoBadWordsLogitsProcessor(bad)(torch.tensor([[1]]), torch.zeros(1, 8))
+    out = L.NoBadWordsLogitsProcessor([[7], [1, 2]], eos_token_id=9)(torch.tensor([[1]]), torch.zeros(1, 8))
+    assert torch.isinf(out).nonzero()[:, 1].tolist() == [2, 7]  # the largest id that fits is fine
 
 
 def test_processors_follow_the_device_and_dtype_of_scores():

@@ -73,7 +73,8 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
 class NoBadWordsLogitsProcessor(LogitsProcessor):
     """Never produce the token sequences in `bad_words_ids`. A one-token entry is banned everywhere; for a longer
     one, its last token is banned in rows whose sequence ends with the rest of it. An entry that is just an eos
-    token is dropped, as in transformers (stopping must stay possible)."""
+    token is dropped, as in transformers (stopping must stay possible). A token id the scores have no column for
+    raises ValueError on the first call, as in transformers (the vocabulary size is only known then)."""
 
     def __init__(self, bad_words_ids: list[list[int]], eos_token_id: int | list[int] | None = None):
         if not isinstance(bad_words_ids, (list, tuple)) or not bad_words_ids or not all(
@@ -83,6 +84,7 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
                              f"got {bad_words_ids!r}")
         eos = set(_as_list(eos_token_id))
         sequences = [list(seq) for seq in bad_words_ids if not (len(seq) == 1 and seq[0] in eos)]
+        self._ids = sorted({t for seq in sequences for t in seq})
         self.single = _TokenMask([seq[0] for seq in sequences if len(seq) == 1])
         # longer entries grouped by prefix length: (prefixes (k, prefix_len), last tokens (k,)), moved on first use
         by_length: dict[int, list[list[int]]] = {}
@@ -94,6 +96,10 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         batch, vocab_size = scores.shape
+        if self._ids and self._ids[-1] >= vocab_size:
+            too_large = [t for t in self._ids if t >= vocab_size]
+            raise ValueError(f"bad_words_ids bans token ids {too_large}, but the scores have {vocab_size} columns "
+                             f"(ids 0-{vocab_size - 1}); drop those entries")
         banned = self.single.mask(vocab_size, scores.device).expand(batch, vocab_size)
         if self._groups:
             banned = torch.cat([banned, banned.new_zeros(batch, 1)], dim=1)  # spare column for ids past the head
