@@ -495,3 +495,52 @@ def test_error_messages_name_the_bad_value(tiny):
         tiny.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(TypeError, match="JSON-schema dicts"):
         tiny.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="x", tools=[print])
+
+
+# ---------------------------------------------------------------------- token / word / character maps
+
+
+def test_alignment_maps_match_transformers(qwen3_pair):
+    ours, theirs = qwen3_pair
+    cases = [
+        dict(text=["Hello world, this is Qwen.", "déjà vu — naïve café"]),
+        dict(text=["Question: where?"], text_pair=["Context: over there, by the sea."]),
+        dict(text=[["Split", "into", "words", "déjà"], ["one"]], is_split_into_words=True),
+        dict(text=["a b c d e f g h i j k"], truncation=True, max_length=4),
+    ]
+    for kwargs in cases:
+        mine, ref = ours(**kwargs, padding=True), theirs(**kwargs, padding=True)
+        assert mine.is_fast and mine.n_sequences == ref.n_sequences
+        for b in range(len(ref["input_ids"])):
+            assert mine.tokens(b) == ref.tokens(b)
+            assert mine.word_ids(b) == ref.word_ids(b) and mine.sequence_ids(b) == ref.sequence_ids(b)
+            for t in range(len(ref["input_ids"][b])):
+                assert mine.token_to_word(b, t) == ref.token_to_word(b, t)
+                assert mine.token_to_sequence(b, t) == ref.token_to_sequence(b, t)
+                assert mine.token_to_chars(b, t) == ref.token_to_chars(b, t)
+            for seq in range(ref.n_sequences):
+                for w in range(max((i for i in ref.word_ids(b) if i is not None), default=-1) + 1):
+                    assert mine.word_to_tokens(b, w, seq) == ref.word_to_tokens(b, w, seq)
+                    try:
+                        expected = ref.word_to_chars(b, w, seq)
+                    except TypeError:  # transformers fails on a word the other text has: we say None
+                        expected = None
+                    assert mine.word_to_chars(b, w, seq) == expected
+                text = kwargs["text_pair" if seq else "text"][b]
+                for c in range(len(text) if isinstance(text, str) else 0):
+                    assert mine.char_to_token(b, c, seq) == ref.char_to_token(b, c, seq)
+                    assert mine.char_to_word(b, c, seq) == ref.char_to_word(b, c, seq)
+    single = ours("Hello world")  # one text: f(i) reads its item i; a negative token index counts from the end
+    assert single.token_to_chars(0) == (0, 5) and single.token_to_chars(-1) == single.token_to_chars(1) == (5, 11)
+    assert single.word_to_tokens(1) == (1, 2) and single.char_to_token(6) == 1 and single.char_to_word(7) == 1
+    from gpuformers.tokenizer import CharSpan, TokenSpan
+
+    assert isinstance(single.token_to_chars(0), CharSpan) and isinstance(single.word_to_tokens(0), TokenSpan)
+
+
+def test_alignment_maps_without_encodings_say_why(tiny):
+    padded = tiny.pad({"input_ids": [[1, 2], [3]]})
+    for call in (lambda: padded.word_ids(), lambda: padded.char_to_token(0), lambda: padded.token_to_chars(0)):
+        with pytest.raises(ValueError, match=r"needs the encodings of a tokenizer call"):
+            call()
+    assert not padded.is_fast and padded.n_sequences is None

@@ -12,15 +12,15 @@ two so that code written for transformers runs unchanged:
 This module is the import path; the code lives in the gpuformers.tokenization package, one job per module:
 tokenizer_fast.py (the class and its constructor), vocabulary.py (special and added tokens), encoding.py
 (padding, truncation, tensors, decode), chat.py (apply_chat_template), pretrained.py (from_pretrained,
-save_pretrained), batch_encoding.py (BatchEncoding), byte_level.py (byte_level_alphabet).
+save_pretrained), batch_encoding.py (BatchEncoding, TokenSpan, CharSpan), byte_level.py (byte_level_alphabet).
 
-Offers: PreTrainedTokenizerFast, BatchEncoding, byte_level_alphabet, VERY_LARGE_INTEGER, LARGE_INTEGER,
-PADDING_STRATEGIES, TRUNCATION_STRATEGIES.
+Offers: PreTrainedTokenizerFast, BatchEncoding, TokenSpan, CharSpan, byte_level_alphabet, VERY_LARGE_INTEGER,
+LARGE_INTEGER, PADDING_STRATEGIES, TRUNCATION_STRATEGIES.
 """
 
 from __future__ import annotations
 
-from gpuformers.tokenization.batch_encoding import BatchEncoding
+from gpuformers.tokenization.batch_encoding import BatchEncoding, CharSpan, TokenSpan
 from gpuformers.tokenization.byte_level import byte_level_alphabet
 from gpuformers.tokenization.encoding import (
     LARGE_INTEGER,
@@ -33,6 +33,8 @@ from gpuformers.tokenization.tokenizer_fast import PreTrainedTokenizerFast
 __all__ = [
     "PreTrainedTokenizerFast",
     "BatchEncoding",
+    "TokenSpan",
+    "CharSpan",
     "byte_level_alphabet",
     "VERY_LARGE_INTEGER",
     "LARGE_INTEGER",
