@@ -117,16 +117,31 @@ def test_greedy_tokens_match_transformers(checkpoints, case):
     assert torch.equal(got, expected)
 
 
-def test_loss_matches_transformers(checkpoints):
-    folder, hf = checkpoints["qwen3"]
-    ours = AutoModelForCausalLM.from_pretrained(folder, progress=False)
+@pytest.mark.parametrize("case", ["qwen3", "mistral-window"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_loss_and_gradients_match_transformers(checkpoints, case, attn):
+    """With left padding the loss reads a pad position (the last pad predicts the first real token), whose query
+    has no key to attend to: eager must pass gradients through that row as transformers' additive mask does."""
+    folder, hf = checkpoints[case]
+    ours = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, progress=False)
     ids, mask = _inputs()
     labels = ids.masked_fill(mask == 0, -100)
-    expected = hf(ids, attention_mask=mask, labels=labels).loss
+    hf.set_attn_implementation(attn)
+    try:
+        hf.zero_grad()
+        expected = hf(ids, attention_mask=mask, labels=labels).loss
+        expected.backward()
+    finally:
+        hf.set_attn_implementation("sdpa")
     got = ours(ids, attention_mask=mask, labels=labels).loss
     assert abs(got.item() - expected.item()) < 1e-5
     got.backward()
-    assert ours.model.layers[0].self_attn.q_norm.weight.grad is not None
+    theirs = dict(hf.named_parameters())
+    for name, param in ours.named_parameters():
+        reference = theirs[name].grad
+        assert param.grad is not None and reference is not None, name
+        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-8, name
+    hf.zero_grad()
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "llama-mha-tied"])

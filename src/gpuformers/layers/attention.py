@@ -45,7 +45,11 @@ def eager_attention(module, query, key, value, attention_mask, *, scaling, dropo
     if softcap is not None:  # logit soft-capping: scores squashed into (-softcap, softcap)
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        # Added, not filled in, as transformers does: the same scores (the minimum absorbs any score), and a query
+        # row with nothing to attend to (a left-pad position) passes gradients through its uniform softmax to the
+        # scores as there, which matters once a loss reads that row (the last pad predicts the first real token).
+        scores = scores + torch.zeros((), dtype=scores.dtype, device=scores.device).masked_fill(
+            ~attention_mask, torch.finfo(scores.dtype).min)
     elif query.shape[2] > 1:
         causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
             key.shape[2] - query.shape[2]
