@@ -161,6 +161,28 @@ def test_the_manager_forgets_every_request_once_its_output_is_taken(qwen3):
     assert manager.block_manager.num_free_blocks == 64
 
 
+def test_the_config_seed_repeats_a_run_and_identical_prompts_still_get_their_own_samples(qwen3):
+    model, prompts, _ = qwen3
+    settings = dict(max_new_tokens=8, do_sample=True, temperature=1.5, eos_token_id=None, progress_bar=False)
+
+    def run(seed):
+        batch = [prompts[0]] * 4 + [prompts[1]]
+        out = model.generate_batch(batch, seed=seed, block_size=8, num_blocks=64, **settings)
+        return [r.generated_tokens for r in out.values()]
+
+    first = run(123)
+    assert run(123) == first  # the whole run repeats
+    assert len({tuple(t) for t in first[:4]}) > 1  # four samples of one prompt, not one sample four times
+    assert run(124) != first
+    manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64, seed=123)
+    own = manager.add_request(prompts[0], seed=7, max_new_tokens=8, do_sample=True, temperature=1.5)
+    manager.run_until_done()
+    alone = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64)
+    again = alone.add_request(prompts[0], seed=7, max_new_tokens=8, do_sample=True, temperature=1.5)
+    alone.run_until_done()  # a request's own seed wins over the config's
+    assert manager.get_result(own, timeout=0).generated_tokens == alone.get_result(again, timeout=0).generated_tokens
+
+
 def test_sampling_is_per_request_and_seeded(qwen3):
     model, prompts, _ = qwen3
     manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64)

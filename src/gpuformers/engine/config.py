@@ -39,6 +39,8 @@ class ContinuousBatchingConfig:
     prepack_weights: bool | None = None
     scheduler_type: str = "fifo"
     return_logprobs: bool = False
+    # Seeds the run: each sampled request without a seed of its own gets one drawn from random.Random(seed) when it
+    # is added, so a run repeats and identical prompts still get different samples. None: torch's global generator.
     seed: int | None = None
 
     def __post_init__(self):
@@ -186,7 +188,6 @@ def sampling_params_from(generation_config, cb_config: ContinuousBatchingConfig,
         repetition_penalty=config.repetition_penalty,
         min_new_tokens=max(0, config.min_length_for(prompt_length) - prompt_length),  # min_length counts the prompt
         eos_token_ids=tuple(config.eos_token_ids),
-        seed=cb_config.seed,
         return_logprobs=cb_config.return_logprobs,
     )
     unknown = set(overrides) - {f.name for f in fields(SamplingParams)}

@@ -29,6 +29,7 @@ import itertools
 import logging
 import operator
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
             base_name = model.attn_implementation if model.attn_implementation in ("sdpa", "eager") else "sdpa"
             model.set_attn_implementation(f"paged|{base_name}")
         cfg = self.config
+        # ContinuousBatchingConfig.seed: the source of the seeds of sampled requests that bring none (add_request)
+        self._request_seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         # Consecutive blocks matter on the CPU only (its attention then reads a view of the cache).
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing,
                                           place_contiguously=model.device.type != "cuda")
@@ -390,6 +393,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
             elif request_id in self._live_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use by a request whose final output has "
                                  f"not been taken yet; give another id, or take that one's result first")
+            if self._request_seeds is not None and params.seed is None and not params.greedy:
+                params.seed = self._request_seeds.getrandbits(63)  # in the order requests are added
             seq = Sequence(request_id, input_ids, params, streaming=streaming, adapter_name=adapter_name)
             seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
             seq.created_time = time.time()
