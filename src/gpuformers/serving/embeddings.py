@@ -12,18 +12,22 @@ cut as sentence-transformers cuts them: the tokenizer truncates on its truncatio
 kept) and still adds its special tokens (Qwen3-Embedding's closing <|endoftext|>, the token pooled), so the vector
 is sentence-transformers' with max_seq_length = N. `dimensions` needs a Matryoshka model, as in vLLM: config.json's
 is_matryoshka or matryoshka_dimensions (the allowed values), or --hf-overrides setting them.
+On the CPU the float32 matmuls run on oneDNN-packed weights where they are faster (kernels/cpu_linear.py), as in
+generate(): vectors differ from F.linear's by rounding only.
 
 Offers: BATCH_SIZE, BATCH_TOKENS, Embedder, load_embedder, parse_hf_overrides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
 
 import torch
 
+from gpuformers.kernels.cpu_linear import packed_for
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.pooling import Pooling, max_seq_length, pool, read_checkpoint_json, resolve_pooling
 
@@ -114,7 +118,8 @@ class Embedder:
         """Token id lists -> (len(rows), dimensions or hidden) float32 on the CPU, in the order of `rows`."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         pooled = torch.empty(len(rows), self.hidden_size)
-        with self._lock, torch.inference_mode():
+        packed = packed_for(self.model)  # the CPU's faster matmuls, as generate() takes them (kernels/cpu_linear.py)
+        with self._lock, torch.inference_mode(), packed.active() if packed is not None else contextlib.nullcontext():
             for chosen in _batches(order, rows):
                 input_ids, attention_mask = self._padded([rows[i] for i in chosen])
                 hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
