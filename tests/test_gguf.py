@@ -292,6 +292,28 @@ def test_config_and_dtypes(tmp_path):
     assert ckpt.quant_type(name) == "F16"
 
 
+def test_a_file_is_parsed_once_for_its_model_and_tokenizer_and_again_when_rewritten(tmp_path, monkeypatch):
+    import gguf
+
+    parses = []
+    real = gguf.GGUFReader
+
+    class Counting(real):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, seed=0)
+    first = read_gguf(path).load_tensor("model.layers.0.mlp.up_proj.weight", torch.float32)
+    read_gguf(path).tokenizer_parts()  # AutoTokenizer after AutoModelForCausalLM: no second parse
+    assert len(parses) == 1
+    write_tiny_llama(path, seed=1)  # the same path and size, other weights, maybe within the clock's granularity
+    second = read_gguf(path).load_tensor("model.layers.0.mlp.up_proj.weight", torch.float32)
+    assert len(parses) == 2 and not torch.equal(first, second)
+
+
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

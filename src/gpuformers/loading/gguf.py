@@ -31,8 +31,10 @@ Where llama.cpp's layout differs from HF's, the tensor is turned back as it is r
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,25 @@ from gpuformers.loading.gguf_tokenizer import tokenizer_parts
 
 # Elements dequantized per slab (16 MiB of float32): bounds the extra memory a big tensor needs.
 _SLAB_ELEMENTS = 1 << 22
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, fingerprint: tuple, reader_class):
+    """The file's parsed GGUFReader (read-only, memory-mapped), kept for the next reader of the same unchanged file:
+    parsing a vocabulary's metadata takes the gguf package seconds (~2 s for SmolLM2's 49k tokens and merges), and
+    loading a model then its tokenizer from one file reads it twice."""
+    return reader_class(path, "r")
+
+
+def _fingerprint(path: Path) -> tuple:
+    """What tells a rewritten file from the one parsed: size, modification time, and a checksum of its first MiB
+    (the metadata) and last 64 KiB (a file rewritten within the clock's granularity, at the same size)."""
+    stat = path.stat()
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 20)
+        handle.seek(max(0, stat.st_size - (1 << 16)))
+        tail = handle.read()
+    return stat.st_size, stat.st_mtime_ns, zlib.crc32(head), zlib.crc32(tail)
 
 
 def read_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
@@ -74,7 +95,7 @@ class GGUFCheckpoint(GGUFConfigMixin):
                 f"{str(self.path)!r} is not a GGUF file: it starts with {magic!r} instead of b'GGUF'. "
                 "Pass a llama.cpp .gguf file as gguf_file, or load .safetensors checkpoints without gguf_file."
             )
-        self._reader = GGUFReader(self.path, "r")
+        self._reader = _parsed(str(self.path.resolve()), _fingerprint(self.path), GGUFReader)
         self._fields = self._reader.fields
         self.architecture = arch = self._meta("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
