@@ -293,17 +293,16 @@ def test_config_and_dtypes(tmp_path):
 
 
 def test_a_file_is_parsed_once_for_its_model_and_tokenizer_and_again_when_rewritten(tmp_path, monkeypatch):
-    import gguf
+    from gpuformers.loading import gguf as loader
 
     parses = []
-    real = gguf.GGUFReader
 
-    class Counting(real):
-        def __init__(self, path, *args, **kwargs):
+    class Counting(loader.GGUFFile):
+        def __init__(self, path):
             parses.append(path)
-            super().__init__(path, *args, **kwargs)
+            super().__init__(path)
 
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setattr(loader, "GGUFFile", Counting)
     path = tmp_path / "m.gguf"
     write_tiny_llama(path, seed=0)
     first = read_gguf(path).load_tensor("model.layers.0.mlp.up_proj.weight", torch.float32)
@@ -586,3 +585,63 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     special = (config["bos_token"], config["eos_token"], config["pad_token"])
     assert special == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     assert config["add_bos_token"] is False
+
+
+# ----- our header reader against the gguf package's -----
+
+
+def _assert_reads_like_gguf_reader(path):
+    import gguf
+
+    from gpuformers.loading.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path, "r")
+    assert list(ours.metadata) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key, value in ours.metadata.items():
+        field = theirs.fields[key]
+        expected = field.contents()
+        if field.types[0] == gguf.GGUFValueType.FLOAT32:
+            assert value == float(str(np.float32(expected))), key  # the shortest decimal of the float32
+        else:
+            assert value == (expected.tolist() if hasattr(expected, "tolist") else expected), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == reference.tensor_type and mine.shape.tolist() == reference.shape.tolist()
+        assert (mine.n_elements, mine.n_bytes, mine.data_offset) == (reference.n_elements, reference.n_bytes,
+                                                                     reference.data_offset)
+        assert mine.data.dtype == reference.data.dtype and np.array_equal(mine.data, reference.data), mine.name
+        assert not mine.data.flags.writeable
+
+
+@pytest.mark.parametrize("types", [(Q.F32,), (Q.F16, Q.Q8_0), (Q.Q4_K, Q.Q6_K)])
+def test_header_reader_equals_the_gguf_package(tmp_path, types):
+    write_tiny_qwen(tmp_path / "m.gguf", "qwen2", types=types, tied=False)
+    _assert_reads_like_gguf_reader(tmp_path / "m.gguf")
+
+
+def test_header_reader_equals_the_gguf_package_on_smollm2(smollm2, monkeypatch):
+    from gpuformers.loading import gguf_file
+
+    folder, name, _ = smollm2
+    _assert_reads_like_gguf_reader(folder / name)
+    monkeypatch.setattr(gguf_file, "_FIRST_READ", 4096)  # a header longer than the first read: read again, larger
+    _assert_reads_like_gguf_reader(folder / name)
+
+
+def test_header_reader_refuses_damaged_files(tmp_path):
+    from gpuformers.loading.gguf_file import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    write_tiny_llama(path, layers=1)
+    whole = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:200])  # inside the metadata
+    with pytest.raises(ValueError, match=r"cut.gguf.*truncated.*download it again"):
+        GGUFFile(tmp_path / "cut.gguf")
+    (tmp_path / "short.gguf").write_bytes(whole[:-100])  # inside the last tensor's data
+    with pytest.raises(ValueError, match=r"short.gguf.*truncated: tensor"):
+        GGUFFile(tmp_path / "short.gguf")
+    big = bytearray(whole)
+    big[4:8] = (3).to_bytes(4, "big")
+    (tmp_path / "big.gguf").write_bytes(bytes(big))
+    with pytest.raises(ValueError, match="big-endian"):
+        GGUFFile(tmp_path / "big.gguf")

@@ -45,6 +45,7 @@ from gpuformers.loading.gguf_config import (_MOE_ARCHITECTURES, _NORM_PLUS_ONE, 
 from gpuformers.loading.gguf_tensors import (_EXPERT_NAMES, _EXTRA_LAYER_NAMES, _LAYER_NAMES, _NOT_PARAMETERS,
                                              _ROTARY_PERMUTED, _can_dequantize, _hf_name, _unpermute_rotary_rows,
                                              supported_quant_types)
+from gpuformers.loading.gguf_file import GGUFFile
 from gpuformers.loading.gguf_tokenizer import tokenizer_parts
 
 # Elements dequantized per slab (16 MiB of float32): bounds the extra memory a big tensor needs.
@@ -52,11 +53,10 @@ _SLAB_ELEMENTS = 1 << 22
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed(path: str, fingerprint: tuple, reader_class):
-    """The file's parsed GGUFReader (read-only, memory-mapped), kept for the next reader of the same unchanged file:
-    parsing a vocabulary's metadata takes the gguf package seconds (~2 s for SmolLM2's 49k tokens and merges), and
-    loading a model then its tokenizer from one file reads it twice."""
-    return reader_class(path, "r")
+def _parsed(path: str, fingerprint: tuple) -> GGUFFile:
+    """The file's parsed header (its tensors memory-mapped, read-only), kept for the next reader of the same unchanged
+    file: loading a model and then its tokenizer from one file reads it once."""
+    return GGUFFile(path)
 
 
 def _fingerprint(path: Path) -> tuple:
@@ -80,7 +80,7 @@ class GGUFCheckpoint(GGUFConfigMixin):
 
     def __init__(self, path: str | os.PathLike):
         try:
-            from gguf import GGUFReader
+            import gguf  # noqa: F401  (the reader below needs its type tables, loading its dequantizers)
         except ImportError as error:
             raise ImportError(
                 "Loading a GGUF file needs the `gguf` package: pip install 'gpuformers[gguf]' (or pip install gguf)"
@@ -95,8 +95,8 @@ class GGUFCheckpoint(GGUFConfigMixin):
                 f"{str(self.path)!r} is not a GGUF file: it starts with {magic!r} instead of b'GGUF'. "
                 "Pass a llama.cpp .gguf file as gguf_file, or load .safetensors checkpoints without gguf_file."
             )
-        self._reader = _parsed(str(self.path.resolve()), _fingerprint(self.path), GGUFReader)
-        self._fields = self._reader.fields
+        self._reader = _parsed(str(self.path.resolve()), _fingerprint(self.path))
+        self._metadata = self._reader.metadata
         self.architecture = arch = self._meta("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

@@ -40,37 +40,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 class GGUFConfigMixin:
-    """The metadata side of GGUFCheckpoint (gguf.py), which holds the state these methods read: `_fields` (the
-    reader's metadata), `_reader`, `architecture`, `path`, `_tensors` and `tensor_shape` / `_info`."""
+    """The metadata side of GGUFCheckpoint (gguf.py), which holds the state these methods read: `_metadata` (the
+    file's metadata), `_reader`, `architecture`, `path`, `_tensors` and `tensor_shape` / `_info`."""
 
     # ----- metadata -----
 
     def _meta(self, key: str, default: Any = None) -> Any:
-        """The metadata value under `key` as a Python value (str, int, float, bool or list)."""
-        from gguf import GGUFValueType
-
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            item = field.types[1] if len(field.types) > 1 else None
-            if not field.data:
-                return []
-            if item == GGUFValueType.STRING:
-                return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            if item == GGUFValueType.ARRAY:
-                return default  # nested arrays: no llama key uses them
-            return np.concatenate([field.parts[i] for i in field.data]).tolist()
-        if kind == GGUFValueType.STRING:
-            return bytes(field.parts[field.data[0]]).decode("utf-8")
-        value = field.parts[field.data[0]][0]
-        if kind == GGUFValueType.FLOAT32:
-            # the shortest decimal that rounds to this float32: 1e-05, not 9.999999747378752e-06
-            return float(str(value))
-        if kind == GGUFValueType.BOOL:
-            return bool(value)
-        return value.item()
+        """The metadata value under `key` as a Python value (str, int, float, bool or list; loading/gguf_file.py)."""
+        return self._metadata.get(key, default)
 
     def _build_config(self) -> dict:
         arch = self.architecture
@@ -82,8 +59,8 @@ class GGUFConfigMixin:
         # rope.dimension_count is its rotary width, which is not head_dim when only part of each head turns
         rotary = meta("rope.dimension_count")
         head_dim = meta("attention.key_length") or (rotary if arch != "phi3" else None) or hidden // heads
-        tokens = self._fields.get("tokenizer.ggml.tokens")
-        vocab_size = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self._meta("tokenizer.ggml.tokens")
+        vocab_size = meta("vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab_size is None:
             vocab_size = self.tensor_shape("model.embed_tokens.weight")[0]
         config = {
