@@ -145,14 +145,16 @@ def test_row_counts_follow_this_machines_measurement(monkeypatch):
     measured = cpu_linear.calibration()  # the real one: every probe timed both ways
     assert sorted(measured) == list(cpu_linear._PROBES)
     assert all(plain > 0 and packed > 0 for plain, packed in measured.values())
-    # Each row count takes the decision of the largest probe at or below it.
+    # Each row count takes the decision of the largest probe at or below it, measured when first needed.
     fake = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (2.0, 1.0), 16: (2.0, 1.0), 64: (2.0, 1.0), 256: (1.0, 1.5)}
-    monkeypatch.setattr(cpu_linear, "calibration", lambda: fake)
+    asked = []
+    monkeypatch.setattr(cpu_linear, "_probe", lambda rows, threads: asked.append(rows) or fake[rows])
     cpu_linear._decide.cache_clear()
     try:
+        assert cpu_linear.packed_faster(1) is False and asked == [1]  # one probe measured, not all six
         assert [r for r in (1, 3, 4, 100, 255, 256, 4096) if packed_faster(r)] == [4, 100, 255]
         assert cpu_linear.packs_some_rows()
-        monkeypatch.setattr(cpu_linear, "calibration", lambda: {r: (1.0, 2.0) for r in cpu_linear._PROBES})
+        monkeypatch.setattr(cpu_linear, "_probe", lambda rows, threads: (1.0, 2.0))
         cpu_linear._decide.cache_clear()
         assert not cpu_linear.packs_some_rows()
         assert cpu_linear.packed_for(tiny_model()) is None  # never faster here: generate() keeps F.linear

@@ -5,8 +5,9 @@ torch's nn.Linear on the CPU calls MKL's sgemm, which copies the weight into its
 a weight reordered once into oneDNN's layout (torch.ops.mkldnn._reorder_linear_weight, the op torch.compile's CPU
 weight freezing uses) skips that copy, and oneDNN picks its kernels from the CPU's instruction set, where MKL
 picks them from the vendor: on AMD CPUs with AVX-512 it runs its AVX2 code. Which one wins depends on the machine
-and the row count, so it is measured (`calibration()`), once per process and thread count, on 32 MB of weights
-at 1, 2, 4, 16, 64 and 256 rows (~0.3 s); a row count takes the decision of the largest probe not above it.
+and the row count, so it is measured, once per process and thread count, on 32 MB of weights at 1, 2, 4, 16, 64
+and 256 rows; a row count takes the decision of the largest probe not above it, measured when first needed
+(~25 ms a probe; `calibration()` measures them all).
 Two of this project's 2-core machines, 1 thread, the 100M Qwen3-shaped stack with its LM head, ms per pass
 (`python benchmarks/bench_cpu_linear.py`):
 
@@ -62,10 +63,11 @@ def prepack_available() -> bool:
 
 
 @functools.cache
-def _measure(threads: int) -> dict[int, tuple[float, float]]:
-    """{probe rows: (ms F.linear, ms packed)} over 32 MB of weights (more than most caches hold, as a step's
+def _probe(rows: int, threads: int) -> tuple[float, float]:
+    """(ms F.linear, ms packed) for `rows` rows over 32 MB of weights (more than most caches hold, as a step's
     weights are), best of three after a warm-up. `threads` only keys the cache: torch's current count is used."""
     weights = [torch.full((2048, 1024), 0.01) for _ in range(4)]
+    x = torch.full((rows, 1024), 0.01)
     with torch.inference_mode():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS) for w in weights]
 
@@ -78,22 +80,23 @@ def _measure(threads: int) -> dict[int, tuple[float, float]]:
                 times.append(time.perf_counter() - start)
             return min(times) * 1e3
 
-        result = {}
-        for rows in _PROBES:
-            x = torch.full((rows, 1024), 0.01)
-            result[rows] = (best(lambda: [F.linear(x, w) for w in weights]),
-                            best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                          for p in packed]))
-    return result
+        return (best(lambda: [F.linear(x, w) for w in weights]),
+                best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]))
+
+
+def _measured(rows: int) -> tuple[float, float]:
+    """The probe at or below `rows`, measured at its first use (a decode at batch 1 measures the 1-row probe and its
+    prompt's, not the 256-row one: ~25 ms each instead of ~0.3 s for all)."""
+    with _MEASURING:  # two threads starting at once would time each other
+        return _probe(_PROBES[bisect.bisect_right(_PROBES, rows) - 1], torch.get_num_threads())
 
 
 def calibration() -> dict[int, tuple[float, float]]:
     """This machine's measurement at the current thread count: {rows: (ms F.linear, ms packed)} at each probe row
-    count (see the module docstring). Measured at the first call (~0.3 s), then remembered."""
+    count (see the module docstring); each probe is measured once, at its first use."""
     if not prepack_available():
         return {}
-    with _MEASURING:  # two threads starting at once would time each other
-        return _measure(torch.get_num_threads())
+    return {rows: _measured(rows) for rows in _PROBES}
 
 
 def _parse_rows(text: str) -> list[tuple[int, float]]:
@@ -123,15 +126,15 @@ def _decide(rows: int, override: str | None, threads: int) -> bool:
         return False
     if override:
         return any(low <= rows <= high for low, high in _parse_rows(override))
-    measured = calibration()
-    if not measured:
+    if not prepack_available():
         return False
-    plain, packed = measured[_PROBES[bisect.bisect_right(_PROBES, rows) - 1]]
+    plain, packed = _measured(rows)
     return packed < plain
 
 
 def packs_some_rows() -> bool:
-    """Whether packed weights would serve any row count here (packed_faster at some probe, or a large count)."""
+    """Whether packed weights would serve any row count here: packed_faster at some probe (measured in order, so
+    a machine where they win at one row measures that probe alone), or at a large count."""
     return any(packed_faster(rows) for rows in (*_PROBES, 1 << 20))
 
 
