@@ -5,7 +5,9 @@ automatic decisions (on for float32 on the CPU while the copies fit; refused by 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
@@ -283,3 +285,30 @@ def test_two_threads_generating_on_one_model_get_their_own_tokens(monkeypatch):
     for i in (0, 1):
         assert len(results[i]) == 4 and all(torch.equal(r, expected[i]) for r in results[i])
     assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
+
+
+def test_an_input_off_the_cpu_takes_the_layer_weights_as_they_are(monkeypatch):
+    """A layer offloaded to the CPU runs on a GPU with its weights copied in (device_map): the packed CPU copy must
+    not serve it. Simulated on the CPU: an input that says it is not on the CPU gets F.linear on the layer's weight."""
+    layer = torch.nn.Linear(64, 96)
+    packed = PackedLinears(layer)
+    with torch.no_grad():
+        layer.weight.data.mul_(2.0)  # unseen by the packed copy (as the GPU copy a hook puts in place would be)
+    x = torch.randn(4, 64)
+
+    class Elsewhere(torch.Tensor):
+        @property
+        def is_cpu(self):
+            return False
+
+    with torch.inference_mode(), packed.active():
+        out = layer(x.as_subclass(Elsewhere))
+    assert torch.equal(out.as_subclass(torch.Tensor), F.linear(x, layer.weight, layer.bias))
+
+
+def test_generate_on_a_model_off_the_cpu_lets_its_copies_go(monkeypatch):
+    model = tiny_model()
+    assert cpu_linear.packed_for(model) is not None and model in cpu_linear._FOR_MODEL
+    on_a_gpu = types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(model, "get_input_embeddings", lambda: on_a_gpu)  # as after model.to("cuda")
+    assert isinstance(model._cpu_matmuls(model), contextlib.nullcontext) and model not in cpu_linear._FOR_MODEL

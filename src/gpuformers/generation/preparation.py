@@ -194,9 +194,14 @@ class GenerationPreparation:
     def _cpu_matmuls(self, forward):
         """The context generate() decodes in: the packed-weight switch of kernels/cpu_linear.py for an eager
         forward with float32 linear layers on the CPU where they pay (packed_for says), else nothing."""
-        from gpuformers.kernels.cpu_linear import packed_for
+        from gpuformers.kernels.cpu_linear import packed_for, release
 
         if forward is not self:
             return contextlib.nullcontext()
-        packed = packed_for(self)  # None off the CPU (no float32 CPU linear layers), and copies made before go
+        if self.get_input_embeddings().weight.device.type != "cpu":
+            # On a GPU (its layers offloaded to the CPU run there too, their weights copied in): no copies, and any
+            # made while the model was on the CPU go
+            release(self)
+            return contextlib.nullcontext()
+        packed = packed_for(self)  # None without float32 linear layers, and copies made before go
         return packed.active() if packed is not None else contextlib.nullcontext()

@@ -31,8 +31,8 @@ the engine weighs it (engine/config.py) and generate() packs only while the copi
 the available RAM (`packed_for`). One copy per model (`packed_linears`), kept with it for its next calls and
 shared by generate() and an engine on it.
 
-Offers: PackedLinears, packed_linears, packed_for, packed_faster, packs_some_rows, calibration, prepack_available,
-packable_linears, available_ram, SIBLINGS.
+Offers: PackedLinears, packed_linears, packed_for, release, packed_faster, packs_some_rows, calibration,
+prepack_available, packable_linears, available_ram, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ class _PackedGroup:
             out = last.outputs[index]  # a sibling ran the matmul for this input
         else:
             rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            if x.dtype != torch.float32 or torch.is_grad_enabled() or not _decide(rows, *_rule):
+            if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or not _decide(rows, *_rule):
+                # (an input off the CPU: a layer offloaded to the CPU runs on a GPU, its weights copied in there)
                 layer = self.layers[index]
                 return F.linear(x, layer.weight, layer.bias)
             full = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), self.packed,
@@ -216,7 +217,7 @@ class _PackedGroup:
     def forward_one(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a group of one layer: nothing to share, so nothing kept."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if x.dtype != torch.float32 or torch.is_grad_enabled() or not _decide(rows, *_rule):
+        if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or not _decide(rows, *_rule):
             layer = self.layers[0]
             return F.linear(x, layer.weight, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -304,6 +305,11 @@ def packed_linears(model: nn.Module) -> PackedLinears:
     if cached is None or {id(layer) for layer in cached.layers} != {id(layer) for layer in linears}:
         cached = _FOR_MODEL[model] = PackedLinears(model)
     return cached
+
+
+def release(model: nn.Module) -> None:
+    """Let go of the copies kept for `model`, if any."""
+    _FOR_MODEL.pop(model, None)
 
 
 def packed_for(model: nn.Module) -> PackedLinears | None:
