@@ -154,6 +154,8 @@ def test_row_counts_follow_this_machines_measurement(monkeypatch):
     cpu_linear._decide.cache_clear()
     try:
         assert cpu_linear.packed_faster(1) is False and asked == [1]  # one probe measured, not all six
+        cpu_linear.measure_up_to(20)  # an engine of max_batch_tokens=20 at start: the probes it can meet
+        assert sorted(set(asked)) == [1, 2, 4, 16]
         assert [r for r in (1, 3, 4, 100, 255, 256, 4096) if packed_faster(r)] == [4, 100, 255]
         assert cpu_linear.packs_some_rows()
         monkeypatch.setattr(cpu_linear, "_probe", lambda rows, threads: (1.0, 2.0))

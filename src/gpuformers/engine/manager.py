@@ -44,6 +44,7 @@ from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, Sequence
 from gpuformers.engine.structured import check_structured_output, constrains
+from gpuformers.kernels.cpu_linear import measure_up_to
 from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
         self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size, prepack_weights=cfg.prepack_weights)
+        if cfg.prepack_weights:  # which row counts take the packed weights: measured now, not in the first steps
+            measure_up_to(cfg.max_batch_tokens)
         self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)
         logger.info("continuous batching: %s", self.memory_summary())
         if cfg.use_cuda_graph and not adapters:

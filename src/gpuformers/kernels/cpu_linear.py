@@ -31,8 +31,8 @@ the engine weighs it (engine/config.py) and generate() packs only while the copi
 the available RAM (`packed_for`). One copy per model (`packed_linears`), kept with it for its next calls and
 shared by generate() and an engine on it.
 
-Offers: PackedLinears, packed_linears, packed_for, release, packed_faster, packs_some_rows, calibration,
-prepack_available, packable_linears, available_ram, SIBLINGS.
+Offers: PackedLinears, packed_linears, packed_for, release, packed_faster, packs_some_rows, measure_up_to,
+calibration, prepack_available, packable_linears, available_ram, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -89,6 +89,14 @@ def _measured(rows: int) -> tuple[float, float]:
     prompt's, not the 256-row one: ~25 ms each instead of ~0.3 s for all)."""
     with _MEASURING:  # two threads starting at once would time each other
         return _probe(_PROBES[bisect.bisect_right(_PROBES, rows) - 1], torch.get_num_threads())
+
+
+def measure_up_to(rows: int) -> None:
+    """Measure now the probes that row counts up to `rows` would need (an engine at start, so that its first steps
+    do not pay for it)."""
+    if prepack_available() and not os.environ.get(ENV):
+        for probe in _PROBES[:bisect.bisect_right(_PROBES, max(rows, 1))]:
+            _measured(probe)
 
 
 def calibration() -> dict[int, tuple[float, float]]:
