@@ -14,6 +14,7 @@ import torch
 from gpuformers import AutoModelForCausalLM
 from gpuformers.generation.cache import DynamicCache
 from tests.fixtures.checkpoints import make_checkpoint, rewrite_config
+from tests.models.parity import assert_loss_and_gradients_match
 
 ATOL = 1e-4
 
@@ -124,24 +125,7 @@ def test_loss_and_gradients_match_transformers(checkpoints, case, attn):
     has no key to attend to: eager must pass gradients through that row as transformers' additive mask does."""
     folder, hf = checkpoints[case]
     ours = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, progress=False)
-    ids, mask = _inputs()
-    labels = ids.masked_fill(mask == 0, -100)
-    hf.set_attn_implementation(attn)
-    try:
-        hf.zero_grad()
-        expected = hf(ids, attention_mask=mask, labels=labels).loss
-        expected.backward()
-    finally:
-        hf.set_attn_implementation("sdpa")
-    got = ours(ids, attention_mask=mask, labels=labels).loss
-    assert abs(got.item() - expected.item()) < 1e-5
-    got.backward()
-    theirs = dict(hf.named_parameters())
-    for name, param in ours.named_parameters():
-        reference = theirs[name].grad
-        assert param.grad is not None and reference is not None, name
-        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-8, name
-    hf.zero_grad()
+    assert_loss_and_gradients_match(ours, hf, attn, *_inputs())
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "llama-mha-tied"])

@@ -23,6 +23,19 @@ from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts,
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN")
 
 
+def _spy_on_sibling_matmuls(monkeypatch) -> list[int]:
+    """The row counts of the packed sibling-group calls (q/k/v, gate/up) from now on, in a list that fills up."""
+    rows_seen = []
+    packed_forward = cpu_linear._PackedGroup.forward
+
+    def spy(self, index, x):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return packed_forward(self, index, x)
+
+    monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
+    return rows_seen
+
+
 @pytest.fixture(autouse=True)
 def packed_everywhere(monkeypatch):
     """Packed weights for every row count, whatever this machine's calibration says, so that each test runs the
@@ -63,14 +76,7 @@ def test_engine_tokens_equal_generate_with_packed_weights_and_the_model_is_left_
     assert [attention.q_proj, attention.k_proj, attention.v_proj] in groups  # siblings share one matmul
     assert [mlp.gate_proj, mlp.up_proj] in groups and [mlp.down_proj] in groups
     assert "prepacked linear weights" in manager.memory_summary()
-    rows_seen = []
-    packed_forward = cpu_linear._PackedGroup.forward
-
-    def spy(self, index, x):
-        rows_seen.append(x.numel() // x.shape[-1])
-        return packed_forward(self, index, x)
-
-    monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
+    rows_seen = _spy_on_sibling_matmuls(monkeypatch)
     ids = [manager.add_request(p, max_new_tokens=10) for p in prompts]
     manager.run_until_done()
     assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == expected
@@ -185,14 +191,7 @@ def test_generate_uses_them_with_the_same_tokens_and_leaves_the_model_as_it_was(
     sampled = _generate(model, prompts, do_sample=True, top_k=20)
     beams = _generate(model, prompts[:2], num_beams=3, do_sample=False)
     monkeypatch.setenv(cpu_linear.ENV, "all")
-    rows_seen = []
-    packed_forward = cpu_linear._PackedGroup.forward
-
-    def spy(self, index, x):
-        rows_seen.append(x.numel() // x.shape[-1])
-        return packed_forward(self, index, x)
-
-    monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
+    rows_seen = _spy_on_sibling_matmuls(monkeypatch)
     assert torch.equal(_generate(model, prompts, do_sample=False), greedy)
     assert 5 in rows_seen and 5 * 48 >= max(rows_seen) > 5  # the decode steps (5 rows) and the prefill
     torch.manual_seed(3)

@@ -1,5 +1,6 @@
 """What the family tests share: tiny checkpoints per named case, our load of them, a left-padded batch, the logit
-difference against transformers, and the engine's greedy tokens against generate()'s."""
+difference against transformers, loss and gradients against transformers', and the engine's greedy tokens against
+generate()'s."""
 
 from __future__ import annotations
 
@@ -174,3 +175,26 @@ def assert_expert_grads_match(experts, stacked_grad: torch.Tensor, gate: str = "
         weights = [getattr(expert, name).weight for name in (gate, up)]
         grads = [w.grad if w.grad is not None else torch.zeros_like(w) for w in weights]
         torch.testing.assert_close(torch.cat(grads), stacked_grad[e], atol=1e-6, rtol=1e-5)
+
+
+def assert_loss_and_gradients_match(ours, hf, attn: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Loss and every parameter's gradient equal transformers' (hf, run in attention backend `attn` for this call)
+    on a left-padded batch whose labels skip the padding: the last pad still predicts the first real token."""
+    labels = ids.masked_fill(mask == 0, -100)
+    previous = hf.config._attn_implementation
+    hf.set_attn_implementation(attn)
+    try:
+        hf.zero_grad()
+        expected = hf(ids, attention_mask=mask, labels=labels).loss
+        expected.backward()
+    finally:
+        hf.set_attn_implementation(previous)
+    got = ours(ids, attention_mask=mask, labels=labels).loss
+    assert abs(got.item() - expected.item()) < 1e-5
+    got.backward()
+    theirs = dict(hf.named_parameters())
+    for name, param in ours.named_parameters():
+        reference = theirs[name].grad
+        assert param.grad is not None and reference is not None, name
+        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-8, name
+    hf.zero_grad()

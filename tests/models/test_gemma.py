@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import make_checkpoint, rewrite_config
+from tests.models.parity import assert_loss_and_gradients_match
 
 ATOL = 1e-4
 SOFT_CAPS = dict(attn_logit_softcapping=0.01, final_logit_softcapping=0.2)
@@ -137,26 +138,7 @@ def test_greedy_generate_matches_transformers(checkpoints, case, cache):
                                          if not (case.startswith("gemma2") and attn == "sdpa")])  # transformers: eager
 def test_loss_and_gradients_match_transformers(checkpoints, case, attn):
     folder, hf = checkpoints[case]
-    ours = _load(folder, attn_implementation=attn).train()
-    ids, mask = _inputs()
-    labels = ids.masked_fill(mask == 0, -100)  # the last pad still predicts the first real token
-    previous = hf.config._attn_implementation
-    hf.set_attn_implementation(attn)
-    try:
-        hf.zero_grad()
-        expected = hf(ids, attention_mask=mask, labels=labels).loss
-        expected.backward()
-    finally:
-        hf.set_attn_implementation(previous)
-    got = ours(ids, attention_mask=mask, labels=labels).loss
-    assert abs(got.item() - expected.item()) < 1e-5
-    got.backward()
-    theirs = dict(hf.named_parameters())
-    for name, param in ours.named_parameters():
-        reference = theirs[name].grad
-        assert param.grad is not None and reference is not None, name
-        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-8, name
-    hf.zero_grad()
+    assert_loss_and_gradients_match(_load(folder, attn_implementation=attn).train(), hf, attn, *_inputs())
 
 
 @pytest.mark.parametrize("case", list(CASES))
