@@ -313,3 +313,13 @@ def test_generate_on_a_model_off_the_cpu_lets_its_copies_go(monkeypatch):
     on_a_gpu = types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_a_gpu)  # as after model.to("cuda")
     assert isinstance(model._cpu_matmuls(model), contextlib.nullcontext) and model not in cpu_linear._FOR_MODEL
+
+
+def test_assisted_generation_packs_the_assistant_too(monkeypatch):
+    model, assistant = tiny_model(), tiny_model("llama")  # another family with the same vocabulary
+    prompts = make_prompts(1, seed=17)
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    expected = _generate(model, prompts, do_sample=False, assistant_model=assistant)
+    monkeypatch.setenv(cpu_linear.ENV, "all")
+    assert torch.equal(_generate(model, prompts, do_sample=False, assistant_model=assistant), expected)
+    assert model in cpu_linear._FOR_MODEL and assistant in cpu_linear._FOR_MODEL
