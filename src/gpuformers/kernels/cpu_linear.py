@@ -215,12 +215,13 @@ class _PackedGroup:
                 # (an input off the CPU: a layer offloaded to the CPU runs on a GPU, its weights copied in there)
                 layer = self.layers[index]
                 return F.linear(x, layer.weight, layer.bias)
-            full = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), self.packed,
+            # (..., in) -> (..., sum of widths): oneDNN takes any leading dimensions, so no reshape around it
+            full = torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), self.packed,
                                                       self.bias, "none", [], "")
             last.input, last.version = x, _version(x)
             last.outputs = full.split_with_sizes(self.widths, -1)
             out = last.outputs[index]
-        return out.view(*x.shape[:-1], self.widths[index])  # (..., out_features)
+        return out  # (..., out_features)
 
     def forward_one(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a group of one layer: nothing to share, so nothing kept."""
@@ -228,7 +229,8 @@ class _PackedGroup:
         if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or not _decide(rows, *_rule):
             layer = self.layers[0]
             return F.linear(x, layer.weight, layer.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias,
+                                                  "none", [], "")
 
     def forget_input(self) -> None:
         self._last.input = self._last.outputs = None
