@@ -71,3 +71,28 @@ def test_a_hook_that_changes_outputs_is_applied(model):
     finally:
         handle.remove()
     assert not torch.equal(got[1:], want[1:])  # decode steps too
+
+
+def test_generate_keeps_the_answers_of_one_call_and_asks_again_at_the_next(model):
+    from gpuformers.models.modeling import keep_plain_calls, plain_calls
+
+    mlp = model.model.layers[0].mlp
+    outside = plain_calls(mlp, "gate_proj", "up_proj", "down_proj")
+    assert plain_calls(mlp, "gate_proj", "up_proj", "down_proj") is not outside  # asked anew each time
+    with keep_plain_calls():
+        kept = plain_calls(mlp, "gate_proj", "up_proj", "down_proj")
+        with keep_plain_calls():  # nested: the same answers
+            assert plain_calls(mlp, "gate_proj", "up_proj", "down_proj") is kept
+        handle = mlp.down_proj.register_forward_hook(lambda m, a, o: None)
+        assert plain_calls(mlp, "gate_proj", "up_proj", "down_proj") is kept  # a hook added inside: next block
+    try:
+        assert plain_calls(mlp, "gate_proj", "up_proj", "down_proj")[2] is mlp.down_proj  # now seen: the module
+    finally:
+        handle.remove()
+    calls = []
+    handle = mlp.register_forward_pre_hook(lambda m, a: calls.append("mlp"))
+    try:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, eos_token_id=None)
+    finally:
+        handle.remove()
+    assert len(calls) == 3  # a hook registered between two generate() calls runs in every step of the next
