@@ -173,9 +173,10 @@ class _PackedGroup:
     them called with an input runs the matmul for all; each gets its own columns (a view) of that output. The last
     input and its outputs are kept per thread: two threads may run the same model at once."""
 
-    __slots__ = ("layers", "widths", "packed", "bias", "versions", "_last")
+    __slots__ = ("layers", "widths", "packed", "bias", "versions", "_last", "matmul")
 
     def __init__(self, layers: list[nn.Linear]):
+        self.matmul = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no look-up per call
         self.layers = layers
         self.widths = [layer.out_features for layer in layers]
         self._last = threading.local()
@@ -216,8 +217,7 @@ class _PackedGroup:
                 layer = self.layers[index]
                 return F.linear(x, layer.weight, layer.bias)
             # (..., in) -> (..., sum of widths): oneDNN takes any leading dimensions, so no reshape around it
-            full = torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), self.packed,
-                                                      self.bias, "none", [], "")
+            full = self.matmul(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias, "none", [], "")
             last.input, last.version = x, _version(x)
             last.outputs = full.split_with_sizes(self.widths, -1)
             out = last.outputs[index]
@@ -229,8 +229,7 @@ class _PackedGroup:
         if x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled() or not _decide(rows, *_rule):
             layer = self.layers[0]
             return F.linear(x, layer.weight, layer.bias)
-        return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias,
-                                                  "none", [], "")
+        return self.matmul(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias, "none", [], "")
 
     def forget_input(self) -> None:
         self._last.input = self._last.outputs = None
