@@ -97,12 +97,10 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         batch, vocab_size = scores.shape
         if self._ids and self._ids[-1] >= vocab_size:
-            too_large = [t for t in self._ids if t >= vocab_size]
-            raise ValueError(f"bad_words_ids bans token ids {too_large}, but the scores have {vocab_size} columns "
-                             f"(ids 0-{vocab_size - 1}); drop those entries")
+            _refuse_ids_past_the_scores("bad_words_ids bans", self._ids, vocab_size)
         banned = self.single.mask(vocab_size, scores.device).expand(batch, vocab_size)
         if self._groups:
-            banned = torch.cat([banned, banned.new_zeros(batch, 1)], dim=1)  # spare column for ids past the head
+            banned = torch.cat([banned, banned.new_zeros(batch, 1)], dim=1)  # spare column: rows without a match
             if self._groups[0][0].device != scores.device:
                 self._groups = [(p.to(scores.device), t.to(scores.device)) for p, t in self._groups]
             for prefixes, last in self._groups:
@@ -110,7 +108,7 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
                 if k > input_ids.shape[1]:
                     continue
                 ends_with = (input_ids[:, None, -k:] == prefixes[None]).all(-1)  # (batch, entries)
-                targets = torch.where(ends_with, last.clamp(max=vocab_size)[None, :], vocab_size)
+                targets = torch.where(ends_with, last[None, :], vocab_size)
                 banned = banned.scatter(1, targets, True)
             banned = banned[:, :vocab_size]
         return scores.masked_fill(banned, NEG_INF)
@@ -143,10 +141,7 @@ class SequenceBiasLogitsProcessor(LogitsProcessor):
         self._built_for: tuple[int, torch.device] | None = None  # (vocab size, device) of _single_bias
 
     def _prepare(self, vocab_size: int, device: torch.device) -> None:
-        too_large = sorted({t for ids in self.sequence_bias for t in ids if t >= vocab_size})
-        if too_large:
-            raise ValueError(f"sequence_bias biases token ids {too_large}, but the scores have {vocab_size} columns "
-                             f"(ids 0-{vocab_size - 1}); drop those entries")
+        _refuse_ids_past_the_scores("sequence_bias biases", (t for ids in self.sequence_bias for t in ids), vocab_size)
         single_bias = torch.zeros(vocab_size, dtype=torch.float32)
         single_bias[list(self._single)] = torch.tensor(list(self._single.values()), dtype=torch.float32)
         self._single_bias = single_bias.to(device)
@@ -165,3 +160,11 @@ class SequenceBiasLogitsProcessor(LogitsProcessor):
             ends_with = (input_ids[:, None, -k:] == prefixes[None]).all(-1)  # (batch, entries)
             bias = bias.index_add(1, last, torch.where(ends_with, biases, 0.0).to(scores.dtype))
         return scores + bias
+
+
+def _refuse_ids_past_the_scores(what: str, token_ids, vocab_size: int) -> None:
+    """ValueError naming the token ids that the scores have no column for, as transformers refuses them."""
+    too_large = sorted({t for t in token_ids if t >= vocab_size})
+    if too_large:
+        raise ValueError(f"{what} token ids {too_large}, but the scores have {vocab_size} columns "
+                         f"(ids 0-{vocab_size - 1}); drop those entries")
