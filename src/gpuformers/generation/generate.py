@@ -161,10 +161,10 @@ class GenerationMixin(GenerationPreparation):
             step_inputs = StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device,
                                      self, config.prefill_chunk_size)
             forward = self._decode_forward(config, cache)
+            from gpuformers.kernels.cpu_linear import cpu_matmuls
             from gpuformers.models.modeling import keep_plain_calls  # (modeling imports this module)
 
-            assistant_matmuls = getattr(assistant_model, "_cpu_matmuls", None)  # (the assistant's own, likewise)
-            with self._cpu_matmuls(forward), (assistant_matmuls(assistant_model) if assistant_matmuls is not None
+            with self._cpu_matmuls(forward), (cpu_matmuls(assistant_model) if assistant_model is not None
                                               else contextlib.nullcontext()), keep_plain_calls():
                 if assisted:
                     out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors,

@@ -192,16 +192,8 @@ class GenerationPreparation:
         return compiled[1]
 
     def _cpu_matmuls(self, forward):
-        """The context generate() decodes in: the packed-weight switch of kernels/cpu_linear.py for an eager
-        forward with float32 linear layers on the CPU where they pay (packed_for says), else nothing."""
-        from gpuformers.kernels.cpu_linear import packed_for, release
+        """The context generate() decodes in: kernels/cpu_linear.py's packed weights for an eager forward (they pay
+        for float32 linear layers on the CPU), else nothing."""
+        from gpuformers.kernels.cpu_linear import cpu_matmuls
 
-        if forward is not self:
-            return contextlib.nullcontext()
-        if self.get_input_embeddings().weight.device.type != "cpu":
-            # On a GPU (its layers offloaded to the CPU run there too, their weights copied in): no copies, and any
-            # made while the model was on the CPU go
-            release(self)
-            return contextlib.nullcontext()
-        packed = packed_for(self)  # None without float32 linear layers, and copies made before go
-        return packed.active() if packed is not None else contextlib.nullcontext()
+        return cpu_matmuls(self) if forward is self else contextlib.nullcontext()

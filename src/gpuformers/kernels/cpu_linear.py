@@ -31,8 +31,8 @@ the engine weighs it (engine/config.py) and generate() packs only while the copi
 the available RAM (`packed_for`). One copy per model (`packed_linears`), kept with it for its next calls and
 shared by generate() and an engine on it.
 
-Offers: PackedLinears, packed_linears, packed_for, release, packed_faster, packs_some_rows, measure_up_to,
-calibration, prepack_available, packable_linears, available_ram, SIBLINGS.
+Offers: PackedLinears, cpu_matmuls, packed_linears, packed_for, release, packed_faster, packs_some_rows,
+measure_up_to, calibration, prepack_available, packable_linears, available_ram, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -306,14 +306,23 @@ class PackedLinears:
 _FOR_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def packed_linears(model: nn.Module) -> PackedLinears:
+def packed_linears(model: nn.Module, linears: list[nn.Linear] | None = None) -> PackedLinears:
     """The model's PackedLinears, made at the first call and kept with the model (a weak reference: they go with it)
-    while its packable layers stay the same ones, so that generate() and an engine on one model share one copy."""
-    linears = packable_linears(model)
-    cached = _FOR_MODEL.get(model)
-    if cached is None or {id(layer) for layer in cached.layers} != {id(layer) for layer in linears}:
-        cached = _FOR_MODEL[model] = PackedLinears(model)
-    return cached
+    while its packable layers (`linears`, found when not given) stay the same ones, so that generate() and an engine
+    on one model share one copy."""
+    linears = packable_linears(model) if linears is None else linears
+    kept = _kept_for(model, linears)
+    if kept is None:
+        kept = _FOR_MODEL[model] = PackedLinears(model)
+    return kept
+
+
+def _kept_for(model: nn.Module, linears: list[nn.Linear]) -> PackedLinears | None:
+    """The copies kept for `model` if they are of these layers."""
+    kept = _FOR_MODEL.get(model)
+    if kept is None or {id(layer) for layer in kept.layers} != {id(layer) for layer in linears}:
+        return None
+    return kept
 
 
 def release(model: nn.Module) -> None:
@@ -327,12 +336,22 @@ def packed_for(model: nn.Module) -> PackedLinears | None:
     that would take more than a quarter of the available RAM (unless they are made already)."""
     linears = packable_linears(model) if prepack_available() else []
     if not linears or not packs_some_rows():
-        _FOR_MODEL.pop(model, None)  # moved to a GPU or to bfloat16, say: the old copies are dead weight
+        release(model)  # moved to a GPU or to bfloat16, say: the old copies are dead weight
         return None
-    cached = _FOR_MODEL.get(model)
-    if cached is None or {id(layer) for layer in cached.layers} != {id(layer) for layer in linears}:
+    if _kept_for(model, linears) is None:
         copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
         ram = available_ram()
         if ram is not None and copies > ram // 4:
             return None
-    return packed_linears(model)
+    return packed_linears(model, linears)
+
+
+def cpu_matmuls(model: nn.Module):
+    """The block a model's inference forwards run in (generate(), an assistant model, the embedding server): its
+    packed_for copies active while the model is on the CPU; on a GPU (its layers offloaded to the CPU run there
+    too, their weights copied in) nothing, and copies made while it was on the CPU go."""
+    if model.get_input_embeddings().weight.device.type != "cpu":
+        release(model)
+        return contextlib.nullcontext()
+    packed = packed_for(model)  # None without float32 linear layers, and copies made before go
+    return packed.active() if packed is not None else contextlib.nullcontext()

@@ -20,14 +20,13 @@ Offers: BATCH_SIZE, BATCH_TOKENS, Embedder, load_embedder, parse_hf_overrides.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from pathlib import Path
 
 import torch
 
-from gpuformers.kernels.cpu_linear import packed_for
+from gpuformers.kernels.cpu_linear import cpu_matmuls
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.pooling import Pooling, max_seq_length, pool, read_checkpoint_json, resolve_pooling
 
@@ -118,8 +117,8 @@ class Embedder:
         """Token id lists -> (len(rows), dimensions or hidden) float32 on the CPU, in the order of `rows`."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         pooled = torch.empty(len(rows), self.hidden_size)
-        packed = packed_for(self.model)  # the CPU's faster matmuls, as generate() takes them (kernels/cpu_linear.py)
-        with self._lock, torch.inference_mode(), packed.active() if packed is not None else contextlib.nullcontext():
+        # (cpu_matmuls: the CPU's faster matmuls, as generate() takes them)
+        with self._lock, torch.inference_mode(), cpu_matmuls(self.model):
             for chosen in _batches(order, rows):
                 input_ids, attention_mask = self._padded([rows[i] for i in chosen])
                 hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
