@@ -61,9 +61,14 @@ class BatchEncoding(dict):
         return self.encodings[batch_index]
 
     def _row_and_index(self, method: str, batch_or_index: int, index: int | None):
-        """f(i) reads row 0's item i, f(b, i) row b's; a negative token index counts from the row's end."""
+        """f(i) reads row 0's item i, f(b, i) row b's."""
         batch_index, index = (0, batch_or_index) if index is None else (batch_or_index, index)
         return self._encoding(method, batch_index), index
+
+    def _row_and_token(self, method: str, batch_or_index: int, index: int | None):
+        """As _row_and_index, for a token index: a negative one counts from the row's end."""
+        encoding, token = self._row_and_index(method, batch_or_index, index)
+        return encoding, token + len(encoding) if token < 0 else token
 
     def tokens(self, batch_index: int = 0) -> list[str]:
         return self._encoding("tokens", batch_index).tokens
@@ -77,17 +82,17 @@ class BatchEncoding(dict):
         return self._encoding("sequence_ids", batch_index).sequence_ids
 
     def token_to_sequence(self, batch_or_token_index: int, token_index: int | None = None) -> int | None:
-        encoding, token = self._row_and_index("token_to_sequence", batch_or_token_index, token_index)
-        return encoding.token_to_sequence(token + len(encoding) if token < 0 else token)
+        encoding, token = self._row_and_token("token_to_sequence", batch_or_token_index, token_index)
+        return encoding.token_to_sequence(token)
 
     def token_to_word(self, batch_or_token_index: int, token_index: int | None = None) -> int | None:
-        encoding, token = self._row_and_index("token_to_word", batch_or_token_index, token_index)
-        return encoding.token_to_word(token + len(encoding) if token < 0 else token)
+        encoding, token = self._row_and_token("token_to_word", batch_or_token_index, token_index)
+        return encoding.token_to_word(token)
 
     def token_to_chars(self, batch_or_token_index: int, token_index: int | None = None) -> CharSpan | None:
         """The characters of its text a token covers; None for special and padding tokens."""
-        encoding, token = self._row_and_index("token_to_chars", batch_or_token_index, token_index)
-        span = encoding.token_to_chars(token + len(encoding) if token < 0 else token)
+        encoding, token = self._row_and_token("token_to_chars", batch_or_token_index, token_index)
+        span = encoding.token_to_chars(token)
         return CharSpan(*span) if span is not None else None
 
     def word_to_tokens(self, batch_or_word_index: int, word_index: int | None = None,
