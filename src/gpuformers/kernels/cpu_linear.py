@@ -84,11 +84,11 @@ def _probe(rows: int, threads: int) -> tuple[float, float]:
                 best(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]))
 
 
-def _measured(rows: int) -> tuple[float, float]:
-    """The probe at or below `rows`, measured at its first use (a decode at batch 1 measures the 1-row probe and its
-    prompt's, not the 256-row one: ~25 ms each instead of ~0.3 s for all)."""
+def _measured(rows: int, threads: int) -> tuple[float, float]:
+    """The probe at or below `rows` for `threads` threads, measured at its first use (a decode at batch 1 measures
+    the 1-row probe and its prompt's, not the 256-row one: ~25 ms each instead of ~0.3 s for all)."""
     with _MEASURING:  # two threads starting at once would time each other
-        return _probe(_PROBES[bisect.bisect_right(_PROBES, rows) - 1], torch.get_num_threads())
+        return _probe(_PROBES[bisect.bisect_right(_PROBES, rows) - 1], threads)
 
 
 def measure_up_to(rows: int) -> None:
@@ -96,7 +96,7 @@ def measure_up_to(rows: int) -> None:
     do not pay for it)."""
     if prepack_available() and not os.environ.get(ENV):
         for probe in _PROBES[:bisect.bisect_right(_PROBES, max(rows, 1))]:
-            _measured(probe)
+            _measured(probe, torch.get_num_threads())
 
 
 def calibration() -> dict[int, tuple[float, float]]:
@@ -104,7 +104,7 @@ def calibration() -> dict[int, tuple[float, float]]:
     count (see the module docstring); each probe is measured once, at its first use."""
     if not prepack_available():
         return {}
-    return {rows: _measured(rows) for rows in _PROBES}
+    return {rows: _measured(rows, torch.get_num_threads()) for rows in _PROBES}
 
 
 def _parse_rows(text: str) -> list[tuple[int, float]]:
@@ -136,7 +136,7 @@ def _decide(rows: int, override: str | None, threads: int) -> bool:
         return any(low <= rows <= high for low, high in _parse_rows(override))
     if not prepack_available():
         return False
-    plain, packed = _measured(rows)
+    plain, packed = _measured(rows, threads)
     return packed < plain
 
 
