@@ -100,9 +100,9 @@ class EagerFloor:
     """What eager PyTorch can do at best for one greedy sequence of a Qwen3 model: a decode step written as bare
     tensor calls (q/k/v and gate/up weights concatenated, one rotary for q and k, no modules, no hooks, no checks,
     a preallocated cache). It gives the same tokens as the model; its speed is the floor of every eager decode on
-    this machine, against which the eager goal can be judged. Its matmuls are the ones our generate() picks here
-    (kernels/cpu_linear.py: oneDNN-packed weights where they are faster, else F.linear), so the gap to it is
-    overhead alone."""
+    this machine, against which the eager goal can be judged. Its matmuls and norms are the ones our generate()
+    picks here at batch 1 (kernels/cpu_matmul_probe.py: each weight in the form measured fastest at one row;
+    layers/norm.py's CPU norm), so the gap to it is overhead alone."""
 
     def __init__(self, model, max_length: int):
         cfg = model.config
@@ -116,17 +116,26 @@ class EagerFloor:
                                 attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
                                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
         self.embed, self.norm, self.head = model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight
-        from gpuformers.kernels.cpu_linear import packed_faster
+        from gpuformers.kernels.cpu_matmul_probe import COLUMNS, PACKED, one_row_form
 
-        if packed_faster(1):  # the weights as our generate() multiplies them at batch 1 on this machine
-            pack = torch.ops.mkldnn._reorder_linear_weight
-            self.layers = [(ln1, ln2, pack(qkv, 32), qn, kn, pack(o, 32), pack(gu, 32), pack(down, 32))
-                           for ln1, ln2, qkv, qn, kn, o, gu, down in self.layers]
-            self.head = pack(self.head.detach(), 32)
-            self.linear = lambda x, w: torch.ops.mkldnn._linear_pointwise(x.view(1, -1), w, None, "none", [], "")
-        else:
-            self.linear = torch.nn.functional.linear
+        def matmul(weight):  # (out, in) -> x -> x @ weight.T in the form our generate() takes at batch 1 here
+            weight = weight.detach()
+            form = one_row_form(weight.shape[1], weight.shape[0])
+            if form == PACKED:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+                return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            if form == COLUMNS:
+                weight = weight.t().contiguous().t()
+            return lambda x: F.linear(x, weight)
+
+        F = torch.nn.functional
+        self.layers = [(ln1, ln2, matmul(qkv), qn, kn, matmul(o), matmul(gu), matmul(down))
+                       for ln1, ln2, qkv, qn, kn, o, gu, down in self.layers]
+        self.head = matmul(self.head)
         self.inv_freq = model.model.rotary_emb.inv_freq
+        from gpuformers.layers.norm import cpu_rms_normalize
+
+        self.normalize = cpu_rms_normalize
         shape = (1, self.kv_heads, max_length, self.head_dim)
         self.keys = [torch.zeros(shape) for _ in self.layers]
         self.values = [torch.zeros(shape) for _ in self.layers]
@@ -134,21 +143,25 @@ class EagerFloor:
     @torch.inference_mode()
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         F = torch.nn.functional
-        h, kv, d, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        h, kv, d, eps, normalize = self.heads, self.kv_heads, self.head_dim, self.eps, self.normalize
+
+        def rms_norm(x, weight):  # layers/norm.py's CPU norm: F.rms_norm's numbers in fewer ops
+            return normalize(x, eps) * weight
+
         x = self.embed[token].view(1, 1, self.hidden)
         freqs = pos * self.inv_freq
         cos, sin = torch.cat((freqs, freqs)).cos(), torch.cat((freqs, freqs)).sin()
-        for i, (ln1, ln2, qkv_w, qn, kn, o_w, gu_w, down_w) in enumerate(self.layers):
-            qkv = self.linear(F.rms_norm(x, (self.hidden,), ln1, eps), qkv_w).view(h + 2 * kv, d)
-            qk = torch.cat((F.rms_norm(qkv[:h], (d,), qn, eps), F.rms_norm(qkv[h:h + kv], (d,), kn, eps)))
+        for i, (ln1, ln2, qkv_proj, qn, kn, o_proj, gate_up_proj, down_proj) in enumerate(self.layers):
+            qkv = qkv_proj(rms_norm(x, ln1)).view(h + 2 * kv, d)
+            qk = torch.cat((rms_norm(qkv[:h], qn), rms_norm(qkv[h:h + kv], kn)))
             qk = qk * cos + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), -1) * sin
             self.keys[i][0, :, pos], self.values[i][0, :, pos] = qk[h:], qkv[h + kv:]
             o = F.scaled_dot_product_attention(qk[:h].view(1, kv, h // kv, d), self.keys[i][:, :, :pos + 1],
                                                self.values[i][:, :, :pos + 1])
-            x = x + self.linear(o.reshape(1, 1, h * d), o_w)
-            gu = self.linear(F.rms_norm(x, (self.hidden,), ln2, eps), gu_w)
-            x = x + self.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], down_w)
-        return self.linear(F.rms_norm(x, (self.hidden,), self.norm, eps), self.head).argmax(-1).view(())
+            x = x + o_proj(o.reshape(1, 1, h * d))
+            gu = gate_up_proj(rms_norm(x, ln2))
+            x = x + down_proj(F.silu(gu[..., :self.inter]) * gu[..., self.inter:])
+        return self.head(rms_norm(x, self.norm)).argmax(-1).view(())
 
     def generate(self, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
         tokens = prompt[0].tolist()

@@ -1,7 +1,9 @@
-"""oneDNN-packed linear weights on the CPU (kernels/cpu_linear.py): the same numbers as F.linear up to rounding, the
-same greedy tokens from the engine and generate() as without them, the model untouched outside a use, weights
-changed between uses repacked, the row counts they serve (measured, or GPUFORMERS_CPU_PACKED_ROWS), and the
-automatic decisions (on for float32 on the CPU while the copies fit; refused by name elsewhere)."""
+"""Copies of the linear weights for the CPU (kernels/cpu_linear.py), oneDNN-packed, transposed or concatenated: the
+same numbers as F.linear up to rounding, the same greedy tokens from the engine and generate() as without them,
+each form where it was chosen (PACKED at the row counts it serves, a batch-1 decode's forms per shape), the model
+untouched outside a use, weights changed between uses copied again, and the automatic decisions (on for float32
+on the CPU while the copies fit; refused by name elsewhere). Which form wins is kernels/cpu_matmul_probe.py's
+question (tests/kernels/test_cpu_matmul_probe.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 from gpuformers.engine import config as engine_config
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.kernels import cpu_linear
-from gpuformers.kernels.cpu_linear import PackedLinears, packable_linears, packed_faster, prepack_available
+from gpuformers.kernels.cpu_linear import (COLUMNS, PACKED, ROWS, PackedLinears, packable_linears, packed_faster,
+                                           prepack_available)
 from gpuformers.engine.manager import ContinuousBatchingManager
 from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, tiny_model
 
@@ -133,43 +136,6 @@ def test_automatic_decision_leaves_them_out_when_memory_is_short(monkeypatch):
     monkeypatch.setattr(engine_config, "free_memory", lambda device, cap=True: 3 * linear_bytes)
     assert ContinuousBatchingConfig().resolve(model).prepack_weights is False
     assert ContinuousBatchingConfig(prepack_weights=True, num_blocks=8).resolve(model).prepack_weights is True
-
-
-# --- which row counts: measured, or set by GPUFORMERS_CPU_PACKED_ROWS ------------------------------------------------
-
-
-def test_row_counts_follow_the_environment_variable(monkeypatch):
-    for value, packed_rows in [("all", {1, 3, 4, 7, 192, 193, 300, 5000}), ("none", set()),
-                               ("4-192,300-", {4, 7, 192, 300, 5000}), ("7", {7})]:
-        monkeypatch.setenv(cpu_linear.ENV, value)
-        assert {r for r in (1, 3, 4, 7, 192, 193, 300, 5000) if packed_faster(r)} == packed_rows, value
-    monkeypatch.setenv(cpu_linear.ENV, "4..192")
-    with pytest.raises(ValueError, match="GPUFORMERS_CPU_PACKED_ROWS='4..192'"):
-        packed_faster(8)
-
-
-def test_row_counts_follow_this_machines_measurement(monkeypatch):
-    monkeypatch.delenv(cpu_linear.ENV)
-    measured = cpu_linear.calibration()  # the real one: every probe timed both ways
-    assert sorted(measured) == list(cpu_linear._PROBES)
-    assert all(plain > 0 and packed > 0 for plain, packed in measured.values())
-    # Each row count takes the decision of the largest probe at or below it, measured when first needed.
-    fake = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (2.0, 1.0), 16: (2.0, 1.0), 64: (2.0, 1.0), 256: (1.0, 1.5)}
-    asked = []
-    monkeypatch.setattr(cpu_linear, "_probe", lambda rows, threads: asked.append(rows) or fake[rows])
-    cpu_linear._decide.cache_clear()
-    try:
-        assert cpu_linear.packed_faster(1) is False and asked == [1]  # one probe measured, not all six
-        cpu_linear.measure_up_to(20)  # an engine of max_batch_tokens=20 at start: the probes it can meet
-        assert sorted(set(asked)) == [1, 2, 4, 16]
-        assert [r for r in (1, 3, 4, 100, 255, 256, 4096) if packed_faster(r)] == [4, 100, 255]
-        assert cpu_linear.packs_some_rows()
-        monkeypatch.setattr(cpu_linear, "_probe", lambda rows, threads: (1.0, 2.0))
-        cpu_linear._decide.cache_clear()
-        assert not cpu_linear.packs_some_rows()
-        assert cpu_linear.packed_for(tiny_model()) is None  # never faster here: generate() keeps F.linear
-    finally:
-        cpu_linear._decide.cache_clear()
 
 
 # --- generate() -----------------------------------------------------------------------------------------------------
@@ -312,7 +278,7 @@ def test_generate_on_a_model_off_the_cpu_lets_its_copies_go(monkeypatch):
     assert cpu_linear.packed_for(model) is not None and model in cpu_linear._FOR_MODEL
     on_a_gpu = types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_a_gpu)  # as after model.to("cuda")
-    assert isinstance(model._cpu_matmuls(model), contextlib.nullcontext) and model not in cpu_linear._FOR_MODEL
+    assert isinstance(model._cpu_matmuls(model, 1), contextlib.nullcontext) and model not in cpu_linear._FOR_MODEL
 
 
 def test_assisted_generation_packs_the_assistant_too(monkeypatch):
@@ -323,3 +289,79 @@ def test_assisted_generation_packs_the_assistant_too(monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV, "all")
     assert torch.equal(_generate(model, prompts, do_sample=False, assistant_model=assistant), expected)
     assert model in cpu_linear._FOR_MODEL and assistant in cpu_linear._FOR_MODEL
+
+
+# --- batch-1 decoding: each group's fastest form at one row ---------------------------------------------------------
+
+
+def _one_row_forms(monkeypatch) -> dict[tuple[int, int], str]:
+    """Measurement stood in by a table over tiny_model("qwen2")'s shapes, (in, out) -> form, so that every form is used:
+    q/k/v and the LM head (64 -> 128) COLUMNS, gate/up (64 -> 192) ROWS (one concatenated copy), o_proj (64 -> 64)
+    ROWS (a lone layer: no copy), down_proj (96 -> 64) PACKED."""
+    table = {(64, 128): COLUMNS, (64, 192): ROWS, (64, 64): ROWS, (96, 64): PACKED}
+    monkeypatch.delenv(cpu_linear.ENV)
+    monkeypatch.setattr(cpu_linear, "one_row_form", lambda i, o: table[(i, o)])
+    return table
+
+
+def test_batch_one_generate_takes_each_groups_fastest_form_with_the_same_tokens(monkeypatch):
+    model = tiny_model("qwen2", qkv_bias=True)  # q/k/v biases: stacked with their copy
+    prompts = make_prompts(3, seed=19)
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    expected = [_generate(model, [p], do_sample=False) for p in prompts]
+    torch.manual_seed(5)
+    sampled = _generate(model, prompts[:1], do_sample=True, top_k=20)
+    _one_row_forms(monkeypatch)
+    rows_seen = _spy_on_sibling_matmuls(monkeypatch)
+    got = [_generate(model, [p], do_sample=False) for p in prompts]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert 1 in rows_seen and max(rows_seen) > 1  # the copies served the decode steps and the prompts
+    torch.manual_seed(5)
+    assert torch.equal(_generate(model, prompts[:1], do_sample=True, top_k=20), sampled)
+    kept = cpu_linear._FOR_MODEL[model]
+    forms = {tuple(id(layer) for layer in group.layers): group.form for group in kept.groups}
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert forms[(id(attention.q_proj), id(attention.k_proj), id(attention.v_proj))] == COLUMNS
+    assert forms[(id(mlp.gate_proj), id(mlp.up_proj))] == ROWS
+    assert forms[(id(mlp.down_proj),)] == PACKED and forms[(id(model.lm_head),)] == COLUMNS
+    assert (id(attention.o_proj),) not in forms  # its own weight is its fastest form: no copy
+    assert not any("forward" in layer.__dict__ for layer in packable_linears(model))
+
+
+def test_a_batch_of_another_size_replaces_the_batch_one_copies(monkeypatch):
+    model = tiny_model("qwen2")  # (head_dim 16: the shapes of _one_row_forms)
+    prompts = make_prompts(3, seed=23)
+    monkeypatch.setenv(cpu_linear.ENV, "none")
+    one, three = _generate(model, prompts[:1], do_sample=False), _generate(model, prompts, do_sample=False)
+    _one_row_forms(monkeypatch)
+    assert torch.equal(_generate(model, prompts[:1], do_sample=False), one)
+    batch_one = cpu_linear._FOR_MODEL[model]
+    assert {group.form for group in batch_one.groups} == {COLUMNS, ROWS, PACKED}
+    monkeypatch.setenv(cpu_linear.ENV, "all")  # three rows a step: PACKED for every group
+    assert torch.equal(_generate(model, prompts, do_sample=False), three)
+    assert cpu_linear._FOR_MODEL[model] is not batch_one
+    assert {group.form for group in cpu_linear._FOR_MODEL[model].groups} == {PACKED}
+    # the memory rule counts the layers a plan copies: here all but the two o_proj
+    _one_row_forms(monkeypatch)
+    planned = sum(layer.weight.numel() * 4 for layer in packable_linears(model)) - 2 * 64 * 64 * 4
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * planned - 4)
+    assert cpu_linear.packed_for(model, 1) is None
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * planned)
+    assert cpu_linear.packed_for(model, 1) is not None
+
+
+@pytest.mark.parametrize("form", [COLUMNS, ROWS, PACKED])
+def test_each_form_equals_f_linear_and_a_recorded_backward_takes_f_linear(monkeypatch, form):
+    monkeypatch.setenv(cpu_linear.ENV, "all")  # (PACKED serves every row count)
+    module = torch.nn.Module()
+    module.gate_proj, module.up_proj = torch.nn.Linear(64, 96), torch.nn.Linear(64, 80, bias=False)
+    copies = PackedLinears(module, plan=[([module.gate_proj, module.up_proj], form)])
+    with torch.inference_mode(), copies.active():
+        for rows in (1, 3, 40):
+            x = torch.randn(2, rows, 64)
+            for layer in (module.gate_proj, module.up_proj):
+                got, want = layer(x), F.linear(x, layer.weight, layer.bias)
+                assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+    with torch.enable_grad(), copies.active():
+        x = torch.randn(4, 64, requires_grad=True)
+        assert torch.equal(module.gate_proj(x), F.linear(x, module.gate_proj.weight, module.gate_proj.bias))

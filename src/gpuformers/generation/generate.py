@@ -164,8 +164,10 @@ class GenerationMixin(GenerationPreparation):
             from gpuformers.kernels.cpu_linear import cpu_matmuls
             from gpuformers.models.modeling import keep_plain_calls  # (modeling imports this module)
 
-            with self._cpu_matmuls(forward), (cpu_matmuls(assistant_model) if assistant_model is not None
-                                              else contextlib.nullcontext()), keep_plain_calls():
+            # (an assisted step verifies several tokens per row: the main model's copies are for many rows)
+            with self._cpu_matmuls(forward, None if assisted else rows), (
+                    cpu_matmuls(assistant_model, rows) if assistant_model is not None
+                    else contextlib.nullcontext()), keep_plain_calls():
                 if assisted:
                     out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors,
                                             criteria, streamer)

@@ -191,9 +191,9 @@ class GenerationPreparation:
             self._compiled_decode = compiled
         return compiled[1]
 
-    def _cpu_matmuls(self, forward):
-        """The context generate() decodes in: kernels/cpu_linear.py's packed weights for an eager forward (they pay
-        for float32 linear layers on the CPU), else nothing."""
+    def _cpu_matmuls(self, forward, rows: int | None):
+        """The context generate() decodes in, `rows` rows per step: kernels/cpu_linear.py's copies of the weights
+        for an eager forward (they pay for float32 linear layers on the CPU), else nothing."""
         from gpuformers.kernels.cpu_linear import cpu_matmuls
 
-        return cpu_matmuls(self) if forward is self else contextlib.nullcontext()
+        return cpu_matmuls(self, rows) if forward is self else contextlib.nullcontext()
