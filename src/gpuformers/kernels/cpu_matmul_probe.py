@@ -150,10 +150,10 @@ def packs_some_rows() -> bool:
 @functools.cache
 def _one_row_times(in_features: int, out_features: int, threads: int) -> dict[str, float]:
     """{form: ms} for one row through weights of this shape: `out` capped so that one weight takes at most 8 MB,
-    cycled through 32 MB of them (256 at most); the best of three passes per form, the forms taking turns so that
+    cycled through 32 MB of them (64 at most); the best of three passes per form, the forms taking turns so that
     a slow moment of the machine falls on all of them (~50-100 ms in all). `threads` only keys the cache."""
     out = max(1, min(out_features, (8 << 20) // (4 * in_features)))
-    count = min(256, max(1, _PROBE_BYTES // (4 * in_features * out)))  # (a bound on calls for tiny shapes)
+    count = min(64, max(1, _PROBE_BYTES // (4 * in_features * out)))  # (a bound on calls for tiny shapes)
     rows_form = [torch.full((out, in_features), 0.01) for _ in range(count)]
     columns = [w.view(in_features, out) for w in rows_form]  # the same memory: the values do not matter
     x = torch.full((1, in_features), 0.01)
