@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from gpuformers.engine import config as engine_config
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.kernels import cpu_linear
-from gpuformers.kernels.cpu_linear import (COLUMNS, PACKED, ROWS, PackedLinears, packable_linears, packed_faster,
-                                           prepack_available)
+from gpuformers.kernels.cpu_linear import COLUMNS, PACKED, ROWS, PackedLinears, packable_linears
+from gpuformers.kernels.cpu_matmul_probe import packed_faster, prepack_available
 from gpuformers.engine.manager import ContinuousBatchingManager
 from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, tiny_model
 
@@ -294,14 +294,13 @@ def test_assisted_generation_packs_the_assistant_too(monkeypatch):
 # --- batch-1 decoding: each group's fastest form at one row ---------------------------------------------------------
 
 
-def _one_row_forms(monkeypatch) -> dict[tuple[int, int], str]:
+def _one_row_forms(monkeypatch) -> None:
     """Measurement stood in by a table over tiny_model("qwen2")'s shapes, (in, out) -> form, so that every form is used:
     q/k/v and the LM head (64 -> 128) COLUMNS, gate/up (64 -> 192) ROWS (one concatenated copy), o_proj (64 -> 64)
     ROWS (a lone layer: no copy), down_proj (96 -> 64) PACKED."""
     table = {(64, 128): COLUMNS, (64, 192): ROWS, (64, 64): ROWS, (96, 64): PACKED}
     monkeypatch.delenv(cpu_linear.ENV)
     monkeypatch.setattr(cpu_linear, "one_row_form", lambda i, o: table[(i, o)])
-    return table
 
 
 def test_batch_one_generate_takes_each_groups_fastest_form_with_the_same_tokens(monkeypatch):

@@ -16,7 +16,8 @@ from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
-from gpuformers.kernels.cpu_linear import available_ram, packable_linears, packs_some_rows, prepack_available
+from gpuformers.kernels.cpu_linear import available_ram, packable_linears
+from gpuformers.kernels.cpu_matmul_probe import packs_some_rows, prepack_available
 
 _CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
 

@@ -44,7 +44,7 @@ from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import RequestStatus, Sequence
 from gpuformers.engine.structured import check_structured_output, constrains
-from gpuformers.kernels.cpu_linear import measure_up_to
+from gpuformers.kernels.cpu_matmul_probe import measure_up_to
 from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)

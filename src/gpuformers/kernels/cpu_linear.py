@@ -22,8 +22,7 @@ quarter of the available RAM (`packed_for`). One set of copies per model (`packe
 next calls and shared by generate() and an engine on it while they want the same forms.
 
 Offers: PackedLinears, cpu_matmuls, packed_linears, packed_for, release, packable_linears, available_ram,
-SIBLINGS, and from cpu_matmul_probe: packed_faster, packs_some_rows, measure_up_to, calibration,
-prepack_available, ENV.
+SIBLINGS.
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuformers.kernels.cpu_matmul_probe import (  # noqa: F401 (offered here too, where the copies' users look)
-    COLUMNS, ENV, PACK_HINT_ROWS, PACKED, ROWS, calibration, current_rule, decide, measure_up_to, one_row_form,
-    packed_faster, packs_some_rows, prepack_available)
+from gpuformers.kernels.cpu_matmul_probe import (COLUMNS, ENV, PACK_HINT_ROWS, PACKED, ROWS, current_rule, decide,
+                                                 one_row_form, packs_some_rows, prepack_available)
 
 _rule = [None, 1]  # current_rule() as the latest PackedLinears.active() read it
 
@@ -49,9 +47,12 @@ def packable_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's plain float32 nn.Linear layers on the CPU with plain weights (quantized and LoRA layers are other
     classes, but the base layer inside a LoRA wrapper is a plain one and counts; tensor-parallel weights are
     DTensors and do not)."""
-    return [m for m in model.modules()
-            if type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor)  # not a DTensor, say
-            and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    return [m for m in model.modules() if _packable(m)]
+
+
+def _packable(module: nn.Module | None) -> bool:
+    return (type(module) is nn.Linear and type(module.weight) in (nn.Parameter, torch.Tensor)  # not a DTensor, say
+            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu")
 
 
 def available_ram() -> int | None:
@@ -157,25 +158,26 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _groups(model: nn.Module) -> list[list[nn.Linear]]:
-    """The packable layers, siblings (SIBLINGS, of the same input width) together, every other layer alone."""
-    packable = {id(layer): layer for layer in packable_linears(model)}
-    groups = []
+    """The packable layers, siblings (SIBLINGS, of the same input width) together, every other layer alone, in one
+    walk of the model."""
+    groups, linears, grouped = [], [], set()
     for module in model.modules():
+        if _packable(module):
+            linears.append(module)
         for names in SIBLINGS:
             layers = [module._modules.get(name) for name in names]
-            if all(layer is not None and id(layer) in packable for layer in layers) \
+            if all(_packable(layer) and id(layer) not in grouped for layer in layers) \
                     and len({layer.in_features for layer in layers}) == 1:
                 groups.append(layers)
-                for layer in layers:
-                    del packable[id(layer)]
-    return groups + [[layer] for layer in packable.values()]
+                grouped.update(id(layer) for layer in layers)
+    return groups + [[layer] for layer in linears if id(layer) not in grouped]
 
 
-def _plan(model: nn.Module, rows: int | None) -> list[tuple[list[nn.Linear], str]]:
-    """[(group's layers, form of its copy)] for a use at `rows` rows per step (None: many counts). At one row each
-    group takes its shape's fastest form, and a lone layer whose fastest form is its own weight is left out;
-    otherwise (and under GPUFORMERS_CPU_PACKED_ROWS) every group is PACKED (none without oneDNN)."""
-    groups = _groups(model)
+def _plan(groups: list[list[nn.Linear]], rows: int | None) -> list[tuple[list[nn.Linear], str]]:
+    """[(group's layers, form of its copy)] for _groups' `groups` in a use at `rows` rows per step (None: many
+    counts). At one row each group takes its shape's fastest form, and a lone layer whose fastest form is its own
+    weight is left out; otherwise (and under GPUFORMERS_CPU_PACKED_ROWS) every group is PACKED (none without
+    oneDNN)."""
     if not _by_shape(rows):
         return [(layers, PACKED) for layers in groups] if prepack_available() else []
     plan = []
@@ -206,7 +208,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module, rows: int | None = None,
                  plan: list[tuple[list[nn.Linear], str]] | None = None):
         """Copies for a use at `rows` rows per step (None: many counts; 1: batch-1 decoding), or for `plan`."""
-        plan = _plan(model, rows) if plan is None else plan
+        plan = _plan(_groups(model), rows) if plan is None else plan
         self.key = _plan_key(plan)
         self.groups = [_PackedGroup(layers, form) for layers, form in plan]
         self._users = 0  # active() blocks running now, in any thread
@@ -258,12 +260,18 @@ def packed_linears(model: nn.Module, rows: int | None = None,
     """The model's PackedLinears for a use at `rows` rows per step (or for `plan`), made at the first call and kept
     with the model (a weak reference: they go with it) while its layers and their forms stay the same, so that
     generate() and an engine on one model share one set of copies. A use that wants other forms replaces them."""
-    plan = _plan(model, rows) if plan is None else plan
-    kept = _FOR_MODEL.get(model)
-    if kept is None or kept.key != _plan_key(plan):
+    plan = _plan(_groups(model), rows) if plan is None else plan
+    kept = _kept_for(model, plan)
+    if kept is None:
         _FOR_MODEL.pop(model, None)  # the old copies go first (unless an engine still holds them)
         kept = _FOR_MODEL[model] = PackedLinears(model, plan=plan)
     return kept
+
+
+def _kept_for(model: nn.Module, plan: list[tuple[list[nn.Linear], str]]) -> PackedLinears | None:
+    """The copies kept for `model` if they are this plan's."""
+    kept = _FOR_MODEL.get(model)
+    return kept if kept is not None and kept.key == _plan_key(plan) else None
 
 
 def release(model: nn.Module) -> None:
@@ -276,13 +284,12 @@ def packed_for(model: nn.Module, rows: int | None = None) -> PackedLinears | Non
     would not pay or not fit: no float32 linear layer on the CPU, no form faster than the layers' own weights
     (at several rows: no oneDNN, or no row count where it wins), or copies that would take more than a quarter of
     the available RAM (unless they are made already)."""
-    linears = packable_linears(model)
-    plan = _plan(model, rows) if linears and (_by_shape(rows) or packs_some_rows()) else []
+    groups = _groups(model)
+    plan = _plan(groups, rows) if groups and (_by_shape(rows) or packs_some_rows()) else []
     if not plan:
         release(model)  # moved to a GPU or to bfloat16, say: the old copies are dead weight
         return None
-    kept = _FOR_MODEL.get(model)
-    if kept is None or kept.key != _plan_key(plan):
+    if _kept_for(model, plan) is None:
         copies = sum(layer.weight.numel() * layer.weight.element_size() for layers, _ in plan for layer in layers)
         ram = available_ram()
         if ram is not None and copies > ram // 4:

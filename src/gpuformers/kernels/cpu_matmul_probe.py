@@ -158,20 +158,19 @@ def _one_row_times(in_features: int, out_features: int, threads: int) -> dict[st
     columns = [w.view(in_features, out) for w in rows_form]  # the same memory: the values do not matter
     x = torch.full((1, in_features), 0.01)
     with torch.inference_mode():
-        passes = {ROWS: lambda: [F.linear(x, w) for w in rows_form],
-                  COLUMNS: lambda: [F.linear(x, w.t()) for w in columns]}
+        calls = {ROWS: (lambda w: F.linear(x, w), rows_form), COLUMNS: (lambda w: F.linear(x, w.t()), columns)}
         if prepack_available():
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in rows_form]
             pointwise = torch.ops.mkldnn._linear_pointwise
-            passes[PACKED] = lambda: [pointwise(x, p, None, "none", [], "") for p in packed]
-        F.linear(x, rows_form[0]), F.linear(x, columns[0].t())  # warm-up: one weight each (a first call sets up)
-        if PACKED in passes:
-            pointwise(x, packed[0], None, "none", [], "")
-        times = {form: float("inf") for form in passes}
+            calls[PACKED] = (lambda p: pointwise(x, p, None, "none", [], ""),
+                             [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in rows_form])
+        for call, weights in calls.values():  # warm-up: one weight each (a form's first call sets it up)
+            call(weights[0])
+        times = {form: float("inf") for form in calls}
         for _ in range(3):
-            for form, run in passes.items():
+            for form, (call, weights) in calls.items():
                 start = time.perf_counter()
-                run()
+                for weight in weights:
+                    call(weight)
                 times[form] = min(times[form], (time.perf_counter() - start) * 1e3)
     return times
 
