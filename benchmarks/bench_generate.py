@@ -116,25 +116,23 @@ class EagerFloor:
                                 attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
                                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
         self.embed, self.norm, self.head = model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight
-        from gpuformers.kernels.cpu_matmul_probe import COLUMNS, PACKED, one_row_form
+        from gpuformers.kernels.cpu_matmul_probe import COLUMNS, PACK_HINT_ROWS, PACKED, one_row_form
+        from gpuformers.layers.norm import cpu_rms_normalize
 
         def matmul(weight):  # (out, in) -> x -> x @ weight.T in the form our generate() takes at batch 1 here
             weight = weight.detach()
             form = one_row_form(weight.shape[1], weight.shape[0])
             if form == PACKED:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
                 return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             if form == COLUMNS:
                 weight = weight.t().contiguous().t()
-            return lambda x: F.linear(x, weight)
+            return lambda x: torch.nn.functional.linear(x, weight)
 
-        F = torch.nn.functional
         self.layers = [(ln1, ln2, matmul(qkv), qn, kn, matmul(o), matmul(gu), matmul(down))
                        for ln1, ln2, qkv, qn, kn, o, gu, down in self.layers]
         self.head = matmul(self.head)
         self.inv_freq = model.model.rotary_emb.inv_freq
-        from gpuformers.layers.norm import cpu_rms_normalize
-
         self.normalize = cpu_rms_normalize
         shape = (1, self.kv_heads, max_length, self.head_dim)
         self.keys = [torch.zeros(shape) for _ in self.layers]
