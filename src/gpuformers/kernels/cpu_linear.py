@@ -22,7 +22,7 @@ quarter of the available RAM (`packed_for`). One set of copies per model (`packe
 next calls and shared by generate() and an engine on it while they want the same forms.
 
 Offers: PackedLinears, cpu_matmuls, packed_linears, packed_for, release, packable_linears, available_ram,
-SIBLINGS.
+sibling_outputs, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -140,6 +140,13 @@ class _PackedGroup:
             out = last.outputs[index]
         return out  # (..., out_features)
 
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's output for x, the numbers its forward gives (for callers without autograd, which need
+        all of them at once: nothing is kept)."""
+        if not self._serves(x):
+            return tuple(F.linear(x, layer.weight, layer.bias) for layer in self.layers)
+        return self._run(x).split_with_sizes(self.widths, -1)
+
     def forward_one(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a group of one layer: nothing to share, so nothing kept."""
         if not self._serves(x):
@@ -149,6 +156,19 @@ class _PackedGroup:
 
     def forget_input(self) -> None:
         self._last.input = self._last.outputs = None
+
+
+def sibling_outputs(calls: list):
+    """For plain_calls' answers for sibling layers (q/k/v, say): their group's `outputs` (x -> every layer's
+    output from one matmul) when the calls are exactly that group's forwards in its order, else None."""
+    group = getattr(getattr(calls[0], "func", None), "__self__", None)
+    if not isinstance(group, _PackedGroup) or len(calls) != len(group.layers):
+        return None
+    for index, call in enumerate(calls):
+        if not (isinstance(call, functools.partial) and getattr(call.func, "__self__", None) is group
+                and call.func.__func__ is _PackedGroup.forward and call.args == (index,) and not call.keywords):
+            return None
+    return group.outputs
 
 
 def _version(t: torch.Tensor) -> int:

@@ -1,8 +1,8 @@
 """PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice,
 and, through its mixins, generate() and continuous batching.
 
-Offers: PreTrainedModel, skip_init, plain_calls, keep_plain_calls, decoder_layers, checkpoint_decoder_layers,
-uncheckpoint_decoder_layers.
+Offers: PreTrainedModel, skip_init, plain_calls, keep_plain_calls, kept_answer, decoder_layers,
+checkpoint_decoder_layers, uncheckpoint_decoder_layers.
 """
 
 from __future__ import annotations
@@ -89,6 +89,18 @@ def keep_plain_calls():
 
 
 _kept = threading.local()
+
+
+def kept_answer(key, build):
+    """Inside keep_plain_calls(): build()'s answer for `key`, built at the first ask in the block and given again
+    after (None is an answer too); outside a block: None, without building. For what is derived from plain_calls'
+    answers (models/decode_step.py), so it lives exactly as long as they do."""
+    kept = getattr(_kept, "answers", None)
+    if kept is None:
+        return None
+    if key not in kept:
+        kept[key] = build()
+    return kept[key]
 
 
 def _plain_calls(children: dict, names: tuple[str, ...]) -> list:

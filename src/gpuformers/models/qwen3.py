@@ -1,6 +1,7 @@
 """Qwen3 = the llama decoder + an RMSNorm over each head of q and k before rotary. Only that difference lives here.
 
-Offers: Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM.
+Offers: Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM; joint_norm_applies, joint_norm_weight and
+norm_and_rotate_jointly (the decode step's q/k norm, models/decode_step.py).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ class Qwen3Attention(LlamaAttention):
 
     def position_qk(self, q, k, position_embeddings):
         q_norm, k_norm = plain_calls(self, "q_norm", "k_norm")
-        if q.shape[1] == 1 and _joint_norm_applies(q_norm, k_norm, q, k):
-            return _norm_and_rotate_jointly(q, k, q_norm.__self__, k_norm.__self__, position_embeddings)
+        if q.shape[1] == 1 and joint_norm_applies(q_norm, k_norm, q, k):
+            weight = joint_norm_weight(q_norm.__self__, k_norm.__self__, q.shape[2], k.shape[2])
+            return norm_and_rotate_jointly(q, k, weight, q_norm.__self__.variance_epsilon, position_embeddings)
         return super().position_qk(q, k, position_embeddings)
 
 
-def _joint_norm_applies(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor) -> bool:
+def joint_norm_applies(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether q_norm and k_norm (from plain_calls) are RMSNorm's own forward, both on its CPU path with one eps,
-    and rotary is not routed to a kernel (use_kernels): then _norm_and_rotate_jointly gives their numbers."""
+    and rotary is not routed to a kernel (use_kernels): then norm_and_rotate_jointly gives their numbers."""
     return (getattr(q_norm, "__func__", None) is RMSNorm.forward
             and getattr(k_norm, "__func__", None) is RMSNorm.forward
             and cpu_rms_norm_applies(q, q_norm.__self__.weight) and cpu_rms_norm_applies(k, k_norm.__self__.weight)
@@ -43,14 +45,20 @@ def _joint_norm_applies(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor) -> boo
             and "rotary_pos_emb" not in active_kernel_functions())
 
 
-def _norm_and_rotate_jointly(q, k, q_norm: RMSNorm, k_norm: RMSNorm, position_embeddings):
+def joint_norm_weight(q_norm: RMSNorm, k_norm: RMSNorm, heads: int, kv_heads: int) -> torch.Tensor:
+    """Each head's norm weight, q's heads then k's: (heads + kv_heads, head_dim), for norm_and_rotate_jointly
+    (cheaper to build than to multiply two slices in place; a decode step builds it once, models/decode_step.py)."""
+    dim = q_norm.weight.shape[-1]
+    return torch.cat((q_norm.weight.expand(heads, dim), k_norm.weight.expand(kv_heads, dim)))
+
+
+def norm_and_rotate_jointly(q, k, weight: torch.Tensor, eps: float, position_embeddings):
     """position_qk for one token per row, q's and k's heads normalised and rotated as one tensor: half the ops of
     two norms and two rotations (a decode step's count), the same numbers, since each head is normalised on its own
-    and then multiplied by its own weight, as RMSNorm does. q (batch, 1, heads, dim), k (batch, 1, kv_heads, dim)."""
-    heads, kv_heads, dim = q.shape[2], k.shape[2], q.shape[3]
-    qk = cpu_rms_normalize(torch.cat((q, k), dim=2), q_norm.variance_epsilon)  # (batch, 1, heads + kv_heads, dim)
-    # each head's weight: (heads + kv_heads, dim), cheaper to build than to multiply two slices in place
-    qk = qk * torch.cat((q_norm.weight.expand(heads, dim), k_norm.weight.expand(kv_heads, dim)))
+    and then multiplied by its own weight (joint_norm_weight), as RMSNorm does.
+    q (batch, 1, heads, dim), k (batch, 1, kv_heads, dim)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    qk = cpu_rms_normalize(torch.cat((q, k), dim=2), eps) * weight  # (batch, 1, heads + kv_heads, dim)
     qk = apply_rotary_pos_emb_to(qk, position_embeddings, unsqueeze_dim=2)
     return qk.narrow(2, 0, heads).transpose(1, 2), qk.narrow(2, heads, kv_heads).transpose(1, 2)
 
