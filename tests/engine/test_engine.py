@@ -156,7 +156,7 @@ def test_the_manager_forgets_every_request_once_its_output_is_taken(qwen3):
             assert anyone == set(by_any)
             assert manager.get_result(timeout=0) is None
         assert manager.num_finished == 3 * 28
-        assert manager._finished == {} and manager._streams == {}
+        assert manager.outbox.finished == {} and manager.outbox.streams == {} and manager.outbox.live == set()
         assert not manager.scheduler.waiting and not manager.scheduler.running
     assert manager.block_manager.num_free_blocks == 64
 

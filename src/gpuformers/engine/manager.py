@@ -20,19 +20,17 @@ LoRA adapters (load_adapter / delete_adapter, a request's adapter_name) are serv
 model (lora.py, adapter_serving.py); while the loop runs, loading or deleting one is a command it applies between
 two steps.
 
-Offers: GenerationOutput, ContinuousBatchingManager.
+Offers: ContinuousBatchingManager, and GenerationOutput (from outputs.py, where the outputs wait for their callers).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 import queue
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -41,36 +39,14 @@ from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.config import ContinuousBatchingConfig, check_honoured, free_memory, sampling_params_from
 from gpuformers.engine.lora import AdapterBank
 from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
+from gpuformers.engine.outputs import GenerationOutput, Outbox
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
-from gpuformers.engine.sequence import RequestStatus, Sequence
+from gpuformers.engine.sequence import Sequence
 from gpuformers.engine.structured import check_structured_output, constrains
 from gpuformers.kernels.cpu_matmul_probe import measure_up_to
 from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class GenerationOutput:
-    """One request's result (or, while streaming, its progress so far)."""
-
-    request_id: str
-    prompt_ids: list[int] = field(default_factory=list)
-    generated_tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    # per generated token, the top_logprobs most likely (token id, logprob) pairs, when the request asked for them
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # with prompt_logprobs: per prompt token, its logprob given the tokens before it (None for the first), and
-    # with prompt_logprobs=k > 0 its k most likely (token id, logprob) alternatives (None for the first)
-    prompt_logprobs: list[float | None] = field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    error: str | None = None
-    status: RequestStatus = RequestStatus.PENDING
-    created_time: float = 0.0
-    finished_time: float | None = None
-
-    def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-
 
 class ContinuousBatchingManager(AdapterServingMixin):
     def __init__(self, model, generation_config=None, continuous_batching_config=None,
@@ -108,21 +84,10 @@ class ContinuousBatchingManager(AdapterServingMixin):
         if cfg.use_cuda_graph and not adapters:
             self._use_cuda_graphs(True)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # What the manager keeps per request until its caller takes the final output, and not a moment longer
-        # (a server runs for weeks): a non-streaming request's final output waits in `_finished` (in finishing
-        # order, for get_result(None)) until get_result returns it; a streaming request's outputs go only to its
-        # queue in `_streams`, which request_id_iter drops once it has yielded the final one.
-        self._finished: dict[str, GenerationOutput] = {}
-        self._streams: dict[str, queue.Queue] = {}
-        # The ids of the requests whose final output the caller has not taken yet: a second request under one of
-        # them would overwrite the first one's output or stream (the first one lost), so add_request refuses it.
-        self._live_ids: set[str] = set()
-        self.num_finished = 0  # requests finished so far (a count, not a store: for progress bars)
-        self._done = threading.Condition()
+        self.outbox = Outbox(self.is_running)  # outputs until their callers take them (outputs.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.broken: str | None = None  # why the background loop stopped, when an error stopped it
-        self._next_ids = itertools.count()  # req_0, req_1, ...: next() is atomic, callers may add from many threads
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
         self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
@@ -257,15 +222,7 @@ class ContinuousBatchingManager(AdapterServingMixin):
             created_time=seq.created_time,
             finished_time=time.time() if final else None,
         )
-        with self._done:
-            stream = self._streams.get(seq.request_id)
-            if stream is not None:
-                stream.put(output)  # its reader drops the stream after the final output
-            elif final:
-                self._finished[seq.request_id] = output  # until get_result returns it
-            if final:
-                self.num_finished += 1
-                self._done.notify_all()
+        self.outbox.publish(output, final)
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> None:
         for seq in batch.sequences:
@@ -390,22 +347,17 @@ class ContinuousBatchingManager(AdapterServingMixin):
                                       max_new_tokens=max_new_tokens, **sampling)
         check_structured_output(params.structured_output, self.model.config.vocab_size, self._lockstep is not None)
         self._check_positions(len(input_ids), params.max_new_tokens, request_id)
-        with self._done:
-            if request_id is None:
-                request_id = next(f"req_{n}" for n in self._next_ids if f"req_{n}" not in self._live_ids)
-            elif request_id in self._live_ids:
-                raise ValueError(f"request_id {request_id!r} is already in use by a request whose final output has "
-                                 f"not been taken yet; give another id, or take that one's result first")
+        def make(request_id: str) -> Sequence:
             if self._request_seeds is not None and params.seed is None and not params.greedy:
                 params.seed = self._request_seeds.getrandbits(63)  # in the order requests are added
             seq = Sequence(request_id, input_ids, params, streaming=streaming, adapter_name=adapter_name)
             seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
             seq.created_time = time.time()
-            self._live_ids.add(request_id)
-            if streaming:
-                self._streams[request_id] = queue.Queue()
+            return seq
+
+        seq = self.outbox.admit(request_id, streaming, make)
         self._inbox.put(("add", seq))
-        return request_id
+        return seq.request_id
 
     def _checked_prompt(self, input_ids, request_id: str | None) -> list[int]:
         """The prompt as a list of ints, refused in the caller's thread when it would fail inside an engine step: a
@@ -451,55 +403,22 @@ class ContinuousBatchingManager(AdapterServingMixin):
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished request (any non-streaming one, or the one named); None when none finishes within
-        timeout seconds. The manager forgets a request once this returns it."""
-        if request_id is not None:
-            with self._done:
-                stream = self._streams.get(request_id)
-            if stream is not None:  # a streaming request: read its stream to the end
-                return self._last_output(request_id, stream, timeout)
-        with self._done:
-            ready = (lambda: request_id in self._finished) if request_id is not None else (lambda: self._finished)
-            if not self._done.wait_for(ready, timeout):
-                return None
-            key = request_id if request_id is not None else next(iter(self._finished))  # the oldest
-            self._live_ids.discard(key)
-            return self._finished.pop(key)
+        timeout seconds, or at once when none is ready and no engine loop runs to finish one (before start(),
+        after stop() or after the loop broke; as in transformers). The manager forgets a request once this returns
+        it."""
+        return self.outbox.take(request_id, timeout)
 
-    def _last_output(self, request_id: str, stream: queue.Queue, timeout: float | None) -> GenerationOutput | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                output = stream.get(timeout=left)
-            except queue.Empty:
-                return None
-            if output.is_finished():
-                with self._done:
-                    self._streams.pop(request_id, None)
-                    self._live_ids.discard(request_id)
-                return output
-
-    def request_id_iter(self, request_id: str):
+    def request_id_iter(self, request_id: str, timeout: float | None = None):
         """Yield a streaming request's progress after each new token, ending with its final output (after which
-        the manager forgets the request). A non-streaming request yields its final output only."""
-        with self._done:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            output = self.get_result(request_id)
-            if output is not None:
-                yield output
-            return
-        while True:
-            output = stream.get()
-            if output.is_finished():
-                # Dropped before the yield: a consumer that stops iterating at the final output (or a generator
-                # that is never resumed after it) must not keep the request alive.
-                with self._done:
-                    self._streams.pop(request_id, None)
-                    self._live_ids.discard(request_id)
-                yield output
-                return
-            yield output
+        the manager forgets the request). A non-streaming request yields its final output only. The iteration
+        ends early, as in transformers, when no engine loop runs to finish the request (before start(), after
+        stop()); `timeout`: seconds to wait for each next output, then TimeoutError (None: no limit)."""
+        return self.outbox.iterate(request_id, timeout)
+
+    @property
+    def num_finished(self) -> int:
+        """Requests finished so far (a count, for progress bars)."""
+        return self.outbox.num_finished
 
     # --- facts ------------------------------------------------------------------------------------------------
 
@@ -515,3 +434,4 @@ class ContinuousBatchingManager(AdapterServingMixin):
     def num_discarded_samples(self) -> int:
         """Async batching: tokens sampled for a request in the step after the one that ended it (dropped)."""
         return self.scheduler.num_discarded_samples
+
