@@ -274,6 +274,7 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(server):
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_cancels_and_frees_the_blocks(server, stream):
     before = server.metrics()
+    before_closed = _requests_counted(server, "/v1/completions", 499)
     body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": 1000, "temperature": 0, "stream": stream,
             "ignore_eos": True}
     if stream:
@@ -286,11 +287,25 @@ def test_disconnect_cancels_and_frees_the_blocks(server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/completions", json=body, timeout=0.3)
     metrics = wait_idle(server)
+    if not stream:  # counted as a request its client closed (499), not as an answer given (200)
+        deadline = time.monotonic() + 10
+        while _requests_counted(server, "/v1/completions", 499) == before_closed:
+            assert time.monotonic() < deadline, "the disconnected request was not counted with status 499"
+            time.sleep(0.05)
     assert metrics["gpuformers_generation_tokens_total"] - before["gpuformers_generation_tokens_total"] < 1000
     time.sleep(0.3)
     # The engine stopped stepping: the request was cancelled, not left to run its 1000 tokens in the background.
     assert server.metrics()["gpuformers_engine_steps_total"] == metrics["gpuformers_engine_steps_total"]
     assert metrics["gpuformers_engine_steps_total"] - before["gpuformers_engine_steps_total"] < 900
+
+
+def _requests_counted(server, endpoint: str, status: int) -> float:
+    """gpuformers_requests_total for one endpoint and status, from /metrics (0 before the first)."""
+    label = f'gpuformers_requests_total{{endpoint="{endpoint}",status="{status}"}}'
+    for line in httpx.get(f"{server.base}/metrics", timeout=5).text.splitlines():
+        if line.startswith(label):
+            return float(line.split()[-1])
+    return 0.0
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -324,13 +324,13 @@ class Job:
                                 f"{len(self.prompt_ids)} prompt tokens", type="server_error")
         return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
 
-    async def whole(self, request) -> dict:
-        """The whole answer once every choice finished ({} when the client left first)."""
+    async def whole(self, request) -> dict | None:
+        """The whole answer once every choice finished (None when the client left first)."""
         try:
             while not all(c.finished for c in self.choices):
                 await self._next(request)
         except ConnectionError:
-            return {}
+            return None
         self._check_error()
         return self._body()
 

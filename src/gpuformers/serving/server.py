@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuformers.serving.completion_request import SEED_MIN
@@ -37,6 +37,8 @@ from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_p
 # keeps the top token only all the same): in float32 a tinier temperature divides the logits into inf and a tinier
 # top_p rounds to 0, and either makes the sampler's probabilities nan, which fails every request in the engine step
 SAMPLING_EPS = 1e-5
+# The status of a request whose client left before its answer was whole (nginx's name and number for it)
+CLIENT_CLOSED_REQUEST = 499
 
 
 class _State:
@@ -300,6 +302,9 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
             body = await job.whole(request)
         finally:
             job.close()
+        if body is None:  # the client left before the answer was whole: nobody reads this, but /metrics counts it
+            state.metrics.count_request(endpoint, CLIENT_CLOSED_REQUEST)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         state.metrics.count_request(endpoint, 200)
         return body
 
