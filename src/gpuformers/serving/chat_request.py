@@ -9,6 +9,7 @@ _message).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
@@ -175,11 +176,41 @@ def _tools(tools: Any) -> list[dict] | None:
             if (value is not None or name == "name") and not isinstance(value, kind):
                 raise APIError(400, f"{where}.function.{name} must be {'an object' if kind is dict else kind.__name__}"
                                     f", got {_type_name(value)} {value!r}"[:300], f"{where}.function.{name}")
-        if not function["name"] or function["name"] in names:
-            raise APIError(400, f"{where}.function.name {function['name']!r} must be non-empty and unique among "
-                                "the tools", f"{where}.function.name")
+        if not _FUNCTION_NAME.fullmatch(function["name"]) or function["name"] in names:
+            raise APIError(400, f"{where}.function.name {function['name']!r} must be 1-64 letters, digits, "
+                                "underscores or dashes, and unique among the tools"[:300], f"{where}.function.name")
         names.add(function["name"])
+        if function.get("parameters") is not None:
+            _check_parameters(function["parameters"], f"{where}.function.parameters")
     return tools
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _check_parameters(schema: dict, where: str) -> None:
+    """A function's parameters: a JSON Schema of an object (as OpenAI requires), its properties schemas and its
+    required list naming them. The chat template shows the schema to the model; one that is not a schema of the
+    arguments would teach it nonsense, so it is refused here, naming the field."""
+    if schema.get("type", "object") != "object":
+        raise APIError(400, f"{where} must be a JSON Schema of an object ({{\"type\": \"object\", \"properties\": "
+                            f"{{...}}}}), got type {schema.get('type')!r}"[:300], f"{where}.type")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict):
+        raise APIError(400, f"{where}.properties must be an object of argument name -> schema, got "
+                            f"{_type_name(properties)}", f"{where}.properties")
+    for name, sub in properties.items():
+        if not isinstance(sub, (dict, bool)):
+            raise APIError(400, f"{where}.properties.{name} must be a schema (an object), got {_type_name(sub)}"[:300],
+                           f"{where}.properties.{name}")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise APIError(400, f"{where}.required must be a list of argument names, got {required!r}"[:300],
+                       f"{where}.required")
+    missing = [r for r in required if properties and r not in properties]
+    if missing:
+        raise APIError(400, f"{where}.required names {missing[0]!r}, which is not in its properties "
+                            f"({', '.join(properties)})"[:300], f"{where}.required")
 
 
 def _tool_choice(choice: Any, tools: list[dict] | None) -> str:
