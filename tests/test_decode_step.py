@@ -1,5 +1,5 @@
 """generate()'s flat decode step (models/decode_step.py): where it applies it gives the modules' numbers bit for bit,
-and where it does not (padding, hooks, calls outside generate) the modules run."""
+and where it does not (a hooked layer, hidden states asked for, calls outside generate) the modules run."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _ids(rows: int = 1, length: int = 7):
     return torch.randint(1, TINY["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "smollm3", "gpt_oss", "glm",
+                                        "ministral3", "ernie4_5"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_flat_step_gives_the_modules_numbers(model_type, rows, steps, monkeypatch):
     model = _model(model_type, **({"qkv_bias": True} if model_type == "qwen2" else {}))
@@ -87,13 +88,17 @@ def test_without_cpu_copies_each_projection_is_its_own_call(steps, monkeypatch):
     assert torch.equal(seq, want_seq) and torch.equal(logits, want)
 
 
-def test_padding_runs_the_modules(steps):
-    model = _model("qwen3")
+@pytest.mark.parametrize("model_type, overrides", [("qwen3", {}), ("mistral", {"sliding_window": 5})])
+def test_padding_and_a_sliding_window_take_it_with_the_modules_numbers(model_type, overrides, steps, monkeypatch):
+    model = _model(model_type, **overrides)
     ids = _ids(2)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding: every step needs a mask
-    model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
-    assert steps == []
+    mask[0, :3] = 0  # left padding: every step's attention gets a mask (and with the window, it slides)
+    seq, logits = _generate(model, ids, attention_mask=mask)
+    assert len(steps) == NEW_TOKENS - 1
+    _modules_only(monkeypatch)
+    want_seq, want = _generate(model, ids, attention_mask=mask)
+    assert torch.equal(seq, want_seq) and torch.equal(logits, want)
 
 
 def test_inside_a_generate_block_one_token_forwards_take_it_unless_hidden_states_are_asked(steps, monkeypatch):

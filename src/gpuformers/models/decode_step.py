@@ -11,14 +11,17 @@ once, at its first decode step, and keeps the answers as one tuple per layer:
            -> norm -> gate/up (one matmul) -> silu * -> down -> +] x N -> norm
 
 Every call is the one the modules make, with the same arguments in the same order, so the hidden states are the
-same bits (the tests compare them with torch.equal). It applies only where that is so: every layer runs the llama
-decoder layer's and attention's forwards (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, ...; the norms, the
-MLP or MoE block and position_qk may be the family's own), no layer, norm, attention or MLP is hooked or has its
-forward replaced (use_kernels, gradient checkpointing, device_map's hooks), no use_kernels function is in force,
-autograd is off, each row has one new token and there is no attention mask to apply (no padding, no sliding
-window reached, no static cache of fixed shape). A hooked projection or q/k norm is still called as a module.
+same bits (the tests compare them with torch.equal). It applies only where that is so:
+- every layer runs the llama decoder layer's and attention's forwards (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+  SmolLM3, gpt-oss, GLM, Ministral 3, ERNIE 4.5); the norms, the MLP or MoE block and position_qk may be the
+  family's own;
+- no layer, norm, attention or MLP is hooked or has its forward replaced (use_kernels, gradient checkpointing,
+  device_map's hooks), and no use_kernels function is in force; a hooked projection or q/k norm is still called
+  as a module, so its hook runs;
+- autograd is off and each row has one new token. Padding and sliding windows are the masks attention gets, as
+  from the modules; a static cache of fixed shape is the compiled path, not this one.
 Anything else, and any call outside generate(), runs the modules as before. Measured: batch-1 decode of the tiny
-Qwen3 shape 1.85x -> 2.13x transformers on development CPU C (BENCHMARKS.md).
+Qwen3 shape 1.85x -> 2.12x transformers on development CPU C (BENCHMARKS.md).
 
 Offers: DecodeStep, decode_step_for.
 """
@@ -102,16 +105,17 @@ def _layer(layer: nn.Module) -> _Layer | None:
 
 
 class DecodeStep:
-    """The decoder stack of a LlamaModel for (batch, 1, hidden) inputs without a mask: the calls its modules make,
-    found once. See the module docstring for when it applies."""
+    """The decoder stack of a LlamaModel for (batch, 1, hidden) inputs: the calls its modules make, found once. See
+    the module docstring for when it applies."""
 
     def __init__(self, layers: list[_Layer], final_norm):
         self.layers = layers
         self.final_norm = final_norm
 
-    def __call__(self, hidden_states: torch.Tensor, position_embeddings, cache) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings, masks: dict, cache) -> torch.Tensor:
         """(batch, 1, hidden) first-layer input -> (batch, 1, hidden) final hidden states (after the last norm),
-        this token's keys and values stored in `cache` (None: attend to this token alone)."""
+        this token's keys and values stored in `cache` (None: attend to this token alone); `masks`: the attention
+        mask of each sliding window (None: full attention), as LlamaModel built them."""
         from gpuformers.models.qwen3 import norm_and_rotate_jointly
 
         x = hidden_states
@@ -128,8 +132,8 @@ class DecodeStep:
                 q, k = layer.position_qk(q, k, position_embeddings)
             if cache is not None:
                 k, v = cache.update(layer.index, k, v, None)
-            out, _ = layer.attention(layer.attn, q, k, v, None, scaling=layer.scaling, dropout=layer.dropout,
-                                     sliding_window=layer.window)
+            out, _ = layer.attention(layer.attn, q, k, v, masks[layer.window], scaling=layer.scaling,
+                                     dropout=layer.dropout, sliding_window=layer.window)
             x = x + layer.o_proj(out.reshape(batch, 1, -1))  # add_rms_norm's residual add
             normed = layer.post_norm(x)
             if layer.gate_up is None:

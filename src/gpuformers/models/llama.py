@@ -158,11 +158,10 @@ class LlamaModel(nn.Module):
 
     def _run_layers(self, inputs_embeds, position_ids, masks, past_key_values, cache_position, output_hidden_states):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        if (inputs_embeds.shape[1] == 1 and cache_position is None and not output_hidden_states
-                and all(mask is None for mask in masks.values())):
+        if inputs_embeds.shape[1] == 1 and cache_position is None and not output_hidden_states:
             step = decode_step_for(self)  # a generate() decode step: the layers' calls, found at its first step
             if step is not None:
-                return step(inputs_embeds, position_embeddings, past_key_values), None
+                return step(inputs_embeds, position_embeddings, masks, past_key_values), None
         hidden_states = inputs_embeds
         all_hidden = [hidden_states] if output_hidden_states else None
         for layer, forward in zip(self.layers, plain_calls(self.layers, *self.layers._modules)):
