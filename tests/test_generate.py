@@ -437,3 +437,29 @@ def test_dynamic_cache_under_autograd_keeps_gradients():
     (early.sum() + late.pow(2).sum()).backward()  # an in-place write would have broken the first step's graph
     torch.testing.assert_close(first.grad, 1 + 2 * first.detach())
     torch.testing.assert_close(second.grad, 2 * second.detach())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hidden_states_of_every_step_match_transformers(models, family):
+    hf, ours = models[family]
+    ids, mask = _prompt()
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                  output_hidden_states=True, return_dict_in_generate=True)
+    expected, got = hf.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences) and len(got.hidden_states) == 5
+    for step, (want, have) in enumerate(zip(expected.hidden_states, got.hidden_states)):
+        assert len(have) == len(want) == hf.config.num_hidden_layers + 1
+        for a, b in zip(want, have):  # (rows, prompt length or 1, hidden); the padded row's real positions
+            assert a.shape == b.shape == (2, PROMPT_LENGTH if step == 0 else 1, hf.config.hidden_size)
+            assert (a[0] - b[0]).abs().max() < 1e-4 and (a[1, -1] - b[1, -1]).abs().max() < 1e-4
+
+
+def test_outputs_generate_does_not_make_are_refused_by_name(models):
+    _, ours = models["llama"]
+    ids, _ = _prompt(batch=1)
+    with pytest.raises(NotImplementedError, match="output_attentions=True"):
+        ours.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    with pytest.raises(NotImplementedError, match="not for beam search"):
+        ours.generate(ids, max_new_tokens=2, num_beams=2, output_hidden_states=True, return_dict_in_generate=True)
+    plain = ours.generate(ids, max_new_tokens=2, output_attentions=True)  # no dict asked: the ids, as transformers
+    assert plain.shape == (1, PROMPT_LENGTH + 2)

@@ -50,6 +50,9 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     sequences: torch.LongTensor | None = None  # (rows, prompt + new tokens)
     scores: tuple[torch.Tensor, ...] | None = None  # processed scores, one (rows, vocab) per new token
     logits: tuple[torch.Tensor, ...] | None = None  # raw logits, one (rows, vocab) per new token
+    # with output_hidden_states: per new token, the forward that chose it: the embeddings' and every layer's output
+    # (the last one after the final norm), each (rows, prompt length) at the first token, (rows, 1) after
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
     past_key_values: Cache | None = None
 
     @property
@@ -126,6 +129,7 @@ class GenerationMixin(GenerationPreparation):
         max_length = self._prepare_max_length(config, prompt_length)
 
         beams = config.num_beams
+        self._refuse_unmade_outputs(config, beams, assisted)
         if beams > 1 and streamer is not None:
             raise ValueError("streamer cannot be used with beam search (num_beams > 1); use num_beams=1")
         expand = beams if beams > 1 else config.num_return_sequences
@@ -160,7 +164,8 @@ class GenerationMixin(GenerationPreparation):
             cache = self._prepare_cache(cache, config, rows, max_length)
             step_inputs = StepInputs(attention_mask, rows, prompt_length, max_length, cache, input_ids.device,
                                      self, config.prefill_chunk_size)
-            forward = self._decode_forward(config, cache)
+            # (hidden states come from the eager forward: a compiled step returns only what it was compiled for)
+            forward = self if _wants_hidden_states(config) else self._decode_forward(config, cache)
             from gpuformers.kernels.cpu_linear import cpu_matmuls
             from gpuformers.models.modeling import keep_plain_calls  # (modeling imports this module)
 
@@ -176,6 +181,22 @@ class GenerationMixin(GenerationPreparation):
                 else:
                     out = self._sample(input_ids, step_inputs, forward, config, processors, criteria, streamer)
         return out.clone() if private else out
+
+    @staticmethod
+    def _refuse_unmade_outputs(config, beams: int, assisted: bool) -> None:
+        """An output generate() was asked for but does not make is an error, not a silent None."""
+        if not config.return_dict_in_generate:
+            return  # transformers returns the token ids alone then, whatever else was asked
+        if config.output_attentions:
+            raise NotImplementedError(
+                "generate(output_attentions=True) is not implemented in gpuformers: its attention backends return no "
+                "attention weights; leave output_attentions False (output_hidden_states, output_scores and "
+                "output_logits are available)")
+        if config.output_hidden_states and (beams > 1 or assisted):
+            raise NotImplementedError(
+                f"generate(output_hidden_states=True) is implemented for greedy search and sampling, not for "
+                f"{'beam search (num_beams > 1)' if beams > 1 else 'assisted generation'}; use num_beams=1 without "
+                f"an assistant, or leave output_hidden_states False")
 
     def compute_transition_scores(self, sequences: torch.Tensor, scores: tuple[torch.Tensor, ...],
                                   beam_indices: torch.Tensor | None = None,
@@ -202,14 +223,18 @@ class GenerationMixin(GenerationPreparation):
         any_unfinished = []  # per step, a 0-d bool tensor (read once at the end when checks were spaced out)
         scores_out = [] if config.return_dict_in_generate and config.output_scores else None
         logits_out = [] if config.return_dict_in_generate and config.output_logits else None
+        hidden_out = [] if _wants_hidden_states(config) else None
+        extra = {"output_hidden_states": True} if hidden_out is not None else {}
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
         outputs = self(**step_inputs.prefill(input_ids), past_key_values=step_inputs.cache,
-                       use_cache=step_inputs.cache is not None, logits_to_keep=1)
+                       use_cache=step_inputs.cache is not None, logits_to_keep=1, **extra)
         length = prompt_length
         while True:
             logits = outputs.logits[:, -1].float()  # (rows, vocab)
+            if hidden_out is not None:
+                hidden_out.append(outputs.hidden_states)
             del outputs
             if logits_out is not None:
                 logits_out.append(logits.clone() if processors else logits)  # a processor may work in place
@@ -231,7 +256,7 @@ class GenerationMixin(GenerationPreparation):
                     break
             if length >= max_length:
                 break
-            outputs = step_inputs.forward_step(self, forward, sequences, length)
+            outputs = step_inputs.forward_step(self, forward, sequences, length, **extra)
 
         if interval > 1 and any_unfinished:
             # Steps run after every row had finished (between two checks) are cut off here.
@@ -249,8 +274,14 @@ class GenerationMixin(GenerationPreparation):
             sequences=sequences,
             scores=tuple(scores_out[:steps]) if scores_out is not None else None,
             logits=tuple(logits_out[:steps]) if logits_out is not None else None,
+            hidden_states=tuple(hidden_out[:steps]) if hidden_out is not None else None,
             past_key_values=step_inputs.cache,
         )
+
+
+def _wants_hidden_states(config) -> bool:
+    """Whether generate() returns each step's hidden states (transformers' rule: only in a returned dict)."""
+    return bool(config.return_dict_in_generate and config.output_hidden_states)
 
 
 def _stop_check_interval(device: torch.device, streamer) -> int:

@@ -106,17 +106,19 @@ class StepInputs:
             self.cache.mark_written(length)
         return inputs
 
-    def forward_step(self, model, forward, sequences: torch.Tensor, length: int):
+    def forward_step(self, model, forward, sequences: torch.Tensor, length: int, **extra):
         """One decode step's outputs, `length` tokens existing so far: `forward` (the model, or its compiled decode
         step) on the newest token over the cache; or, where the model says its cache must be rebuilt at this length
         (Phi-3's longrope once the sequence passes original_max_position_embeddings), the model on the whole
         sequence over the emptied cache, as transformers does (logits of the last position only, as in prefill).
 
             cache: length - 1 tokens --(crop to 0)--> prefill(sequences[:, :length]) --> cache: length tokens
+
+        `extra`: more arguments for the forward (output_hidden_states=True).
         """
         cache = self.cache
         if cache is not None and self.cache_must_be_rebuilt(length - 1, length):
             cache.crop(0)
             return model(**self.prefill(sequences[:, :length]), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        return forward(**self.step(sequences, length), past_key_values=cache, use_cache=cache is not None)
+                         logits_to_keep=1, **extra)
+        return forward(**self.step(sequences, length), past_key_values=cache, use_cache=cache is not None, **extra)
