@@ -42,7 +42,7 @@ class _Layer:
     """One decoder layer's calls: what its modules' forwards would call, found once."""
 
     __slots__ = ("attn", "index", "head_dim", "scaling", "dropout", "window", "input_norm", "post_norm", "qkv",
-                 "position_qk", "qk_norm", "attention", "o_proj", "mlp", "gate_up", "down_proj")
+                 "position_qk", "qk_norm", "qk_weight", "attention", "o_proj", "mlp", "gate_up", "down_proj")
 
 
 def _siblings(module: nn.Module, names: tuple[str, ...]):
@@ -71,7 +71,7 @@ def _layer(layer: nn.Module) -> _Layer | None:
     its attention's forward must be the llama ones (the flat step is their body); the norms, the MLP (a MoE
     block, say) and the attention's position_qk may be any family's."""
     from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer
-    from gpuformers.models.qwen3 import Qwen3Attention, joint_norm_applies, joint_norm_weight
+    from gpuformers.models.qwen3 import Qwen3Attention, joint_norm_applies
 
     names = ("input_layernorm", "self_attn", "mlp", "post_attention_layernorm")
     if type(layer).forward is not LlamaDecoderLayer.forward or any(name not in layer._modules for name in names):
@@ -92,15 +92,14 @@ def _layer(layer: nn.Module) -> _Layer | None:
     if type(mlp) is GatedMLP:  # GatedMLP.forward's calls, gate and up from one matmul
         step.gate_up = _siblings(mlp, ("gate_proj", "up_proj"))
         (step.down_proj,) = plain_calls(mlp, "down_proj")
-    step.qk_norm = None  # (weight of every head, eps) where Qwen3's joint q/k norm applies to float32 CPU inputs
+    step.qk_norm = None  # (q_norm, k_norm) where Qwen3's joint q/k norm applies to float32 CPU inputs
+    step.qk_weight = None  # their weight for every head, made at the first step (joint_norm_weight)
     if type(attn).position_qk is Qwen3Attention.position_qk:
         q_norm, k_norm = plain_calls(attn, "q_norm", "k_norm")
         if hasattr(q_norm, "__self__"):
-            weight = q_norm.__self__.weight
-            like = torch.empty(1, 1, 1, attn.head_dim, dtype=torch.float32, device=weight.device)
+            like = torch.empty(1, 1, 1, attn.head_dim, dtype=torch.float32, device=q_norm.__self__.weight.device)
             if joint_norm_applies(q_norm, k_norm, like, like):
-                step.qk_norm = (joint_norm_weight(q_norm.__self__, k_norm.__self__, attn.num_heads, attn.num_kv_heads),
-                                q_norm.__self__.variance_epsilon)
+                step.qk_norm = (q_norm.__self__, k_norm.__self__)
     return step
 
 
@@ -116,7 +115,7 @@ class DecodeStep:
         """(batch, 1, hidden) first-layer input -> (batch, 1, hidden) final hidden states (after the last norm),
         this token's keys and values stored in `cache` (None: attend to this token alone); `masks`: the attention
         mask of each sliding window (None: full attention), as LlamaModel built them."""
-        from gpuformers.models.qwen3 import norm_and_rotate_jointly
+        from gpuformers.models.qwen3 import joint_norm_weight, norm_and_rotate_jointly
 
         x = hidden_states
         batch = x.shape[0]
@@ -127,7 +126,11 @@ class DecodeStep:
             k = k.view(batch, 1, -1, layer.head_dim)
             v = v.view(batch, 1, -1, layer.head_dim).transpose(1, 2)
             if joint and layer.qk_norm is not None:
-                q, k = norm_and_rotate_jointly(q, k, *layer.qk_norm, position_embeddings)
+                heads = q.shape[2] + k.shape[2]  # this process's heads (tensor parallelism splits them)
+                if layer.qk_weight is None or layer.qk_weight.shape[0] != heads:
+                    layer.qk_weight = joint_norm_weight(*layer.qk_norm, q.shape[2], k.shape[2])
+                q, k = norm_and_rotate_jointly(q, k, layer.qk_weight, layer.qk_norm[0].variance_epsilon,
+                                               position_embeddings)
             else:
                 q, k = layer.position_qk(q, k, position_embeddings)
             if cache is not None:
