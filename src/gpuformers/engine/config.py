@@ -16,7 +16,7 @@ from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
-from gpuformers.kernels.cpu_linear import available_ram, packable_linears
+from gpuformers.kernels.cpu_linear import available_ram, copies_fit, packable_linears
 from gpuformers.kernels.cpu_matmul_probe import packs_some_rows, prepack_available
 
 _CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
@@ -105,8 +105,8 @@ def decide_prepack(asked: bool | None, model, tp_size: int) -> bool:
         return False
     if asked:
         return True
-    copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
-    return copies <= free_memory(model.device, cap=False) // 4 and packs_some_rows()
+    return copies_fit(sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)) \
+        and packs_some_rows()
 
 
 def free_memory(device: torch.device, cap: bool = True) -> int:

@@ -22,7 +22,7 @@ quarter of the available RAM (`packed_for`). One set of copies per model (`packe
 next calls and shared by generate() and an engine on it while they want the same forms.
 
 Offers: PackedLinears, cpu_matmuls, packed_linears, packed_for, release, packable_linears, available_ram,
-sibling_outputs, SIBLINGS.
+copies_fit, sibling_outputs, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -311,10 +311,16 @@ def packed_for(model: nn.Module, rows: int | None = None) -> PackedLinears | Non
         return None
     if _kept_for(model, plan) is None:
         copies = sum(layer.weight.numel() * layer.weight.element_size() for layers, _ in plan for layer in layers)
-        ram = available_ram()
-        if ram is not None and copies > ram // 4:
+        if not copies_fit(copies):
             return None
     return packed_linears(model, plan=plan)
+
+
+def copies_fit(nbytes: int) -> bool:
+    """Whether copies of `nbytes` may be made automatically: at most a quarter of the available RAM (the rule of
+    generate()'s copies and the engine's prepack_weights=None; True where the OS cannot say)."""
+    ram = available_ram()
+    return ram is None or nbytes <= ram // 4
 
 
 def cpu_matmuls(model: nn.Module, rows: int | None = None):
