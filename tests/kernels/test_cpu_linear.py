@@ -139,9 +139,11 @@ def test_automatic_decision(monkeypatch):
 def test_automatic_decision_leaves_them_out_when_memory_is_short(monkeypatch):
     model = tiny_model()
     linear_bytes = sum(layer.weight.numel() * 4 for layer in packable_linears(model))
-    monkeypatch.setattr(engine_config, "free_memory", lambda device, cap=True: 3 * linear_bytes)
-    assert ContinuousBatchingConfig().resolve(model).prepack_weights is False
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 3 * linear_bytes)  # the rule of generate()'s copies
+    assert ContinuousBatchingConfig(num_blocks=8).resolve(model).prepack_weights is False
     assert ContinuousBatchingConfig(prepack_weights=True, num_blocks=8).resolve(model).prepack_weights is True
+    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * linear_bytes)
+    assert ContinuousBatchingConfig(num_blocks=8).resolve(model).prepack_weights is True
 
 
 # --- generate() -----------------------------------------------------------------------------------------------------
@@ -234,16 +236,6 @@ def test_generate_leaves_them_out_when_memory_is_short(monkeypatch):
     assert cpu_linear.packed_for(model) is None
     monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * linear_bytes)
     assert cpu_linear.packed_for(model) is not None
-
-
-def test_an_engine_prepacks_by_the_same_memory_rule(monkeypatch):
-    model = tiny_model()
-    linear_bytes = sum(layer.weight.numel() * 4 for layer in packable_linears(model))
-    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 3 * linear_bytes)
-    assert not engine_config.decide_prepack(None, model, tp_size=1)
-    assert engine_config.decide_prepack(True, model, tp_size=1)  # asked for: made whatever the rule says
-    monkeypatch.setattr(cpu_linear, "available_ram", lambda: 4 * linear_bytes)
-    assert engine_config.decide_prepack(None, model, tp_size=1)
 
 
 def test_two_threads_generating_on_one_model_get_their_own_tokens(monkeypatch):
