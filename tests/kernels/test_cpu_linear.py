@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuformers.engine import config as engine_config
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.kernels import cpu_linear
 from gpuformers.kernels.cpu_linear import COLUMNS, PACKED, ROWS, PackedLinears, packable_linears
