@@ -18,8 +18,9 @@ file and reads its tensors.
 
 Offers: `read_gguf`, `GGUFCheckpoint`, `SUPPORTED_ARCHITECTURES`, `supported_quant_types()`.
 
-Weights are dequantized with the `gguf` package one tensor, and within a tensor one slab of rows,
-at a time, straight into the requested dtype and device: a model is never held in float32 whole.
+Weights are dequantized with the `gguf` package (Q8_0, Q4_0 and Q4_1 with torch, the same numbers:
+gguf_dequant.py) one tensor, and within a tensor one slab of rows, at a time, straight into the requested dtype
+and device: a model is never held in float32 whole.
 Where llama.cpp's layout differs from HF's, the tensor is turned back as it is read:
 
     llama      q/k rows of each head interleaved          -> the two rotary halves apart again
@@ -45,6 +46,7 @@ from gpuformers.loading.gguf_config import (_MOE_ARCHITECTURES, _NORM_PLUS_ONE, 
 from gpuformers.loading.gguf_tensors import (_EXPERT_NAMES, _EXTRA_LAYER_NAMES, _LAYER_NAMES, _NOT_PARAMETERS,
                                              _ROTARY_PERMUTED, _can_dequantize, _hf_name, _unpermute_rotary_rows,
                                              supported_quant_types)
+from gpuformers.loading.gguf_dequant import dequantize_blocks
 from gpuformers.loading.gguf_file import GGUFFile
 from gpuformers.loading.gguf_tokenizer import tokenizer_parts
 
@@ -202,8 +204,10 @@ class GGUFCheckpoint(GGUFConfigMixin):
                 values = torch.from_numpy(chunk.view(np.float16))
             elif qtype == GGMLQuantizationType.BF16:
                 values = torch.from_numpy(chunk.view(np.int16)).view(torch.bfloat16)
-            else:
-                values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
+            else:  # Q8_0 / Q4_0 / Q4_1 with torch (gguf_dequant.py), the other types with the gguf package
+                values = dequantize_blocks(chunk, qtype.name)
+                if values is None:
+                    values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
             out[start : start + step] = values.reshape(-1, cols).to(dtype)
         out = out.reshape(shape)
         if plus_one:
