@@ -347,7 +347,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
                                       max_new_tokens=max_new_tokens, **sampling)
         check_structured_output(params.structured_output, self.model.config.vocab_size, self._lockstep is not None)
         self._check_positions(len(input_ids), params.max_new_tokens, request_id)
-        def make(request_id: str) -> Sequence:
+
+        def make(request_id: str) -> Sequence:  # under the outbox's lock, with the id taken
             if self._request_seeds is not None and params.seed is None and not params.greedy:
                 params.seed = self._request_seeds.getrandbits(63)  # in the order requests are added
             seq = Sequence(request_id, input_ids, params, streaming=streaming, adapter_name=adapter_name)
