@@ -15,10 +15,10 @@ TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_laye
 NEW_TOKENS = 6
 
 
-def _model(model_type: str, **overrides):
+def _model(model_type: str, dtype: str = "float32", **overrides):
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    model = AutoModelForCausalLM.from_config(config, dtype="float32").eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # norms away from 1, so that a norm weight applied twice or not at all shows
@@ -57,6 +57,17 @@ def test_flat_step_gives_the_modules_numbers(model_type, rows, steps, monkeypatc
     ids = _ids(rows)
     seq, logits = _generate(model, ids)
     assert len(steps) == NEW_TOKENS - 1  # every decode step after the prefill
+    _modules_only(monkeypatch)
+    want_seq, want = _generate(model, ids)
+    assert torch.equal(seq, want_seq) and torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_bfloat16_takes_it_with_the_modules_numbers(model_type, steps, monkeypatch):
+    model = _model(model_type, dtype="bfloat16")  # the norms upcast, no joint q/k norm, no CPU copies
+    ids = _ids(2)
+    seq, logits = _generate(model, ids)
+    assert len(steps) == NEW_TOKENS - 1
     _modules_only(monkeypatch)
     want_seq, want = _generate(model, ids)
     assert torch.equal(seq, want_seq) and torch.equal(logits, want)
