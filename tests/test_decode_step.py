@@ -163,3 +163,16 @@ def test_a_family_with_its_own_layer_forward_is_left_to_its_modules(steps):
     model = _model("olmo2")  # norms after attention and MLP: another layer forward
     _generate(model, _ids())
     assert steps == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_on_cuda_it_gives_the_modules_numbers(model_type, steps, monkeypatch):
+    model = _model(model_type, dtype="bfloat16").to("cuda")  # the dynamic cache: eager steps, not CUDA graphs
+    ids = _ids(2).to("cuda")
+    seq, logits = _generate(model, ids)
+    assert len(steps) == NEW_TOKENS - 1
+    _modules_only(monkeypatch)
+    want_seq, want = _generate(model, ids)
+    assert torch.equal(seq, want_seq) and torch.equal(logits, want)
