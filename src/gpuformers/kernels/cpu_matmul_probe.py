@@ -61,15 +61,19 @@ def current_rule() -> tuple[str | None, int]:
     return os.environ.get(ENV), torch.get_num_threads()
 
 
-def _best_ms(fn) -> float:
-    """The best of three timed calls after a warm-up, in ms (other processes only ever add time)."""
-    fn()
-    times = []
+def _best_ms_taking_turns(calls: dict[str, object], warm_ups: dict[str, object] | None = None) -> dict[str, float]:
+    """{name: ms}: the best of three timed runs of each call after a warm-up (`warm_ups[name]`, or the call itself),
+    the calls taking turns so that a slow moment of the machine falls on all of them alike (other processes only
+    ever add time; timed in blocks, one form after the other, the winner flipped between runs on a noisy VM)."""
+    for name in calls:
+        (warm_ups or calls)[name]()
+    times = {name: float("inf") for name in calls}
     for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name] = min(times[name], (time.perf_counter() - start) * 1e3)
+    return times
 
 
 @functools.cache
@@ -80,8 +84,10 @@ def _probe(rows: int, threads: int) -> tuple[float, float]:
     x = torch.full((rows, 1024), 0.01)
     with torch.inference_mode():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
-        return (_best_ms(lambda: [F.linear(x, w) for w in weights]),
-                _best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]))
+        pointwise = torch.ops.mkldnn._linear_pointwise
+        times = _best_ms_taking_turns({ROWS: lambda: [F.linear(x, w) for w in weights],
+                                       PACKED: lambda: [pointwise(x, p, None, "none", [], "") for p in packed]})
+    return times[ROWS], times[PACKED]
 
 
 def _measured(rows: int, threads: int) -> tuple[float, float]:
@@ -158,21 +164,18 @@ def _one_row_times(in_features: int, out_features: int, threads: int) -> dict[st
     columns = [w.view(in_features, out) for w in rows_form]  # the same memory: the values do not matter
     x = torch.full((1, in_features), 0.01)
     with torch.inference_mode():
-        calls = {ROWS: (lambda w: F.linear(x, w), rows_form), COLUMNS: (lambda w: F.linear(x, w.t()), columns)}
+        weights = {ROWS: rows_form, COLUMNS: [w.t() for w in columns]}  # what F.linear takes for each form
         if prepack_available():
-            pointwise = torch.ops.mkldnn._linear_pointwise
-            calls[PACKED] = (lambda p: pointwise(x, p, None, "none", [], ""),
-                             [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in rows_form])
-        for call, weights in calls.values():  # warm-up: one weight each (a form's first call sets it up)
-            call(weights[0])
-        times = {form: float("inf") for form in calls}
-        for _ in range(3):
-            for form, (call, weights) in calls.items():
-                start = time.perf_counter()
-                for weight in weights:
-                    call(weight)
-                times[form] = min(times[form], (time.perf_counter() - start) * 1e3)
-    return times
+            weights[PACKED] = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in rows_form]
+
+        def run(form: str, which: list):
+            if form == PACKED:
+                return lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in which]
+            return lambda: [F.linear(x, w) for w in which]
+
+        # warm-up: one weight of each form (its first call sets it up), not a whole pass
+        return _best_ms_taking_turns({form: run(form, ws) for form, ws in weights.items()},
+                                     {form: run(form, ws[:1]) for form, ws in weights.items()})
 
 
 def one_row_times(in_features: int, out_features: int) -> dict[str, float]:
