@@ -3,7 +3,7 @@
 Computed in float32 and cast back, like transformers, so that bfloat16 models give the same numbers.
 `kernel_layer_name` marks the layer for `use_kernels=True` (a fused Triton kernel may replace its forward).
 
-Offers: RMSNorm, rms_norm, add_rms_norm, cpu_rms_normalize, cpu_rms_norm_applies.
+Offers: RMSNorm, add_rms_norm, cpu_rms_normalize, cpu_rms_norm_applies.
 """
 
 from __future__ import annotations
@@ -24,24 +24,20 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        weight = self.weight
+        if cpu_rms_norm_applies(hidden_states, weight):
+            return cpu_rms_normalize(hidden_states, self.variance_epsilon) * weight
+        input_dtype = hidden_states.dtype
+        if input_dtype == torch.float32 and weight.dtype == torch.float32:
+            # One fused op; the same arithmetic as below when nothing needs upcasting.
+            return F.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm's forward as a function (models/decode_step.py calls it without the module)."""
-    if cpu_rms_norm_applies(hidden_states, weight):
-        return cpu_rms_normalize(hidden_states, eps) * weight
-    input_dtype = hidden_states.dtype
-    if input_dtype == torch.float32 and weight.dtype == torch.float32:
-        # One fused op; the same arithmetic as below when nothing needs upcasting.
-        return F.rms_norm(hidden_states, weight.shape, weight, eps)
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + eps)
-    return weight * hidden_states.to(input_dtype)
 
 
 # (size, eps) -> both as float32 tensors of one element, for cpu_rms_normalize
