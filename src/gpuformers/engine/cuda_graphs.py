@@ -10,7 +10,9 @@ Graphs are captured lazily, the first time a step needs a bucket, not all at sta
 takes seconds to tens of seconds (the start-up cost users complain about most in vLLM), and a workload only ever
 meets a few buckets. The first step of a new bucket pays its capture once (warm-up run + capture).
 
-Only pure decode steps replay a graph; a step with any prefill chunk runs eagerly. All graphs share one memory
+Only pure decode steps replay a graph; a step with any prefill chunk runs eagerly. Everything but the capture
+itself (buckets, static buffers, padding rows, the context bucket) also runs on the CPU, where the tests replace
+`_capture` with a stand-in that recomputes the forward at each replay (tests/engine/test_cuda_graph_buffers.py). All graphs share one memory
 pool (they never run at the same time).
 
 With asynchronous batching a decode's input token may still be on the device (sampled by the step in flight): the
@@ -74,8 +76,6 @@ def _bucket(value: int, buckets) -> int | None:
 
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
-        if runner.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {runner.device}")
         self.runner = runner
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         bs = runner.block_size
@@ -121,6 +121,9 @@ class DecodeGraphs:
         return runner.compute_logits(hidden[0])
 
     def _capture(self, rows: int, length: int):
+        """-> (graph, its logits): replaying the graph recomputes `_forward(rows, length)` into those logits."""
+        if self.runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.runner.device}")
         logger.info("capturing a CUDA graph for %d decode rows, context %d", rows, length)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -1,0 +1,77 @@
+"""The CUDA-graph decode path on the CPU: everything DecodeGraphs does around a capture (batch and context buckets,
+the static input buffers, padding rows that write to the scratch block, the logits of the real rows) runs here with
+the capture swapped for a stand-in that recomputes the same forward over the same buffers at each replay. A GPU run
+(test_engine_gpu.py) adds only the capture itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuformers.engine.cuda_graphs import DecodeGraphs
+from tests.engine.test_engine import NEW_TOKENS, greedy_reference, make_prompts, tiny_model
+
+
+class ReplayedEagerly(DecodeGraphs):
+    """A "graph" whose replay reruns the captured forward into the logits tensor the capture handed out, as a CUDA
+    graph replay overwrites its output in place."""
+
+    def _capture(self, rows: int, length: int):
+        logits = self._forward(rows, length)
+        graphs = self
+
+        class Replay:
+            def replay(self):
+                logits.copy_(graphs._forward(rows, length))
+
+        return Replay(), logits
+
+
+@pytest.fixture(scope="module")
+def model_and_reference():
+    model = tiny_model()
+    prompts = make_prompts(40)
+    return model, prompts, greedy_reference(model, prompts)
+
+
+def replaying_manager(model, **config):
+    manager = model.init_continuous_batching(eos_token_id=None, **config)
+    assert manager.config.use_cuda_graph is False  # the CPU default; the stand-in is put in by hand
+    manager.runner.graphs = ReplayedEagerly(manager.runner, manager.config.max_requests_per_batch)
+    return manager
+
+
+def test_decode_steps_through_the_static_buffers_give_generates_tokens(model_and_reference):
+    model, prompts, reference = model_and_reference
+    manager = replaying_manager(model, block_size=16, num_blocks=24, max_batch_tokens=64)
+    replays = []
+    graphs = manager.runner.graphs
+    real_run = graphs.run
+
+    def counting_run(input_ids, position_ids, context):
+        replays.append(input_ids.shape[1])
+        return real_run(input_ids, position_ids, context)
+
+    graphs.run = counting_run
+    for prompt in prompts:
+        manager.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    manager.run_until_done()
+    outputs = [manager.get_result(f"req_{i}", timeout=0) for i in range(len(prompts))]
+    assert [o.generated_tokens for o in outputs] == reference
+    assert manager.num_preemptions > 0  # sequences came back after their blocks were taken: tables changed
+    assert not graphs.failed and replays, "no decode step went through the static buffers"
+    rows_captured = {rows for rows, _ in graphs.graphs}
+    assert any(n not in rows_captured for n in replays), "no step was padded to a larger batch bucket"
+    assert manager.block_manager.num_free_blocks == manager.block_manager.num_blocks
+
+
+def test_a_prompt_of_one_token_and_single_decodes(model_and_reference):
+    """Batch bucket 1 (no padding), a context of one block, and contexts that grow through the buckets."""
+    model, _, _ = model_and_reference
+    prompts = [[5], [7, 8, 9]]
+    reference = greedy_reference(model, prompts, new_tokens=20)
+    manager = replaying_manager(model, block_size=4, num_blocks=16, max_batch_tokens=16)
+    for prompt in prompts:  # one at a time: each decodes alone
+        request = manager.add_request(prompt, max_new_tokens=20)
+        manager.run_until_done()
+        assert manager.get_result(request, timeout=0).generated_tokens == reference[prompts.index(prompt)]
+    assert {(1, 4), (1, 8), (1, 16), (1, 32)} <= set(manager.runner.graphs.graphs)
