@@ -46,6 +46,23 @@ def test_fused_residual_add_rms_norm(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", CASES[:1])
+def test_permuted_input_forward_backward(device, dtype):
+    # (seq, batch, hidden) memory seen as (batch, seq, hidden): dense but not viewable as rows, so the launchers
+    # copy it; the residual sum and dx they allocate must still be rows they can view.
+    x = rand(5, 2, 16, device=device, dtype=dtype, seed=0).transpose(0, 1).requires_grad_(True)
+    residual = rand(5, 2, 16, device=device, dtype=dtype, seed=2).transpose(0, 1).requires_grad_(True)
+    w = rand(16, device=device, dtype=dtype, grad=True, seed=3)
+    out, ref = rms_norm(x, w, 1e-6, residual=residual), rms_norm_reference(x, w, 1e-6, residual=residual)
+    for got, want in zip(out, ref):
+        assert_close(got, want, dtype)
+    for got, want in zip(_grads(out, (x, residual, w)), _grads(ref, (x, residual, w))):
+        assert_close(got, want, dtype)
+    y = rms_norm(x, w, 1e-6)
+    for got, want in zip(_grads(y, (x, w)), _grads(rms_norm_reference(x, w, 1e-6), (x, w))):
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES[:1])
 def test_float32_weight_with_half_input_promotes_like_torch(device, dtype):
     x = rand(2, 5, 24, device=device, dtype=torch.float16)
     w = rand(24, device=device, dtype=torch.float32)

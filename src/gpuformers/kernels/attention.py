@@ -35,6 +35,7 @@ from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+_MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2 (axis 0 takes 2**31 - 1)
 
 
 @triton.jit
@@ -47,10 +48,19 @@ def _visible(rows, cols, q_len, k_len, diag, window, b, MASK, stride_mb, stride_
     if HAS_WINDOW:
         ok = ok & (rows[:, None] + diag - cols[None, :] < window)
     if HAS_MASK:
-        mask_ptr = MASK + b * stride_mb + rows[:, None] * stride_mq + cols[None, :] * stride_mk
+        # int64 rows: q_len * kv_len passes 2**31 at 46k tokens
+        mask_ptr = MASK + b * stride_mb + rows.to(tl.int64)[:, None] * stride_mq + cols[None, :] * stride_mk
         allowed = tl.load(mask_ptr, mask=ok, other=0)
         ok = ok & (allowed != 0)
     return ok
+
+
+@triton.jit
+def _head_and_batch():
+    # Grid (tiles, heads, batch): CUDA caps grid axes 1 and 2 at 65535 each, which batch * heads on one axis
+    # passes (1,024 packed sequences of 64 heads). int64, since b * stride_qb passes 2**31 once q, k or the mask
+    # holds 2**31 elements (q of 16 x 16k tokens x 64 heads x 128; an (8, 1, 16k, 16k) padding mask).
+    return tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
 
 
 @triton.jit
@@ -79,14 +89,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, MASK, CU_Q, CU_K,
                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                      stride_lb, stride_lh, stride_mb, stride_mq, stride_mk,
-                     n_heads, Q_LEN, K_LEN, head_dim, window, qk_scale,
+                     Q_LEN, K_LEN, head_dim, window, qk_scale,
                      GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
                      VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    h, b = _head_and_batch()
     kvh = h // GROUP
     q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Q_LEN, K_LEN, VARLEN)
     diag = k_len - q_len
@@ -151,14 +159,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, CU_Q, CU_K,
                           stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                           stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
                           stride_lb, stride_lh, stride_mb, stride_mq, stride_mk,
-                          n_kv_heads, Q_LEN, K_LEN, head_dim, window, qk_scale, sm_scale,
+                          Q_LEN, K_LEN, head_dim, window, qk_scale, sm_scale,
                           GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
                           VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_kv_heads
-    kvh = pid_bh % n_kv_heads
+    kvh, b = _head_and_batch()
     q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Q_LEN, K_LEN, VARLEN)
     diag = k_len - q_len
     b_dense = b * (1 - VARLEN)
@@ -212,14 +218,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
                         stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                         stride_dqb, stride_dqh, stride_dqs,
                         stride_lb, stride_lh, stride_mb, stride_mq, stride_mk,
-                        n_heads, Q_LEN, K_LEN, head_dim, window, qk_scale, sm_scale,
+                        Q_LEN, K_LEN, head_dim, window, qk_scale, sm_scale,
                         GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
                         VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    h, b = _head_and_batch()
     kvh = h // GROUP
     q_start, q_len, k_start, k_len = _seq_bounds(b, CU_Q, CU_K, Q_LEN, K_LEN, VARLEN)
     diag = k_len - q_len
@@ -322,6 +326,9 @@ class _Problem:
             self.kv_heads, self.k_len = k.shape[1], k.shape[2]
             if k.shape[0] != self.batch:
                 raise ValueError(f"q has batch {self.batch} but k has {k.shape[0]}")
+        if self.batch > _MAX_GRID_YZ or self.heads > _MAX_GRID_YZ:
+            raise ValueError(f"{self.batch} sequences of {self.heads} heads: the kernel's grid takes at most "
+                             f"{_MAX_GRID_YZ} of each; split the batch")
         if self.heads % self.kv_heads:
             raise ValueError(f"query heads ({self.heads}) must be a multiple of key/value heads ({self.kv_heads})")
         self.group = self.heads // self.kv_heads
@@ -369,12 +376,12 @@ def _forward(p: _Problem, q, k, v, scale):
     cu_q = p.cu_q if p.varlen else lse
     cu_k = p.cu_k if p.varlen else lse
     if q.numel() and p.k_len:
-        grid = (triton.cdiv(p.q_len, block_m), p.batch * p.heads)
+        grid = (triton.cdiv(p.q_len, block_m), p.heads, p.batch)
         _attn_fwd_kernel[grid](
             q, k, v, out, lse, mask, cu_q, cu_k,
             *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(out, p.varlen),
             slb, slh, smb, smq, smk,
-            p.heads, p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E,
+            p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **p.flags(q.dtype),
         )
     elif q.numel():
@@ -397,19 +404,19 @@ def _backward(p: _Problem, q, k, v, out, lse, dout, scale):
     if not q.numel() or not p.k_len:
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_m, block_n, warps, stages = _blocks(q.device, p.head_dim, "dkdv", q.dtype)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(p.k_len, block_n), p.batch * p.kv_heads)](
+    _attn_bwd_dkdv_kernel[(triton.cdiv(p.k_len, block_n), p.kv_heads, p.batch)](
         q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
         *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(dout, p.varlen),
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), slb, slh, smb, smq, smk,
-        p.kv_heads, p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
+        p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
     )
     block_m, block_n, warps, stages = _blocks(q.device, p.head_dim, "dq", q.dtype)
-    _attn_bwd_dq_kernel[(triton.cdiv(p.q_len, block_m), p.batch * p.heads)](
+    _attn_bwd_dq_kernel[(triton.cdiv(p.q_len, block_m), p.heads, p.batch)](
         q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
         *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(dout, p.varlen),
         *_strides3(dq, p.varlen), slb, slh, smb, smq, smk,
-        p.heads, p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
+        p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
     )
     return dq, dk, dv

@@ -80,7 +80,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 @add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     y, rstd = _rms_norm_outputs(x, weight)
-    return y, torch.empty_like(x), rstd
+    return y, x.new_empty(x.shape), rstd  # contiguous, as rms_norm_forward allocates it
 
 
 @custom_op(f"{NAMESPACE}::rms_norm_backward", mutates_args=())
@@ -95,7 +95,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 @rms_norm_backward.register_fake
 def _(dy, x, weight, rstd, dresidual):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), torch.empty_like(weight)
 
 
 def _rms_norm_setup(ctx, inputs, output):

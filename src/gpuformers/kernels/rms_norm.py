@@ -54,7 +54,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DRES_OUT, DX, DW_PARTIAL, stride_dy, st
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
     for row in range(row_start, row_end):
-        row64 = row  # rows * hidden stays far below 2**31 for the models this library runs
+        row64 = tl.cast(row, tl.int64)  # row * stride passes 2**31 past ~400k rows of hidden 5120
         x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row64)
@@ -102,7 +102,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
         res2 = _rows("residual", residual)
     rows = x2.shape[0]
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
+    # Contiguous, not empty_like: a permuted x would give a permuted res_out that .view(-1, hidden) rejects.
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         y2 = y.view(-1, hidden)
@@ -120,7 +121,7 @@ def rms_norm_backward(dy, x, weight, rstd, dres_out=None):
     hidden = x.shape[-1]
     dy2, x2 = _rows("dy", dy.contiguous()), x.reshape(-1, hidden)
     rows = x2.shape[0]
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as res_out above
     dres2 = dres_out.contiguous().view(-1, hidden) if dres_out is not None else None
     programs = max(1, min(rows, _programs_for(x.device)))
     rows_per_program = triton.cdiv(rows, programs) if rows else 0

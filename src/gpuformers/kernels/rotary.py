@@ -29,7 +29,7 @@ def _rotary_kernel(X, Y, COS, SIN, stride_xb, stride_xh, stride_xs, stride_yb, s
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
     s = (pid % seq_len).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # h * seq * dim: 2**31 at 256k tokens
     d = tl.arange(0, BLOCK_D)
     dmask = d < half
     mask = (heads < n_heads)[:, None] & dmask[None, :]

@@ -98,7 +98,8 @@ def _weight_only_matmul_kernel(X, Q, S, Z, B, Y, M, N, K, stride_xm, stride_qn, 
         acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
     if SCALE_OUTPUT:  # int8 with one scale per output channel: x @ (q * s)^T = (x @ q^T) * s
         acc *= tl.load(S + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    # int64: a config with split-K at large M puts split_k * m * n past 2**31
+    y_ptrs = Y + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

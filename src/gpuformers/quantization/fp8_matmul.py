@@ -64,7 +64,8 @@ def _fp8_matmul_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, 
         scale = tl.load(scale_rows + k0 // block_cols, mask=mask_n, other=0.0)  # (BLOCK_N,) float32
         w = (w.to(tl.float32) * scale[:, None]).to(X.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    # int64: a config with split-K at large M puts split_k * m * n past 2**31
+    y_ptrs = Y + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
