@@ -3,7 +3,7 @@ graphs and async batching decided by the device) and each request's SamplingPara
 the GenerationConfig fields the engine does not honour refused by name.
 
 Offers: ContinuousBatchingConfig, sampling_params_from, unhonoured_fields, check_honoured, free_memory,
-decide_prepack.
+decide_prepack, check_one_device.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from gpuformers.engine.cuda_graphs import decide_cuda_graph
-from gpuformers.engine.model_runner import kv_bytes_per_block
+from gpuformers.engine.model_runner import kv_bytes_per_block, step_workspace_bytes
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
 from gpuformers.kernels.cpu_linear import available_ram, copies_fit, packable_linears
 from gpuformers.kernels.cpu_matmul_probe import packs_some_rows, prepack_available
+from gpuformers.sizes import format_size
 
 _CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
 
@@ -59,18 +60,22 @@ class ContinuousBatchingConfig:
     def resolve(self, model) -> "ContinuousBatchingConfig":
         """A copy with every automatic setting decided for this model on its device."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        check_one_device(model)
         cuda = model.device.type == "cuda"
         values["block_size"] = self.block_size or (256 if cuda else 64)
+        values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
+        values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
         tp_size = getattr(model, "tp_size", 1)
         if self.num_blocks is None:
-            per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size)
-            values["num_blocks"] = max(1, int(free_memory(model.device) * self.max_memory_percent) // per_block)
+            values["num_blocks"], sizes = self._blocks_that_fit(model, values, tp_size)
             if tp_size > 1:  # every process must schedule (and preempt) alike: the smallest cache of them all
                 from gpuformers.distributed import all_reduce_min
 
                 values["num_blocks"] = all_reduce_min(values["num_blocks"], model.device)
-        values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
-        values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
+            if values["num_blocks"] < 1:  # (after the all-reduce: every process raises, none waits in it)
+                raise ValueError(f"no KV cache block fits on {model.device}: {sizes}; free memory there (another "
+                                 f"process may hold it), raise max_memory_percent, lower block_size, max_batch_tokens "
+                                 f"or max_requests_per_batch, or set num_blocks")
         if self.use_cuda_graph and not cuda:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
         if self.use_cuda_graph and tp_size > 1:
@@ -81,6 +86,35 @@ class ContinuousBatchingConfig:
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
         return ContinuousBatchingConfig(**values)
+
+    def _blocks_that_fit(self, model, values: dict, tp_size: int) -> tuple[int, str]:
+        """(blocks, how they were counted): the KV cache takes at most max_memory_percent of the free memory, and on
+        a GPU leaves a step's workspace free; one block of it is the model runner's scratch block."""
+        per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size)
+        cuda = model.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()  # memory torch's allocator holds unused (loading's leftovers) counts as free
+        free = free_memory(model.device)
+        budget = int(free * self.max_memory_percent)
+        sizes = f"{format_size(free)} free, max_memory_percent={self.max_memory_percent} of it {format_size(budget)}"
+        if cuda:  # (on the CPU, _CPU_CACHE_CAP leaves the RAM for the rest)
+            workspace = step_workspace_bytes(model.config, values["max_batch_tokens"],
+                                             values["max_requests_per_batch"], model.dtype, tp_size)
+            budget = min(budget, free - workspace)
+            sizes += f" and {format_size(workspace)} stays free for a step's activations and logits"
+        sizes += f"; one block of {values['block_size']} tokens takes {format_size(per_block)} (plus the scratch one)"
+        return max(0, budget // per_block - 1), sizes
+
+
+def check_one_device(model) -> None:
+    """NotImplementedError for a model that device_map spread over several devices (or offloaded): the engine keeps
+    its KV cache and step inputs on one device, model.device, and the layers placed elsewhere would not find them."""
+    placed = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    if len(placed) > 1:
+        raise NotImplementedError(
+            f"the model is spread over {placed} by device_map; the continuous batching engine runs a model on one "
+            f"device: load it with device_map=\"cuda\" (one GPU), or over several GPUs with tp_plan=\"auto\" under "
+            f"torchrun (tensor parallelism)")
 
 
 def decide_prepack(asked: bool | None, model, tp_size: int) -> bool:

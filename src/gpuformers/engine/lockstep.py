@@ -15,6 +15,10 @@ from each process's global generator instead would let the processes' sequences 
 
 The leader's engine loop ends by sending "stop", which ends the followers' loops.
 
+The commands travel over gloo, between the processes' CPUs: the model's group on GPUs is NCCL's, whose object
+broadcast copies the pickled commands to the GPU and reads their size back (.item()) on the stream of the step in
+flight, so that each step would wait for the one before it (async batching would overlap nothing).
+
 Offers: Lockstep, STOP.
 """
 
@@ -31,7 +35,7 @@ class Lockstep:
     """One process's side of the exchange, over `group` (the model's tensor-parallel group)."""
 
     def __init__(self, group=None):
-        self.group = group
+        self.group = _host_group(group)
         self.is_leader = dist.get_rank(group) == 0
         self.stopped = False
         self._seeds = random.SystemRandom()
@@ -48,3 +52,11 @@ class Lockstep:
         commands = box[0]
         self.stopped = self.stopped or any(kind == STOP for kind, _ in commands)
         return commands
+
+
+def _host_group(group):
+    """`group` when it runs on gloo, else its processes in a new gloo group (made by every process, as run_in_lockstep
+    is called: new_group is collective)."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    return dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo")

@@ -26,7 +26,7 @@ Sampling, with each request's own parameters and logit adjustments, is sampler.p
 (lora.py) the runner gives the step each adapter's rows of the flattened batch (`adapter_rows`), as it gives the
 attention its PagedContext.
 
-Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, PROMPT_LOGITS_ROWS.
+Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, step_workspace_bytes, PROMPT_LOGITS_ROWS.
 """
 
 from __future__ import annotations
@@ -39,12 +39,18 @@ import torch
 from gpuformers.kernels.cpu_linear import packed_linears
 from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
-from gpuformers.engine.sampler import TokenCounts, device_tensor, sample_on_device, to_host_samples
+from gpuformers.engine.sampler import TokenCounts, device_scope, device_tensor, sample_on_device, to_host_samples
 from gpuformers.engine.scheduler import ScheduledBatch
 from gpuformers.engine.sequence import Sequence
 
 # Prompt logits are computed this many rows at a time: (rows, vocab) in float32 is ~150 MB for a 150k vocabulary.
 PROMPT_LOGITS_ROWS = 256
+# (rows, vocab) float32 tensors a step's sampling holds at once at most: the logits, their adjusted copy, the dense
+# penalties' temporaries (counts as float, the penalised rows, two torch.where results) and the log-softmax.
+_LOGITS_COPIES = 6
+# (tokens, hidden) tensors a decoder layer holds at once: the residual stream, the normed input, q / attention
+# output, the sum; and the MLP's gate, up and product rows of (tokens, intermediate).
+_HIDDEN_COPIES, _INTERMEDIATE_COPIES = 4, 3
 
 
 @dataclass
@@ -69,6 +75,19 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
     element = torch.empty((), dtype=dtype).element_size()
     kv_heads = config.num_key_value_heads // tp_size
     return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * element
+
+
+def step_workspace_bytes(config, max_batch_tokens: int, max_requests: int, dtype: torch.dtype,
+                         tp_size: int = 1) -> int:
+    """An estimate of the device memory one step takes beyond the weights and the KV cache, which sizing the cache
+    must leave free: the decoder's activations over max_batch_tokens tokens (this process's share of the MLP under
+    tensor parallelism) and the float32 logits, (rows, vocab) for every sampling row (or a chunk of prompt
+    logprobs, computed before them) with the copies the logit adjustments and logprobs make. (Attention that
+    materialises its scores, "paged|eager" over long prefills, can take more.)"""
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = _HIDDEN_COPIES * config.hidden_size + _INTERMEDIATE_COPIES * config.intermediate_size // tp_size
+    rows = max(min(max_requests, max_batch_tokens), PROMPT_LOGITS_ROWS)
+    return max_batch_tokens * per_token * element + rows * config.vocab_size * 4 * _LOGITS_COPIES
 
 
 class ModelRunner:
@@ -166,7 +185,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start the step on the device and return without waiting for it. `previous`: the step still in flight,
-        whose tokens feed this step's placeholders."""
+        whose tokens feed this step's placeholders. Runs with the model's GPU as the thread's current device,
+        whichever thread calls it (the engine loop's starts on cuda:0)."""
+        with device_scope(self.device):
+            return self._launch(batch, previous)
+
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         input_ids, position_ids, context, sample_rows = self.prepare(batch)
         self._carry_placeholders(batch, input_ids, context.query_start, previous)
         prompt_rows = self.prompt_logprob_rows(batch)
@@ -192,7 +216,7 @@ class ModelRunner:
             # A non_blocking copy to the CPU lands in pinned memory; the event says when it has.
             host = [t.to("cpu", non_blocking=True) for t in on_device]
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(tokens.device))  # the copies' stream, not the current device's
         return LaunchedStep(batch, sampling, tokens, host, logprob_rows, event)
 
     def collect(self, step: LaunchedStep) -> list[tuple[int, float | None] | None]:

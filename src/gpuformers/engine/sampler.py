@@ -13,10 +13,12 @@ Logprobs, greedy or sampled, are those of the adjusted logits (before temperatur
 The penalties count tokens in TokenCounts: a row per request on the device, to which each step adds the tokens
 it sampled, so no step sends token lists or waits for the host.
 
-Offers: sample_on_device, to_host_samples, TokenCounts, device_tensor.
+Offers: sample_on_device, to_host_samples, TokenCounts, device_tensor, device_scope.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -32,6 +34,14 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype = torch
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def device_scope(device: torch.device):
+    """A context in which `device` is this thread's current CUDA device (nothing off CUDA). Torch ops follow their
+    tensors' device, but what names no device uses the current one: Triton kernel launches, streams, events, CUDA
+    graph captures. A thread starts on cuda:0, so an engine loop thread (or a server's worker thread) driving a
+    model on cuda:1 would launch those on the wrong GPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class TokenCounts:
@@ -175,6 +185,21 @@ def _filter_row(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return logits
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id (a 0-d tensor on probs' device) drawn from probs (vocab,). On the CPU torch.multinomial; on a
+    GPU the race torch.multinomial runs inside, argmax(probs / E) with E ~ Exp(1) from the same generator (so the
+    same draw), without the checks before it that read the probabilities back with .item() in torch releases
+    before pytorch#134818 (2024): two host syncs per sampled row, each making `launch` wait for the step in
+    flight (generate() samples the same way, generation/generate.py)."""
+    if probs.device.type != "cuda":
+        return torch.multinomial(probs, 1, generator=generator)[0]
+    return _exponential_race(probs, generator)
+
+
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax()
+
+
 def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: TokenCounts
                      ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
     """Choose each sequence's token without a host sync. logits (len(sequences), vocab) ->
@@ -198,8 +223,7 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
             row = _filter_row(logits[i] / params.temperature, params.top_k, params.top_p, params.min_p)
             if params.seed is not None and sequences[i].generator is None:
                 sequences[i].generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-            probs = row.softmax(-1)
-            tokens[i] = torch.multinomial(probs, 1, generator=sequences[i].generator)[0]
+            tokens[i] = _draw(row.softmax(-1), sequences[i].generator)
     if penalised is not None:
         index, table_rows = penalised
         counts.add(table_rows, tokens.index_select(0, index))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from gpuformers.engine.sampler import device_scope
 from gpuformers.kernels.cpu_linear import cpu_matmuls
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.pooling import Pooling, max_seq_length, pool, read_checkpoint_json, resolve_pooling
@@ -117,8 +118,9 @@ class Embedder:
         """Token id lists -> (len(rows), dimensions or hidden) float32 on the CPU, in the order of `rows`."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         pooled = torch.empty(len(rows), self.hidden_size)
-        # (cpu_matmuls: the CPU's faster matmuls, as generate() takes them)
-        with self._lock, torch.inference_mode(), cpu_matmuls(self.model):
+        # (cpu_matmuls: the CPU's faster matmuls, as generate() takes them; device_scope: this runs in a worker
+        # thread, whose current CUDA device is cuda:0 whatever the model's, and Triton kernels launch on that one)
+        with self._lock, torch.inference_mode(), cpu_matmuls(self.model), device_scope(self.model.device):
             for chosen in _batches(order, rows):
                 input_ids, attention_mask = self._padded([rows[i] for i in chosen])
                 hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
