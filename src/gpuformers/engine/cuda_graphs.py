@@ -10,10 +10,11 @@ Graphs are captured lazily, the first time a step needs a bucket, not all at sta
 takes seconds to tens of seconds (the start-up cost users complain about most in vLLM), and a workload only ever
 meets a few buckets. The first step of a new bucket pays its capture once (warm-up run + capture).
 
-Only pure decode steps replay a graph; a step with any prefill chunk runs eagerly. Everything but the capture
-itself (buckets, static buffers, padding rows, the context bucket) also runs on the CPU, where the tests replace
-`_capture` with a stand-in that recomputes the forward at each replay (tests/engine/test_cuda_graph_buffers.py). All graphs share one memory
-pool (they never run at the same time).
+A graph runs the decoder only and leaves its rows' final hidden states in one static buffer; the LM head (one
+matmul, and a family's logit transform) runs after the replay. Only pure decode steps replay a graph; a step with
+any prefill chunk runs eagerly. All graphs share one memory pool (they never run at the same time). Everything but
+the capture itself (buckets, static buffers, padding rows) also runs on the CPU, where the tests replace `_capture`
+with a stand-in that reruns the forward at each replay (tests/engine/test_cuda_graph_buffers.py).
 
 With asynchronous batching a decode's input token may still be on the device (sampled by the step in flight): the
 model runner scatters it into the step's input_ids before `run`, whose copy into the static input buffer is
@@ -79,7 +80,6 @@ class DecodeGraphs:
         self.runner = runner
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         bs = runner.block_size
-        self.max_blocks = runner.num_blocks  # a sequence can at most own every block
         # Context buckets: powers of two from one block up to the whole cache.
         self.context_buckets, c = [], bs
         while c < runner.num_blocks * bs:
@@ -91,21 +91,27 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=device)
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Block tables, one per context bucket, as wide as its contexts need and made when first used: one table as
+        # wide as the whole cache would be (max_batch, num_blocks) int64, gigabytes for a small model's cache of
+        # millions of blocks on a large GPU.
+        self.block_tables: dict[int, torch.Tensor] = {}
+        # The static output every graph writes: the final hidden states of its rows. The LM head runs after the
+        # replay, eagerly (one matmul): a (rows, vocab) logits output kept per graph would hold up to ~150 MB each.
+        self.hidden = torch.zeros(n, runner.model.config.hidden_size, dtype=runner.model.dtype, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.failed = False  # a capture failed once: stay eager rather than fail every step
 
     def can_run(self, batch, context: PagedContext) -> bool:
         return (not self.failed and context.num_decodes == len(batch) and len(batch) <= self.batch_buckets[-1])
 
-    def _forward(self, rows: int, length: int) -> torch.Tensor:
-        """The decode forward over the static buffers: (rows, vocab) logits."""
+    def _forward(self, rows: int, length: int) -> None:
+        """The decode forward over the static buffers, its rows' final hidden states written to self.hidden."""
         runner = self.runner
         context = PagedContext(
             slot_mapping=self.slot_mapping[:rows],
-            block_tables=self.block_tables[:rows, :length // runner.block_size],
+            block_tables=self.block_tables[length][:rows],
             context_lens=self.context_lens[:rows],
             query_start=list(range(rows + 1)),
             context_lens_list=[length] * rows,  # read only through max_decode_context below
@@ -118,10 +124,10 @@ class DecodeGraphs:
         with paged_context(context):
             hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
                                        past_key_values=PagedKVCache(context))
-        return runner.compute_logits(hidden[0])
+        self.hidden[:rows].copy_(hidden[0])
 
     def _capture(self, rows: int, length: int):
-        """-> (graph, its logits): replaying the graph recomputes `_forward(rows, length)` into those logits."""
+        """-> a graph whose replay recomputes `_forward(rows, length)`."""
         if self.runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.runner.device}")
         logger.info("capturing a CUDA graph for %d decode rows, context %d", rows, length)
@@ -132,30 +138,36 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(rows, length)
+            self._forward(rows, length)
         self.pool = graph.pool()
-        return graph, logits
+        return graph
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext) -> torch.Tensor:
+        """-> (n, vocab) logits of the step's n decodes."""
         n = input_ids.shape[1]
         rows = _bucket(n, self.batch_buckets)
         length = _bucket(max(context.context_lens_list), self.context_buckets)
         scratch = self.runner.scratch_block
         bs = self.runner.block_size
-        # Real rows, then padding rows that write to the scratch block and attend only to it.
+        if length not in self.block_tables:
+            self.block_tables[length] = torch.zeros(self.batch_buckets[-1], length // bs, dtype=torch.long,
+                                                    device=self.runner.device)
+        tables = self.block_tables[length]
+        # Real rows, then padding rows that write to the scratch block and attend only to it. A sequence's table
+        # may list a block past its context (taken ahead for its next token): the bucket's width is what is read.
+        width = min(context.block_tables.shape[1], tables.shape[1])
         self.input_ids[0, :n].copy_(input_ids[0])
         self.position_ids[0, :n].copy_(position_ids[0])
         self.slot_mapping[:n].copy_(context.slot_mapping)
         self.context_lens[:n].copy_(context.context_lens)
-        width = context.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(context.block_tables)
-        self.block_tables[:n, width:].fill_(scratch)
+        tables[:n, :width].copy_(context.block_tables[:, :width])
+        tables[:n, width:].fill_(scratch)
         if rows > n:
             self.input_ids[0, n:rows].fill_(0)
             self.position_ids[0, n:rows].fill_(0)
             self.slot_mapping[n:rows].fill_(scratch * bs)
             self.context_lens[n:rows].fill_(1)
-            self.block_tables[n:rows].fill_(scratch)
+            tables[n:rows].fill_(scratch)
         key = (rows, length)
         if key not in self.graphs:
             try:
@@ -167,6 +179,5 @@ class DecodeGraphs:
                     hidden, _ = self.runner.decoder(input_ids=input_ids, position_ids=position_ids,
                                                     past_key_values=PagedKVCache(context))
                 return self.runner.compute_logits(hidden[0])
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits[:n]
+        self.graphs[key].replay()
+        return self.runner.compute_logits(self.hidden[:n])
