@@ -47,3 +47,16 @@ def test_launcher_names_bad_shapes():
         paged_decode_attention(query[:, :3], k, v, tables, lengths, bs, scale=1.0)
     with pytest.raises(ValueError, match="block_tables"):
         paged_decode_attention(query, k, v, tables[:2], lengths, bs, scale=1.0)
+    with pytest.raises(ValueError, match="block_size=12 must be a power of two"):
+        paged_decode_attention(query, k, v, tables, lengths, 12, scale=1.0)
+
+
+def test_an_empty_context_gives_zeros_as_the_reference():
+    from gpuformers.engine.paged_attention_triton import paged_decode_attention, paged_decode_reference
+
+    query, k, v, tables, lengths, bs = random_case(num_seqs=3)
+    lengths[1] = 0
+    out = paged_decode_attention(query, k, v, tables, lengths, bs, scale=0.5)
+    torch.testing.assert_close(out, paged_decode_reference(query, k, v, tables, lengths, bs, scale=0.5),
+                               atol=2e-5, rtol=2e-5)
+    assert not out[1].any()

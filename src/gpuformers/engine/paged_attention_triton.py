@@ -67,7 +67,7 @@ def _paged_decode_kernel(Q, K, V, OUT, BLOCK_TABLES, CONTEXT_LENS,
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m = m_new
-    out = acc / l[:, None]
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # an empty context (no keys) gives 0, as the reference does
     tl.store(OUT + seq * stride_os + heads[:, None] * stride_oh + dims[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -92,6 +92,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"must be (num_seqs, max_blocks) and (num_seqs,) with num_seqs = {num_seqs}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two (the kernel tiles keys by it)")
     block_tables = block_tables.contiguous()
     n_rep = heads // kv_heads
     out = torch.empty_like(query)
