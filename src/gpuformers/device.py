@@ -138,7 +138,8 @@ def resolve_dtype(dtype: Any, *, checkpoint_dtype: Any = None, device: Any = Non
 
 
 def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
-    """One device as users write it -> a torch.device that exists here, or an error saying how to fix it."""
+    """One device as users write it -> a torch.device that exists here, or an error saying how to fix it. "cuda"
+    is the current GPU; under torchrun, this process's (cuda:LOCAL_RANK) until set_device says otherwise."""
     import torch
 
     value = device_or_map
@@ -167,6 +168,11 @@ def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
     count = gpus.device_count()
     if index is None:
         index = gpus.current_device()  # "cuda" means the current device (torch.cuda.set_device under torchrun)
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        if index == 0 and local_rank.isdigit() and int(local_rank) < count:
+            # Under torchrun before anything called set_device (a model loaded with device_map="cuda" before the
+            # Trainer joins the process group): this process's GPU, not cuda:0 for every process
+            index = int(local_rank)
     if index >= count:
         raise RuntimeError(f"device cuda:{index} does not exist: {count} CUDA GPU(s) are visible (cuda:0 to "
                            f"cuda:{count - 1}) with CUDA_VISIBLE_DEVICES={_shown(os.environ)}; pick an index below "

@@ -29,8 +29,8 @@ Checkpoints are written by process 0 from full (gathered) state dicts; every pro
 functions, since they are collectives.
 
 Offers: world_size, rank, is_main_process, process_device, init_distributed, FSDPOptions, wrap_model, hybrid_mesh,
-gradient_sync, all_reduce_sum, all_reduce_min, barrier, exit_process, full_model_state_dict, load_full_model_state_dict,
-full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
+gradient_sync, all_reduce_sum, all_reduce_min, gather_to_main, barrier, exit_process, full_model_state_dict,
+load_full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
 
 from __future__ import annotations
@@ -159,13 +159,18 @@ def _layers_to_shard(model: torch.nn.Module, layer_classes: tuple[str, ...] | No
 
 
 def _fully_shard_kwargs(options: FSDPOptions, device: torch.device) -> dict:
-    """fully_shard's mesh, offload_policy and mp_policy for `options` (mesh and offload_policy omitted when left
-    at their defaults)."""
+    """fully_shard's mesh, offload_policy and mp_policy for `options` (offload_policy omitted when left at its
+    default)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     kwargs = {"mp_policy": MixedPrecisionPolicy()}
     if options.hybrid_shard:
         kwargs["mesh"] = hybrid_mesh(device, options.dp_shard_size)
+    else:
+        # on `device`'s type: fully_shard's default mesh is on the machine's accelerator (CUDA wherever a GPU is
+        # visible), which would move a model trained on the CPU (use_cpu=True) to cuda:0 in every process
+        kwargs["mesh"] = init_device_mesh(device.type, (dist.get_world_size(),))
     if options.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -242,6 +247,16 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     tensor = torch.tensor([value], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
+
+
+def gather_to_main(value):
+    """Every process's `value` (any picklable object), in rank order, on process 0 and None elsewhere; [value] in a
+    single process. A collective: every process must call it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)  # NCCL: through this process's GPU (set by init_distributed)
+    return gathered
 
 
 def exit_process(code: int = 0) -> NoReturn:

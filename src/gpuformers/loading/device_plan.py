@@ -72,6 +72,15 @@ class ModuleNode:
 
 def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
     # Floating tensors are loaded in `dtype`; integer and bool tensors keep theirs (as the loader does).
+    if tensor.is_floating_point():
+        # A bitsandbytes weight still to be quantized has its float (out, in) shape on the meta device, but is
+        # stored in 4 bits (two per byte) or 8; sized as float, a 4-bit model would be planned 4x too big and
+        # needlessly offloaded. Sizes as transformers plans them (statistics left out).
+        kind = type(tensor).__name__
+        if kind == "Params4bit" and not getattr(tensor, "bnb_quantized", False):
+            return (tensor.numel() + 1) // 2
+        if kind == "Int8Params" and not getattr(tensor, "has_fp16_weights", False):
+            return tensor.numel()
     size = dtype.itemsize if (dtype is not None and tensor.is_floating_point()) else tensor.element_size()
     return tensor.numel() * size
 
@@ -132,14 +141,19 @@ def parse_max_memory(max_memory: dict) -> dict[Device, int]:
 
 def available_memory(cuda: Any = None) -> dict[Device, int]:
     """What each device has free now: every visible GPU's free memory, and 90% of the CPU's available RAM
-    (a load has short spikes above the model's size; offloading a little more to disk is the safer side)."""
+    (a load has short spikes above the model's size; offloading a little more to disk is the safer side).
+    A GPU's free memory counts what this process's caching allocator holds unused (a model loaded and deleted
+    before): the driver sees it as taken, but the load can use it, as transformers counts it."""
     import psutil
 
     cuda = torch.cuda if cuda is None else cuda
     limits: dict[Device, int] = {}
     if cuda.is_available():
         for index in range(cuda.device_count()):
-            limits[index] = int(cuda.mem_get_info(index)[0])
+            cached = 0
+            if hasattr(cuda, "memory_reserved"):  # (fakes in tests may not have it)
+                cached = cuda.memory_reserved(index) - cuda.memory_allocated(index)
+            limits[index] = int(cuda.mem_get_info(index)[0]) + int(cached)
     limits["cpu"] = int(psutil.virtual_memory().available * 0.9)
     return limits
 

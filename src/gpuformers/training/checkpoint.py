@@ -4,7 +4,8 @@
       checkpoint-N/
         config.json, model.safetensors      the model, loadable by from_pretrained and by transformers
         optimizer.pt, scheduler.pt          their state_dicts (scaler.pt too with fp16)
-        rng_state.pth                       python, numpy, torch CPU and CUDA generators
+        rng_state.pth                       python, numpy, torch CPU and CUDA generators (under torchrun one
+                                            rng_state_<process>.pth per process, as transformers writes them)
         trainer_state.json                  global step, epoch, data position, log history, callback states
         training_args.json                  the arguments, for people
       .tmp-checkpoint-N-<pid>/             a save in progress; never read
@@ -15,10 +16,9 @@ torch.load(weights_only=True) only, so a checkpoint cannot run code (transformer
 array: the few NumPy globals that rebuild it are allowed for that file, nothing else).
 
 This is transformers' Trainer's layout, file for file, and each Trainer resumes from the other's checkpoints
-(transformers writes training_args.bin, which no resume reads, and rng_state_<process>.pth under torchrun), LoRA
-runs included (both keep the empty no-decay optimizer group of a LoRA model; one-process checkpoints of ours from
-before that still resume). Its DeepSpeed and FSDP checkpoints, and another optimizer's or scheduler's state, are
-refused with the file and the reason.
+(transformers writes training_args.bin, which no resume reads), LoRA runs included (both keep the empty no-decay
+optimizer group of a LoRA model; one-process checkpoints of ours from before that still resume). Its DeepSpeed
+and FSDP checkpoints, and another optimizer's or scheduler's state, are refused with the file and the reason.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
 rotate_checkpoints, load_model_weights_in_place, load_optimizer_state, capture_rng_state, restore_rng_state,
@@ -111,9 +111,12 @@ def _fsync_dir(folder: Path) -> None:
 
 def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model, state, args=None, optimizer=None,
                              scheduler=None, scaler=None, save_only_model: bool = False,
-                             model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None) -> Path:
+                             model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None,
+                             rng_states: list[dict] | None = None) -> Path:
     """Write checkpoint-`step` atomically (see the module docstring) and return its path. The state dicts, when
-    given, replace the model's and the optimizer's own (the gathered states of a model sharded by FSDP2)."""
+    given, replace the model's and the optimizer's own (the gathered states of a model sharded by FSDP2).
+    rng_states: every process's capture_rng_state(), in rank order (gathered under torchrun), each written to
+    rng_state_<process>.pth; None: this process's own, to rng_state.pth."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(f"{_TMP_PREFIX}*"):  # left by a save that crashed
@@ -133,7 +136,11 @@ def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model,
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_NAME)
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / SCALER_NAME)
-        torch.save(capture_rng_state(), tmp / RNG_NAME)
+        if rng_states is None or len(rng_states) == 1:
+            torch.save(capture_rng_state() if rng_states is None else rng_states[0], tmp / RNG_NAME)
+        else:  # each process draws its own dropout masks (its own batches, its own GPU's generator)
+            for index, rng in enumerate(rng_states):
+                torch.save(rng, tmp / f"rng_state_{index}.pth")
     if args is not None:
         (tmp / "training_args.json").write_text(args.to_json_string(), encoding="utf-8")
     state.save_to_json(tmp / STATE_NAME)  # last: a folder with trainer_state.json had everything written first
@@ -344,7 +351,7 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
         _load_scheduler(scheduler, folder / SCHEDULER_NAME, dropped_groups)
     if scaler is not None and (folder / SCALER_NAME).is_file():
         scaler.load_state_dict(_load(folder / SCALER_NAME))
-    # transformers' Trainer under torchrun writes one RNG file per process
+    # under torchrun both Trainers write one RNG file per process
     rng_path = next((path for path in (folder / RNG_NAME, folder / f"rng_state_{process_index}.pth")
                      if path.is_file()), None)
     return {"state_path": folder / STATE_NAME, "rng": _load_rng(rng_path) if rng_path else None}

@@ -1,9 +1,11 @@
 """The Trainer's side of checkpoints: what goes into checkpoint-N and what a resume takes back, across processes.
 
-    save:    whole states gathered from every process (FSDP2 shards, tensor-parallel slices: a collective)
-             -> process 0 writes checkpoint-N (checkpoint.py: atomically), rotates the old ones -> all wait
+    save:    whole states gathered from every process (FSDP2 shards, tensor-parallel slices: a collective), and
+             every process's RNG state -> process 0 writes checkpoint-N (checkpoint.py: atomically), rotates the
+             old ones -> all wait
     resume:  weights, optimizer, scheduler, scaler -> each process keeps its part; the trainer state (step, log
-             history, best checkpoint, callback states) -> the RNG state, restored by the loop before the next batch
+             history, best checkpoint, callback states) -> this process's RNG state, restored by the loop before
+             the next batch
 
 checkpoint.py does the files; this mixin decides what goes in them. save_model writes the model alone (config +
 safetensors, tokenizer, arguments).
@@ -39,12 +41,16 @@ class CheckpointMixin:
         if self.state.best_global_step == self.state.global_step:  # recorded in this checkpoint's own state
             self.state.best_model_checkpoint = os.path.join(args.output_dir, path.name)
         self.state.stateful_callbacks = cb.callback_states(self.callback_handler.callbacks + [self.control])
+        # every process's RNG state (a collective), not process 0's alone: each draws its own dropout masks from
+        # its own generators, and a resume must give each process its own back
+        rng_states = (distributed.gather_to_main(ckpt.capture_rng_state())
+                      if distributed.world_size() > 1 and not args.save_only_model else None)
         if distributed.is_main_process():
             path = ckpt.save_training_checkpoint(args.output_dir, self.state.global_step, model=self.model,
                                                  state=self.state, args=args, optimizer=self.optimizer,
                                                  scheduler=self.lr_scheduler, scaler=self.scaler,
                                                  save_only_model=args.save_only_model, model_state_dict=model_state,
-                                                 optimizer_state_dict=optimizer_state)
+                                                 optimizer_state_dict=optimizer_state, rng_states=rng_states)
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(path)
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit,
