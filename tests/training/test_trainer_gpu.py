@@ -65,3 +65,10 @@ def test_use_kernels_model_trains_to_the_same_losses(tiny_checkpoint, tmp_path):
         trainer.train()
         losses[kernels] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+
+
+def test_fp16_refuses_float16_weights_before_training(tiny_checkpoint, tmp_path):
+    """The gradient scaler cannot unscale float16 gradients: said up front, with the fix, not at the first step."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float16", device_map="cuda", progress=False)
+    with pytest.raises(ValueError, match=r"fp16=True trains float32 weights .* is float16: load the model with"):
+        Trainer(model, tiny_args(tmp_path, fp16=True, max_steps=1), train_dataset=make_rows(8))

@@ -20,6 +20,7 @@ from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.callbacks import TrainerState
+from gpuformers.training.model_setup import check_trainable
 from tests.training.helpers import make_rows, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,23 @@ def test_fsdp_on_the_cpu_stays_on_the_cpu_where_a_gpu_is_visible(tiny_checkpoint
     wrap_model(model, "fsdp", torch.device("cpu"))
     for weight in (model.model.layers[0].mlp.gate_proj.weight, model.lm_head.weight):
         assert weight.device_mesh.device_type == "cpu" and weight.device.type == "cpu"
+
+
+def test_fp16_refuses_float16_trainable_weights_and_takes_float32(tiny_checkpoint):
+    """fp16 mixed precision keeps float32 weights (its scaler refuses float16 gradients at the first step, after the
+    model and data have been set up): a float16 model is refused when the Trainer is made. (fp16 needs a GPU, so the
+    arguments here are a stand-in saying fp16.)"""
+    from types import SimpleNamespace
+
+    fp16 = SimpleNamespace(mixed_precision=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float32", progress=False)
+    check_trainable(model, fp16, tensor_parallel=False)
+    model.model.norm.half()
+    with pytest.raises(ValueError, match=r"fp16=True .* but model\.norm\.weight is float16: load the model with "
+                                         r"dtype=torch\.float32"):
+        check_trainable(model, fp16, tensor_parallel=False)
+    model.model.norm.weight.requires_grad_(False)  # frozen float16 weights (LoRA's base) get no gradient to unscale
+    check_trainable(model, fp16, tensor_parallel=False)
 
 
 def _worker() -> None:

@@ -3,7 +3,7 @@ the data-parallel wrapping (DDP / FSDP2) that the first train() puts around it.
 
 Each refusal names what was asked and what to do instead: NotImplementedError for what is not done yet (a model
 spread by device_map, tensor parallelism with FSDP2, MoE or fp16), ValueError for what cannot be trained (quantized
-linear layers without LoRA adapters).
+linear layers without LoRA adapters, float16 weights under fp16=True).
 
 Offers: check_trainable, enable_gradient_checkpointing, wrap_for_training.
 """
@@ -22,13 +22,20 @@ from gpuformers.training.arguments import TrainingArguments
 
 def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> None:
     """Refuse a model spread over devices, a tensor-parallel model with what tensor parallelism cannot train yet,
-    and a quantized model without LoRA adapters."""
+    float16 trainable weights under fp16 mixed precision, and a quantized model without LoRA adapters."""
     placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
     if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
         raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                   "model on one device for now: load it with device_map=None or one device")
     if tensor_parallel:
         _check_tensor_parallel_args(args, model)
+    if args.mixed_precision == torch.float16:
+        half = next((name for name, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16),
+                    None)
+        if half is not None:  # the scaler refuses to unscale float16 gradients, at the first optimizer step
+            raise ValueError(f"fp16=True trains float32 weights under autocast with a gradient scaler, but {half} "
+                             f"is float16: load the model with dtype=torch.float32 (not dtype=\"auto\" on a float16 "
+                             f"checkpoint), or use bf16=True on a GPU that has it (Ampere or newer)")
     if getattr(model, "is_quantized", False) and not _has_lora(model):
         raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
                          "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
