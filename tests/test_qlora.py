@@ -243,6 +243,20 @@ def test_weight_only_base_adds_the_lora_path_to_the_dequantized_layer(folder, bi
     assert not torch.equal(layer.lora_A.weight, a_before) and torch.equal(layer.base_layer.qweight, qweight)
 
 
+def test_switching_adapters_over_weight_only_layers_without_bias(folder):
+    """A WeightOnlyLinear without bias (the folder's MLP) has no parameter at all, only buffers: switching back to a
+    parked adapter found the base layer's device from its parameters, and failed (StopIteration)."""
+    model = _ours(folder, dict(bits=8))
+    model.add_adapter(LoraConfig(r=4, target_modules=["gate_proj"], init_lora_weights=False), "a")
+    with_a = _logits(model)
+    model.add_adapter(LoraConfig(r=4, target_modules=["gate_proj"], init_lora_weights=False), "b")
+    model.set_adapter("a")
+    layer = model.model.layers[0].mlp.gate_proj
+    assert isinstance(layer, LoraLinear) and list(layer.base_layer.parameters()) == []
+    assert layer.lora_A.weight.device == layer.base_layer.qweight.device
+    torch.testing.assert_close(_logits(model), with_a, atol=0, rtol=0)
+
+
 def test_merge_requantizes_like_peft(bnb, folder):
     """peft merges into a 4-bit layer by dequantizing, adding B @ A * scaling and quantizing again: the same here,
     to the bit, when merging before any forward."""

@@ -180,6 +180,46 @@ def test_dequantize_is_the_weight_the_forward_uses(name):
     assert (layer.dequantize() - weight).abs().max().item() < 0.01
 
 
+def _repack_for_the_cpu_kernel(layer):
+    """What bitsandbytes' Linear4bit does at a no-grad eval forward on CPUs with AVX512-BF16 (done by hand here, so
+    that the test runs on any CPU)."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    if not hasattr(functional, "_convert_weight_packed_for_cpu"):
+        pytest.skip("this bitsandbytes does not repack 4-bit weights for its CPU kernel")
+    layer.weight.data, layer.weight.quant_state = functional._convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state)
+    assert layer.weight.quant_state.packing_format_for_cpu
+
+
+@pytest.mark.parametrize("name", ["nf4", "nf4-double-quant"])
+def test_moving_a_repacked_4bit_layer_hands_over_the_portable_layout(name):
+    # Params4bit.to() moves a repacked weight as it is (only .cuda() reads it back): model.to("cuda") after a CPU
+    # evaluation gave the GPU kernels the CPU kernel's layout. .to("cpu") takes the same path in bitsandbytes.
+    torch.manual_seed(0)
+    layer = _layer_from(nn.Linear(128, 64), CONFIGS[name])
+    portable, weight = layer.weight.data.clone(), layer.dequantize()
+    _repack_for_the_cpu_kernel(layer)
+    layer.to("cpu")
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert torch.equal(layer.weight.data, portable) and layer.quant_state is layer.weight.quant_state
+    # the repacking rounded absmax to bfloat16, as bitsandbytes' eval forward does
+    torch.testing.assert_close(layer.dequantize(), weight, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_4bit_layer_evaluated_on_the_cpu_then_moved_computes_on_the_gpu():
+    torch.manual_seed(0)
+    layer = _layer_from(nn.Linear(128, 64), CONFIGS["nf4"])
+    x = torch.randn(3, 128)
+    _repack_for_the_cpu_kernel(layer)
+    expected = nn.functional.linear(x, layer.dequantize(), layer.bias)  # dequantize() reads the repacked weight
+    layer.to("cuda")
+    with torch.no_grad():
+        out = layer(x.cuda()).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def _layer_from(linear: nn.Linear, settings: dict, dtype=torch.float32) -> nn.Module:
     from gpuformers.quantization.bnb import bnb_linear
 

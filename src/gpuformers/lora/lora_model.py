@@ -10,6 +10,7 @@ Offers: LoraModel, trained_bias_names.
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import warnings
@@ -118,7 +119,8 @@ class LoraModel(nn.Module):
         for name, module in self._parked:
             lora = isinstance(module, LoraLayer)
             base = module.base_layer if lora else module.original_module
-            device = next(iter(base.parameters())).device
+            # buffers too: a WeightOnlyLinear without bias keeps its weight (qweight) in a buffer, no parameter
+            device = next(itertools.chain(base.parameters(), base.buffers())).device
             for part in module.adapter_parameters() if lora else module.modules_to_save.parameters():
                 if part.device != device:
                     part.data = part.data.to(device)

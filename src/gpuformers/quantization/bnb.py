@@ -171,6 +171,16 @@ def _classes():
             for key, value in state.as_dict(packed=True).items():
                 destination[f"{prefix}weight.{key}"] = value if keep_vars else value.detach()
 
+        def _apply(self, fn, recurse=True):
+            # Params4bit.to() moves a weight repacked for the CPU kernel (see unpacked()) as it is; only its .cuda()
+            # reads it back, so model.to("cuda") after a CPU eval forward would multiply by scrambled weights.
+            # Back to the portable layout first (its own state_dict, reloaded); a later CPU forward repacks it.
+            if getattr(self.weight.quant_state, "packing_format_for_cpu", False):
+                for name, tensor in self.state_dict().items():
+                    if name != "bias":  # left as it is (prepare_model_for_kbit_training may have upcast it)
+                        self.load_from_checkpoint(name, tensor)
+            return super()._apply(fn, recurse)
+
         def extra_repr(self) -> str:
             return (f"{super().extra_repr()}, quant_type={self.weight.quant_type}, compute_dtype={self.compute_dtype}, "
                     f"double_quant={self.weight.compress_statistics}, quant_storage={self.weight.quant_storage}")

@@ -87,10 +87,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
                          f"are (..., groups, 16) and scales (..., groups)")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    table = _e2m1_table(blocks.device)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # (..., groups, 32), low nibble first
     values = table[codes.long()] * torch.exp2(scales.to(torch.float32) - 127.0)[..., None]
     return values.flatten(-2).to(dtype)
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """E2M1_VALUES (float32, 16) computed on `device` from the codes (module doc), not copied there from a Python
+    list: a copy from host memory waits for the GPU, and a training forward dequantizes every expert it runs."""
+    codes = torch.arange(16, device=device)
+    exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, mantissa / 2, (1 + mantissa / 2) * torch.exp2(exponent - 1.0))
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
