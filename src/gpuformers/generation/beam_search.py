@@ -53,6 +53,8 @@ def beam_search(model, input_ids, step_inputs: StepInputs, forward, config, proc
     best candidates end; candidates that end go to a per-prompt list of the best `beams` finished sequences,
     scored by sum of log-probs / new_length ** length_penalty.
     """
+    from gpuformers.generation.generate import step_logits  # (generate.py imports this module)
+
     beams, max_length = config.num_beams, config.max_length
     rows, prompt_length = input_ids.shape
     device = input_ids.device
@@ -82,7 +84,7 @@ def beam_search(model, input_ids, step_inputs: StepInputs, forward, config, proc
                    use_cache=step_inputs.cache is not None, logits_to_keep=1)
     length = prompt_length
     while True:
-        logits = outputs.logits[:, -1].float()  # (batch * beams, vocab)
+        logits = step_logits(outputs, compiled=forward is not model)  # (batch * beams, vocab)
         del outputs
         vocab = logits.shape[-1]
         log_probs = processors(running[:, :, :length].reshape(rows, length), F.log_softmax(logits, dim=-1))

@@ -19,7 +19,7 @@ padding tokens that are cut off at the end, so the output equals checking every 
 on the host anyway, so with one the check runs every step.
 
 Offers: GenerationMixin (generate, compute_transition_scores), GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL,
-greedy_tokens (and, from beam_search.py, GenerateBeamDecoderOnlyOutput).
+step_logits, greedy_tokens (and, from beam_search.py, GenerateBeamDecoderOnlyOutput).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class GenerationMixin(GenerationPreparation):
                        use_cache=step_inputs.cache is not None, logits_to_keep=1, **extra)
         length = prompt_length
         while True:
-            logits = outputs.logits[:, -1].float()  # (rows, vocab)
+            logits = step_logits(outputs, compiled=forward is not self)  # (rows, vocab)
             if hidden_out is not None:
                 hidden_out.append(outputs.hidden_states)
             del outputs
@@ -288,6 +288,14 @@ def _stop_check_interval(device: torch.device, streamer) -> int:
     """Decode steps between two "have all rows finished?" checks: every step where a check costs nothing (the
     CPU) or the tokens go to the host anyway (a streamer), else STOP_CHECK_INTERVAL."""
     return 1 if device.type == "cpu" or streamer is not None else STOP_CHECK_INTERVAL
+
+
+def step_logits(outputs, compiled: bool) -> torch.Tensor:
+    """The last position's logits (rows, vocab) in float32, as sampling reads them. From a compiled step (CUDA graphs,
+    mode="reduce-overhead") always a copy, as transformers takes one: the step's output lives in the graph's memory,
+    which its next replay overwrites, so a float32 model's view of it would change under the scores and logits kept
+    for the caller (and under processors that edit in place)."""
+    return outputs.logits[:, -1].to(dtype=torch.float32, copy=compiled)
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:

@@ -156,8 +156,18 @@ class GenerationPreparation:
                 f"raise max_cache_len or lower max_new_tokens"
             )
         # Fixed shapes only pay off when the step is compiled; eagerly, reading the written prefix is cheaper.
-        return StaticCache(self.config, max_cache_len=size, max_batch_size=rows,
-                           fixed_shape=self._compiles_decode(config))
+        if not self._compiles_decode(config):
+            return StaticCache(self.config, max_cache_len=size, max_batch_size=rows, fixed_shape=False)
+        # The compiled step's cache is kept on the model and emptied for the next call, as transformers keeps its
+        # own: its buffers are marked as static addresses (kept alive by torch until torch._dynamo.reset(), so a
+        # new cache per call would leak device memory) and a new address makes CUDA graphs re-record the step.
+        kept = self.__dict__.get("_static_cache")
+        if kept is not None and _reusable(kept, rows, size, self.get_input_embeddings().weight):
+            kept.reset()
+            return kept
+        cache = StaticCache(self.config, max_cache_len=size, max_batch_size=rows, fixed_shape=True)
+        self.__dict__["_static_cache"] = cache  # (not a submodule, not a buffer: never saved or moved)
+        return cache
 
     def _compiles_decode(self, config: GenerationConfig) -> bool:
         """transformers' auto-compile rule, less the cache: on CUDA unless disable_compile=True, for a model that
@@ -165,6 +175,11 @@ class GenerationPreparation:
         when the caller passes a compile_config: compiling costs about a minute there, worth it for long runs."""
         device = self.get_input_embeddings().weight.device
         if config.disable_compile or (device.type != "cuda" and config.compile_config is None):
+            return False
+        placed = {str(where) for where in (getattr(self, "hf_device_map", None) or {}).values()}
+        if "disk" in placed or ("cpu" in placed and len(placed) > 1):
+            # Offloaded weights stream in through hooks at every forward, which CUDA graphs cannot replay (transformers
+            # does not compile such a model either): the static cache runs eagerly.
             return False
         if not self.supports_compiled_decode:
             warnings.warn(
@@ -197,3 +212,16 @@ class GenerationPreparation:
         from gpuformers.kernels.cpu_linear import cpu_matmuls
 
         return cpu_matmuls(self, rows) if forward is self else contextlib.nullcontext()
+
+
+def _reusable(cache: StaticCache, rows: int, size: int, embeddings: torch.Tensor) -> bool:
+    """Whether a kept fixed-shape StaticCache serves a call of `rows` rows up to `size` tokens: the same batch, room
+    enough, buffers on the device and in the dtype of the model's embeddings (a model moved or cast since gets a new
+    cache), and buffers it may write in place here (inference tensors, made by a generate() whose loop ran in
+    inference mode, only inside inference mode, and only they there)."""
+    keys = cache.key_cache[0]
+    if keys is None or cache.max_batch_size != rows or cache.max_cache_len < size:
+        return False
+    if keys.device != embeddings.device or keys.dtype != embeddings.dtype:
+        return False
+    return keys.is_inference() == torch.is_inference_mode_enabled()

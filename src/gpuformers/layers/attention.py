@@ -88,6 +88,14 @@ def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropou
                                              scale=scaling)
         # (batch, kv_heads, n_rep, head_dim) lists the heads in order: (batch, 1, heads, head_dim) is a reshape
         return out.reshape(batch, 1, heads, head_dim), None
+    gqa = heads != kv_heads
+    if gqa and attention_mask is not None and not query.is_cpu:
+        # On CUDA only the flash and math kernels take enable_gqa, and flash takes no mask: with both, torch would run
+        # the math kernel, which holds every (batch, heads, q_len, kv_len) score in float32 (tens of GB for a padded
+        # batch's long prefill). Repeating the keys and values keeps the memory-efficient kernel, as transformers'
+        # use_gqa_in_sdpa does. The CPU path is left as it was.
+        key, value = repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)
+        gqa = False
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -97,7 +105,7 @@ def sdpa_attention(module, query, key, value, attention_mask, *, scaling, dropou
         # torch's is_causal aligns the diagonal top-left: right only when q_len == kv_len.
         is_causal=attention_mask is None and q_len > 1,
         scale=scaling,
-        enable_gqa=heads != kv_heads,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -24,6 +24,10 @@ _INSTALL = "pip install flash-attn --no-build-isolation"
 _MIN_CAPABILITY = {"flash_attention_2": (8, 0), "flash_attention_3": (9, 0)}  # Ampere / Hopper
 _PACKAGE = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 _warned: set[str] = set()
+# (name, device) -> _flash_attn_usable's answer, asked once: every layer of every step calls the backend, and the
+# question (a search of sys.path for the package, a query of the GPU) would cost more than a decode step's attention
+# and break a compiled decode step's graph at every layer.
+_usable: dict[tuple[str, torch.device], str] = {}
 
 
 def triton_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
@@ -65,7 +69,9 @@ def _flash_attn_usable(name: str, device: torch.device) -> str:
 def _flash_backend(name: str):
     def backend(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None, **kwargs):
         check_backend_device(name, query.device)
-        why = _flash_attn_usable(name, query.device)
+        why = _usable.get((name, query.device))
+        if why is None:
+            why = _usable[(name, query.device)] = _flash_attn_usable(name, query.device)
         if why:
             if name not in _warned:
                 _warned.add(name)

@@ -185,7 +185,13 @@ class LlamaForCausalLM(PreTrainedModel):
     @property
     def supports_compiled_decode(self) -> bool:
         # dynamic and longrope pick their frequencies from the longest position: a host sync per step.
-        return self.config.rope_type not in ("dynamic", "longrope")
+        if self.config.rope_type in ("dynamic", "longrope"):
+            return False
+        # A layer whose forward reads values on the host (the MoE blocks' torch forward: which experts got tokens,
+        # `syncs_host`) breaks the compiled graph at every layer and changes its shapes with the routing: recompiles
+        # and CUDA graph re-recordings, slower than eager. A kernel that replaced that forward (use_kernels) syncs
+        # nothing.
+        return not any(getattr(type(m), "syncs_host", False) and "forward" not in m.__dict__ for m in self.modules())
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
