@@ -4,9 +4,13 @@ the Trainer needs.
     torchrun --nproc_per_node=N train.py      (sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 
 `init_distributed(device)` joins the group torchrun describes: NCCL when the device is a GPU (each process on
-cuda:LOCAL_RANK), gloo on the CPU (which is how the tests run it). `wrap_model` then makes the model data-parallel:
+cuda:LOCAL_RANK), gloo on the CPU (which is how the tests run it), or the `backend` asked for (TrainingArguments
+.ddp_backend: one of BACKENDS). `wrap_model` then makes the model data-parallel:
 
     "ddp"    DistributedDataParallel: every process holds the whole model; gradients are averaged in the backward.
+             `DDPOptions` (TrainingArguments.ddp_*) pass DDP's own arguments: find_unused_parameters (a
+             mixture-of-experts model leaves the experts no token was routed to out of the backward),
+             bucket_cap_mb, broadcast_buffers, static_graph.
     "fsdp"   FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer (the classes the model lists in
              `no_split_modules`), then the root, is sharded over the processes; a layer's parameters are gathered
              just before it runs and freed after, gradients are reduce-scattered. Tied weights (embeddings and the
@@ -28,7 +32,8 @@ multiplied by the world size before the backward to give the gradients of one bi
 Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
 functions, since they are collectives.
 
-Offers: world_size, rank, is_main_process, process_device, init_distributed, FSDPOptions, wrap_model, hybrid_mesh,
+Offers: BACKENDS, world_size, rank, is_main_process, process_device, check_backend, init_distributed, DDPOptions,
+FSDPOptions, wrap_model, hybrid_mesh,
 gradient_sync, all_reduce_sum, all_reduce_min, gather_to_main, barrier, exit_process, full_model_state_dict,
 load_full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
@@ -45,6 +50,9 @@ import torch
 import torch.distributed as dist
 
 STRATEGIES = ("ddp", "fsdp")
+BACKENDS = ("nccl", "gloo", "mpi")  # torch's own process-group backends
+# transformers' other ddp_backend values, each for an accelerator gpuformers does not run on
+_OTHER_BACKENDS = {"xccl": "Intel GPUs", "hccl": "Ascend NPUs", "cncl": "Cambricon MLUs", "mccl": "Moore Threads GPUs"}
 
 
 def world_size() -> int:
@@ -72,12 +80,32 @@ def process_device() -> torch.device:
     return resolve_device(f"cuda:{max(int(os.environ.get('LOCAL_RANK', 0)), 0)}")
 
 
+def check_backend(backend: str | None, device: torch.device) -> None:
+    """Refuse a process-group backend (TrainingArguments.ddp_backend) that is unknown or cannot serve `device`;
+    None (NCCL on GPUs, gloo on the CPU) always passes."""
+    if backend is None:
+        return
+    if backend in _OTHER_BACKENDS:
+        raise ValueError(f'ddp_backend "{backend}" is for {_OTHER_BACKENDS[backend]}, which gpuformers does not train '
+                         f'on; use "nccl" on NVIDIA GPUs or "gloo" on the CPU (or None to pick)')
+    if backend not in BACKENDS:
+        raise ValueError(f'ddp_backend "{backend}" is not one of: {", ".join(BACKENDS)} (or None: nccl on GPUs, '
+                         "gloo on the CPU)")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f'ddp_backend "nccl" needs GPUs, but the processes train on {device} (no GPU is visible, or '
+                         'use_cpu=True); use "gloo" (or None)')
+    if backend == "mpi" and not (dist.is_available() and dist.is_mpi_available()):
+        raise ValueError('ddp_backend "mpi" needs a torch built with MPI, which this one is not; use "nccl" on GPUs '
+                         'or "gloo" (or None)')
+
+
 def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool = False,
-                     cpu_offload: bool = False) -> bool:
+                     cpu_offload: bool = False, backend: str | None = None) -> bool:
     """Join torchrun's process group (once); False when this is a single process. `single`: join it even when
     torchrun started one process (tensor parallelism over one process, as when trying a script with
     --nproc_per_node=1). `cpu_offload` (FSDP2 offloading to the CPU): on GPUs, gloo beside NCCL for the collectives
-    over CPU tensors (the gradient norm and the checkpoints' gathering of offloaded states)."""
+    over CPU tensors (the gradient norm and the checkpoints' gathering of offloaded states). `backend`: one of
+    BACKENDS (None: NCCL on GPUs, gloo on the CPU)."""
     if world_size() <= 1 and not (single and "RANK" in os.environ):
         return False
     if not dist.is_available():
@@ -88,13 +116,31 @@ def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool
     if missing:
         raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} is not set: start the "
                            "processes with torchrun (torchrun --nproc_per_node=N script.py)")
+    check_backend(backend, device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":  # NCCL reduces CUDA tensors only: gloo takes the CPU ones when states are offloaded
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout)
+    else:  # gloo and MPI take CPU and CUDA tensors alike
+        dist.init_process_group(backend, timeout=timeout)
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPOptions:
+    """DistributedDataParallel's own arguments (TrainingArguments.ddp_find_unused_parameters, ddp_bucket_cap_mb,
+    ddp_broadcast_buffers, ddp_static_graph; model_setup.ddp_options applies transformers' defaults). None leaves
+    DDP's default."""
+
+    find_unused_parameters: bool = False
+    bucket_cap_mb: int | None = None
+    broadcast_buffers: bool | None = None
+    static_graph: bool | None = None
+
+    def kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +158,11 @@ class FSDPOptions:
 
 
 def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device,
-               fsdp_options: FSDPOptions | None = None) -> torch.nn.Module:
-    """The model made data-parallel over the group by `strategy` ("ddp" or "fsdp", the latter as `fsdp_options`
-    say, full sharding by default); see the module docstring."""
+               fsdp_options: FSDPOptions | None = None, ddp_options: DDPOptions | None = None) -> torch.nn.Module:
+    """The model made data-parallel over the group by `strategy` ("ddp" as `ddp_options` say, or "fsdp" as
+    `fsdp_options` say, full sharding by default); see the module docstring. FSDP2 moves the parameters to the mesh's
+    device itself, one sharded group (a layer) at a time, keeping this process's shard: a model given on the CPU is
+    never whole on the GPU."""
     if strategy not in STRATEGIES:
         raise ValueError(f"distributed strategy {strategy!r} is not one of {STRATEGIES}")
     if not dist.is_initialized():
@@ -124,7 +172,10 @@ def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device,
             raise ValueError("fsdp_options were given with strategy 'ddp'; pass strategy='fsdp' to use them")
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       **(ddp_options or DDPOptions()).kwargs())
+    if ddp_options is not None:
+        raise ValueError("ddp_options were given with strategy 'fsdp'; pass strategy='ddp' to use them")
     from torch.distributed.fsdp import fully_shard
 
     options = fsdp_options or FSDPOptions()

@@ -118,7 +118,13 @@ class TrainingArguments:
     train_sampling_strategy: str = "random"  # "random", "sequential" or "group_by_length"
     group_by_length: bool = False  # transformers 4's switch: train_sampling_strategy="group_by_length"
     length_column_name: str = "length"  # a datasets.Dataset column of row lengths, read by group_by_length
-    ddp_backend: str | None = None
+    ddp_backend: str | None = None  # "nccl", "gloo" or "mpi"; None: nccl on GPUs, gloo on the CPU
+    ddp_timeout: int = 1800  # seconds a collective may wait (init_process_group's timeout)
+    # DistributedDataParallel's arguments (distributed.DDPOptions); None: transformers' defaults (model_setup.py)
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
     fsdp: str | list | bool | None = None
     fsdp_config: dict | None = None
     deepspeed: str | dict | None = None
@@ -189,6 +195,7 @@ class TrainingArguments:
             raise NotImplementedError("deepspeed is not supported by gpuformers' Trainer; use a single GPU for now")
         self._fsdp_options = self._parse_fsdp()
         self._check_precision()
+        self._check_ddp()
 
     def _check_best_model(self) -> None:
         """metric_for_best_model and greater_is_better defaults, and transformers' checks for load_best_model_at_end:
@@ -338,6 +345,16 @@ class TrainingArguments:
             raise ValueError(f"bf16=True but {device} ({torch.cuda.get_device_name(device)}, compute capability "
                              f"{major}.{minor}) has no bfloat16; use fp16=True, or bf16='auto' to pick what the "
                              "GPU has")
+
+    def _check_ddp(self) -> None:
+        from gpuformers.distributed import check_backend
+
+        check_backend(self.ddp_backend, self.device)
+        if not self.ddp_timeout or self.ddp_timeout <= 0:
+            raise ValueError(f"ddp_timeout {self.ddp_timeout!r} must be a number of seconds > 0 (default 1800)")
+        if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
+            raise ValueError(f"ddp_bucket_cap_mb {self.ddp_bucket_cap_mb} must be > 0 (MiB per gradient bucket; "
+                             "None: DDP's 25)")
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         import math

@@ -109,10 +109,13 @@ class EvaluationMixin:
     def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
         """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
         process: see the module docstring) when asked for."""
+        if self._sharded_later:  # FSDP2: the model reaches the device only as shards (before the first train())
+            self._wrap_model()
         batches = self._eval_batches(dataset)
         was_training = self.model.training
         self.model.eval()
-        loss_sum, count, rows = 0.0, 0, RowCollector()
+        # the summed loss stays on the device (float64: the sums a Python float would give), read once at the end
+        loss_sum, count, rows = torch.zeros((), dtype=torch.float64, device=self.args.device), 0, RowCollector()
         world = self._data_parallel[0]
         for indices, repeats, batch in batches:
             if repeats:  # rows repeated only to give every process as many batches: no targets
@@ -123,10 +126,9 @@ class EvaluationMixin:
             with self._autocast():
                 # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
                 loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
-            if targets and self._model_counts_items:
-                loss_sum, count = loss_sum + float(loss), count + targets
-            elif targets:
-                loss_sum, count = loss_sum + float(loss) * targets, count + targets
+            if targets:
+                value = loss.detach().double() if torch.is_tensor(loss) else float(loss)
+                loss_sum, count = loss_sum + (value if self._model_counts_items else value * targets), count + targets
             if keep_logits:
                 logits, labels = outputs.logits, batch.get("labels")
                 if self.preprocess_logits_for_metrics is not None:
@@ -135,8 +137,9 @@ class EvaluationMixin:
             self.control = self._call("on_prediction_step")
         self.model.train(was_training)
         if world > 1:
-            loss_sum = float(distributed.all_reduce_sum(loss_sum, self.args.device))
+            loss_sum = distributed.all_reduce_sum(loss_sum, self.args.device)
             count = int(distributed.all_reduce_sum(count, self.args.device))
+        loss_sum = float(loss_sum)
         if keep_logits:
             rows.gather(world)
         return (loss_sum / count if count else float("nan")), rows

@@ -1,11 +1,13 @@
 """How the Trainer readies a model: the checks that refuse what it cannot train (yet), gradient checkpointing, and
-the data-parallel wrapping (DDP / FSDP2) that the first train() puts around it.
+the data-parallel wrapping (DDP / FSDP2) that the first train() puts around it (or the first evaluate() or predict(),
+for FSDP2: the Trainer leaves a model that FSDP2 will shard where it was loaded, and FSDP2 moves only this process's
+shards to the GPU).
 
 Each refusal names what was asked and what to do instead: NotImplementedError for what is not done yet (a model
 spread by device_map, tensor parallelism with FSDP2, MoE or fp16), ValueError for what cannot be trained (quantized
 linear layers without LoRA adapters, float16 weights under fp16=True).
 
-Offers: check_trainable, enable_gradient_checkpointing, wrap_for_training.
+Offers: check_trainable, enable_gradient_checkpointing, ddp_options, wrap_for_training.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dic
         checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
 
 
+def ddp_options(model: torch.nn.Module, args: TrainingArguments) -> distributed.DDPOptions:
+    """DistributedDataParallel's arguments from args.ddp_*, with transformers' default for find_unused_parameters:
+    False under activation checkpointing (reentrant checkpointing marks a parameter ready twice: transformers PR
+    4659), True otherwise (a mixture-of-experts step leaves experts without tokens out of the backward, which DDP
+    without it fails on at the next step). Unlike transformers, a LoRA-wrapped model counts as the model it wraps
+    (transformers passes True for every model that is not its PreTrainedModel, checkpointed or not)."""
+    from gpuformers.models.modeling import PreTrainedModel
+
+    find_unused = args.ddp_find_unused_parameters
+    if find_unused is None:
+        # a LoRA PeftModel -> the model it wraps
+        base = model if isinstance(model, PreTrainedModel) else getattr(model, "get_base_model", lambda: model)()
+        if isinstance(base, PreTrainedModel):
+            find_unused = not (base.is_activation_checkpointing or args.activation_checkpointing)
+        else:
+            find_unused = True
+    return distributed.DDPOptions(find_unused_parameters=find_unused, bucket_cap_mb=args.ddp_bucket_cap_mb,
+                                  broadcast_buffers=args.ddp_broadcast_buffers, static_graph=args.ddp_static_graph)
+
+
 def wrap_for_training(model: torch.nn.Module, args: TrainingArguments, tensor_parallel: bool,
                       resume_from_checkpoint: str | os.PathLike | None) -> torch.nn.Module:
     """The model made data-parallel as args.distributed_strategy says (DDP, FSDP2), or the model itself in one
@@ -91,4 +113,6 @@ def wrap_for_training(model: torch.nn.Module, args: TrainingArguments, tensor_pa
         # whole weights go in before the model is sharded
         ckpt.load_model_weights_in_place(model, Path(resume_from_checkpoint))
     strategy = None if tensor_parallel else args.distributed_strategy
+    if strategy == "ddp":
+        return distributed.wrap_model(model, strategy, args.device, ddp_options=ddp_options(model, args))
     return distributed.wrap_model(model, strategy, args.device, args.fsdp_options) if strategy else model

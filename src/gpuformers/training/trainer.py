@@ -89,7 +89,8 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         set_seed(self.args.seed)
         # under torchrun: join the process group (else a no-op); FSDP2's CPU offload also needs gloo for CPU tensors
         offload = self.args.fsdp_options is not None and self.args.fsdp_options.cpu_offload
-        distributed.init_distributed(self.args.device, cpu_offload=offload)
+        distributed.init_distributed(self.args.device, self.args.ddp_timeout, cpu_offload=offload,
+                                     backend=self.args.ddp_backend)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         from gpuformers.tensor_parallel import is_tensor_parallel
@@ -98,7 +99,9 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         # parallelism, so one data-parallel "process" (see _data_parallel).
         self._tensor_parallel = is_tensor_parallel(model)
         check_trainable(model, self.args, self._tensor_parallel)
-        self.model = model.to(self.args.device)
+        # FSDP2 moves each process's shards to the GPU itself (wrap_for_training, by the first train(), evaluate()
+        # or predict()): the whole model stays where it was loaded, never whole on every GPU
+        self.model = model if self._sharded_later else model.to(self.args.device)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -170,6 +173,27 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         """(processes that split the data, this one's index among them): torchrun's world and rank, or (1, 0) for a
         tensor-parallel model, whose processes all take the same batches."""
         return (1, 0) if self._tensor_parallel else (self.args.world_size, self.args.process_index)
+
+    @property
+    def _sharded_later(self) -> bool:
+        """FSDP2 shards the model (wrap_for_training) and puts the shards on the device: nothing is moved before."""
+        return self.args.distributed_strategy == "fsdp" and not self._tensor_parallel
+
+    def _wrap_model(self, resume_from_checkpoint=None) -> torch.nn.Module:
+        """The model made data-parallel (DDP, FSDP2 shards) once, by the first train(), or by the first evaluate()
+        or predict() under FSDP2 (the model is not on the device before; transformers shards it there too)."""
+        if self.model_wrapped is None:
+            self.model_wrapped = wrap_for_training(self.model, self.args, self._tensor_parallel,
+                                                   resume_from_checkpoint)
+        elif resume_from_checkpoint and self._sharded_later:
+            # already sharded (an evaluate() before, or an earlier train()): each process keeps its part of the
+            # whole weights
+            if hasattr(self.model, "peft_config"):
+                raise NotImplementedError("resuming a LoRA model under FSDP2 after it was sharded (by an evaluate() "
+                                          "or train() before) is not supported: its checkpoint holds the adapters "
+                                          "alone; call train(resume_from_checkpoint=...) on a new Trainer first")
+            distributed.load_full_model_state_dict(self.model, ckpt.read_model_weights(resume_from_checkpoint))
+        return self.model_wrapped
 
     @property
     def _gathers_states(self) -> bool:
@@ -265,7 +289,8 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         return grad_norm
 
     def _update(self, model, micro: list[dict[str, Any]]):
-        """One optimizer step over its micro-batches -> (loss tensor, input tokens, grad norm, learning rate used)."""
+        """One optimizer step over its micro-batches -> (loss tensor, this process's input tokens, grad norm, learning
+        rate used)."""
         self._micro_batches = len(micro)
         self.control._new_step()
         self.control = self._call("on_step_begin")
@@ -274,13 +299,18 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         tokens = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None else b["input_ids"].numel()
                      for b in micro)
         padded = sum(b["input_ids"].numel() for b in micro)
-        if self._data_parallel[0] > 1:  # ... over every process's share of the step
-            items, tokens, padded = (int(v) for v in distributed.all_reduce_sum([items, tokens, padded],
-                                                                                 self.args.device).tolist())
+        counts_items = self._model_counts_items or self.compute_loss_func is not None
+        seen = self.args.include_num_input_tokens_seen
+        # ... over every process's share of the step: a collective and a host sync, so only when this step needs
+        # them (the loss over the step's targets, tokens seen in the state); the tokens of this process alone are
+        # returned, summed over the processes once at the end of train()
+        global_items, global_tokens, global_padded = items, tokens, padded
+        if self._data_parallel[0] > 1 and (counts_items or seen != "no"):
+            global_items, global_tokens, global_padded = (
+                int(v) for v in distributed.all_reduce_sum([items, tokens, padded], self.args.device).tolist())
         # include_num_input_tokens_seen: "all" counts the padding too, as transformers does
-        self.state.num_input_tokens_seen += {"all": padded, "non_padding": tokens}.get(
-            self.args.include_num_input_tokens_seen, 0)
-        num_items = max(1, items) if self._model_counts_items or self.compute_loss_func else None
+        self.state.num_input_tokens_seen += {"all": global_padded, "non_padding": global_tokens}.get(seen, 0)
+        num_items = max(1, global_items) if counts_items else None
         loss = 0.0
         for i, batch in enumerate(micro):
             # DDP / FSDP2 exchange gradients in the last micro-batch's backward only
@@ -327,8 +357,7 @@ class Trainer(EvaluationMixin, CheckpointMixin):
             resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
-        if self.model_wrapped is None:
-            self.model_wrapped = wrap_for_training(self.model, args, self._tensor_parallel, resume_from_checkpoint)
+        self._wrap_model(resume_from_checkpoint)
         self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(args.device.type)
@@ -390,6 +419,8 @@ class Trainer(EvaluationMixin, CheckpointMixin):
                 break
 
         runtime = time.perf_counter() - start_time
+        if self._data_parallel[0] > 1:  # every process's input tokens
+            tokens = int(distributed.all_reduce_sum(tokens, args.device))
         train_loss = self._global_loss(total_loss) / max(1, total_steps)
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
