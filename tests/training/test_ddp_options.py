@@ -43,14 +43,6 @@ def moe_checkpoint(tmp_path_factory):
     return folder
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 @pytest.mark.distributed
 def test_moe_trains_under_ddp_with_experts_left_without_tokens(moe_checkpoint, tmp_path):

@@ -129,15 +129,6 @@ def test_run_resumes_from_its_checkpoint(strategy, tiny_checkpoint, single_proce
         torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def one_process_group():
-    """A gloo group of this process alone, for wrap_model's checks that need no second process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_wrap_model_applies_the_other_options(tiny_checkpoint, one_process_group, monkeypatch):
     from torch.distributed.fsdp import FSDPModule

@@ -71,14 +71,6 @@ def test_ddp_with_dropout_resumes_exactly(tiny_checkpoint, tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_fsdp_on_the_cpu_stays_on_the_cpu_where_a_gpu_is_visible(tiny_checkpoint, one_process_group, monkeypatch):
     """use_cpu=True on a GPU machine (the CPU tests of this suite on a GPU box): fully_shard's default mesh is on the
