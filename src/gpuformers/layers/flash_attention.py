@@ -1,6 +1,7 @@
 """The attention backends beyond eager and sdpa: "triton" (our FlashAttention-style kernel, kernels/attention.py),
 "flash_attention_2" / "flash_attention_3" (the flash-attn package, when installed and the GPU supports it) and
-"flex_attention" (torch's, when this torch has it). Importing this file registers them with AttentionInterface.
+"flex_attention" (torch's, when this torch has it: compiled once per process on CUDA, with one block mask per
+forward shared by the layers). Importing this file registers them with AttentionInterface.
 
 Asking for flash_attention_2/3 without the package (or on a GPU it does not support) falls back to "triton" with one
 warning; asking for them on the CPU is an error. flash-attn has no boolean-mask input, so a forward with a padding
@@ -11,8 +12,11 @@ Offers: triton_attention, flash_attention_2, flash_attention_3, flex_attention, 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
+import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -105,30 +109,99 @@ flash_attention_2 = _flash_backend("flash_attention_2")
 flash_attention_3 = _flash_backend("flash_attention_3")
 
 
-def flex_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
-                   **kwargs):
-    """torch's flex_attention with a block mask built from the same rules (bottom-right causal, window, padding)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+# torch.compile'd flex_attention and create_block_mask, made on the first CUDA call (making them imports torch's
+# compiler stack) and shared by every layer and model of the process. Uncompiled, flex_attention runs torch's reference
+# path, which holds every (batch, heads, q_len, kv_len) score; compiled, it is one fused kernel that skips masked
+# blocks. Default dynamic, as transformers: the first shapes compile static, the first change of a length compiles
+# one graph with symbolic lengths that serves the rest (dynamic=False would compile again at every decode step).
+_compiled_flex_attention = None
+_compiled_create_block_mask = None
 
-    if dropout and module.training:
-        raise NotImplementedError("attention dropout is not implemented in the flex_attention backend")
-    batch, _, q_len, _ = query.shape
-    kv_len = key.shape[2]
-    offset = kv_len - q_len
+# Block masks already built, so that the layers of one forward share one instead of each building it again:
+# key -> (weak reference to the mask tensor, or None for plain causal; the BlockMask). Every layer of a forward gets
+# the same mask tensor for its sliding window (build_attention_mask's, one per window), so a mask's entry is keyed by
+# that tensor (identity and version) and lives as long as it does: its BlockMask is kept without the mask_mod that
+# reads the tensor (given again at each call), so the cache never keeps a forward's mask alive, and the weak
+# reference drops the entry with the mask. A plain-causal BlockMask depends on its key alone and is reused across
+# forwards; the oldest entries go past _MAX_BLOCK_MASKS (decode steps add one per kv_len).
+_block_masks: OrderedDict[tuple, tuple[weakref.ref | None, object]] = OrderedDict()
+_MAX_BLOCK_MASKS = 16
+
+
+def _flex_functions(device: torch.device):
+    """(flex_attention, create_block_mask) for tensors on `device`: the compiled pair on CUDA, torch's own on the CPU
+    (compiling there takes tens of seconds per shape) and inside a graph being compiled (that compile takes them in)."""
+    global _compiled_flex_attention, _compiled_create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as torch_flex_attention
+
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return torch_flex_attention, create_block_mask
+    if _compiled_flex_attention is None:
+        # torch.compile(create_block_mask) is what create_block_mask(..., _compile=True) runs (and what torch now
+        # recommends instead of that flag): the mask is evaluated block by block, never as a (q_len, kv_len) tensor.
+        _compiled_flex_attention = torch.compile(torch_flex_attention)
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_flex_attention, _compiled_create_block_mask
+
+
+def _flex_block_mask(create_block_mask, attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
+                     sliding_window: int | None, device: torch.device):
+    """The BlockMask for a call with this mask (boolean (batch or 1, 1, q_len, kv_len), True where a query may
+    attend) or, with None, bottom-right causal within `sliding_window`; built once for all the layers that share it."""
     if attention_mask is not None:
         mask = attention_mask.expand(batch, 1, q_len, kv_len)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return mask[b, 0, q_idx, kv_idx]
+
+        # An inference tensor keeps no version counter (and cannot be changed outside inference mode anyway).
+        version = None if attention_mask.is_inference() else attention_mask._version
+        key = (batch, q_len, kv_len, None, device, id(attention_mask), version)
     else:
+        offset = kv_len - q_len
+
         def mask_mod(b, h, q_idx, kv_idx):
             visible = kv_idx <= q_idx + offset
             if sliding_window:
                 visible = visible & (q_idx + offset - kv_idx < sliding_window)
             return visible
 
-    block_mask = create_block_mask(mask_mod, batch, None, q_len, kv_len, device=query.device)
+        key = (batch, q_len, kv_len, sliding_window, device, None, None)
+    if torch.compiler.is_compiling():  # the graph being compiled holds the block mask; no Python cache in it
+        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    entry = _block_masks.get(key)
+    if entry is not None and (entry[0] is None or entry[0]() is attention_mask):
+        _block_masks.move_to_end(key)
+        block_mask = entry[1]
+    else:
+        block_mask = create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+        if attention_mask is None:
+            _block_masks[key] = (None, block_mask)
+        else:
+            from torch.nn.attention.flex_attention import noop_mask
+
+            kept = copy.copy(block_mask)
+            kept.mask_mod = noop_mask  # no reference to the mask tensor from the cache
+            _block_masks[key] = (weakref.ref(attention_mask, lambda _, key=key: _block_masks.pop(key, None)), kept)
+        while len(_block_masks) > _MAX_BLOCK_MASKS:
+            _block_masks.popitem(last=False)
+    if attention_mask is not None:
+        block_mask = copy.copy(block_mask)
+        block_mask.mask_mod = mask_mod
+    return block_mask
+
+
+def flex_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
+                   **kwargs):
+    """torch's flex_attention with a block mask built from the same rules (bottom-right causal, window, padding):
+    compiled on CUDA, and one block mask per forward (not per layer)."""
+    if dropout and module.training:
+        raise NotImplementedError("attention dropout is not implemented in the flex_attention backend")
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    torch_flex_attention, create_block_mask = _flex_functions(query.device)
+    block_mask = _flex_block_mask(create_block_mask, attention_mask, batch, q_len, kv_len, sliding_window,
+                                  query.device)
     out = torch_flex_attention(query, key, value, block_mask=block_mask, scale=scaling,
                                enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
