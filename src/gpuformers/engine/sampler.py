@@ -6,7 +6,8 @@ transformers lacks), all on the device:
     logit_bias (+ eos and one-token stops at -inf before min_new_tokens)    one index_put over the batch
     -> repetition_penalty (prompt + output) -> frequency / presence (output)  rows with a penalty, vectorised
     -> tokens the request's grammar does not allow at -inf                  rows with structured_output
-    -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial (per row, its generator)
+    -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial
+       (on a GPU the sampled rows all at once, each with its own params and generator; on the CPU row by row)
 
 A step in which no request adjusts its logits skips the first two lines entirely (host checks on the params).
 Logprobs, greedy or sampled, are those of the adjusted logits (before temperature and the filters).
@@ -22,7 +23,7 @@ import contextlib
 
 import torch
 
-from gpuformers.engine.sequence import Sequence
+from gpuformers.engine.sequence import SamplingParams, Sequence
 from gpuformers.engine.structured import mask_logits
 from gpuformers.generation.generate import greedy_tokens
 
@@ -168,7 +169,8 @@ def _penalise_sparse(logits, index, output, in_prompt, penalty, frequency, prese
 
 def _filter_row(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """logits (vocab,) with the tokens outside top-k, outside the top-p mass and below min_p times the top
-    token's probability set to -inf, in that order (transformers')."""
+    token's probability set to -inf, in that order (transformers'). The one-row reference of _filter_rows, which the
+    engine runs and the tests compare with this."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -185,19 +187,114 @@ def _filter_row(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return logits
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id (a 0-d tensor on probs' device) drawn from probs (vocab,). On the CPU torch.multinomial; on a
-    GPU the race torch.multinomial runs inside, argmax(probs / E) with E ~ Exp(1) from the same generator (so the
-    same draw), without the checks before it that read the probabilities back with .item() in torch releases
-    before pytorch#134818 (2024): two host syncs per sampled row, each making `launch` wait for the step in
-    flight (generate() samples the same way, generation/generate.py)."""
+def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """_filter_row for every row at once, each with its own params: logits (rows, vocab) -> the same with the
+    filtered tokens at -inf. The rows with a top_k alone share one topk (to their largest k), those with a top_p
+    one sort, those with a min_p one softmax; a row skips the filters it does not use (a neutral value would not be
+    neutral: a cumulative mass rounding to 1.0 would drop the tail under top_p=1)."""
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0: off
+    only_k = [r for r, p in enumerate(params) if top_k[r] and p.top_p >= 1.0]
+    if only_k:
+        values = logits.index_select(0, device_tensor(only_k, device)).topk(max(top_k[r] for r in only_k)).values
+        kth = values.gather(1, device_tensor([top_k[r] - 1 for r in only_k], device)[:, None])  # (only_k, 1)
+        logits = _masked_rows(logits, only_k, lambda rows: rows < kth)
+    sort = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if sort:
+        def drop(rows: torch.Tensor) -> torch.Tensor:  # rows (sort, vocab) -> what top_k and top_p drop
+            sorted_logits, order = rows.sort(dim=-1, descending=True)
+            # (sort, 1): where the k-th largest logit sorts, the last (nothing below it) in rows without a top_k
+            kth = device_tensor([(top_k[r] or vocab_size) - 1 for r in sort], device)[:, None]
+            dropped = sorted_logits < sorted_logits.gather(1, kth)  # (sort, vocab) in sorted order
+            # The sorted top-k survivors are what _filter_row sorts for top_p: the dropped ones sort last, at -inf.
+            probs = sorted_logits.masked_fill(dropped, float("-inf")).softmax(-1)
+            top_p = device_tensor([params[r].top_p for r in sort], device, torch.float32)[:, None]
+            dropped |= (probs.cumsum(-1) - probs) >= top_p
+            dropped[:, 0] = False  # the top token always stays (_filter_row)
+            return dropped.scatter(1, order, dropped)
+        logits = _masked_rows(logits, sort, drop)
+    floor = [r for r, p in enumerate(params) if p.min_p]
+    if floor:
+        def below(rows: torch.Tensor) -> torch.Tensor:  # rows (floor, vocab)
+            probs = rows.softmax(-1)
+            min_p = device_tensor([params[r].min_p for r in floor], device, torch.float32)[:, None]
+            return probs < min_p * probs.amax(-1, keepdim=True)
+        logits = _masked_rows(logits, floor, below)
+    return logits
+
+
+def _masked_rows(logits: torch.Tensor, picked: list[int], mask) -> torch.Tensor:
+    """logits (rows, vocab) with, in the rows `picked`, the tokens mask(those rows) says at -inf; out of place."""
+    if len(picked) == logits.shape[0]:
+        return logits.masked_fill(mask(logits), float("-inf"))
+    index = device_tensor(picked, logits.device)
+    rows = logits.index_select(0, index)
+    return logits.index_copy(0, index, rows.masked_fill(mask(rows), float("-inf")))
+
+
+def _sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """The sampled rows' tokens: logits (rows, vocab) of sequences that all sample -> (rows,) int64, each row
+    through its temperature, filters and draw (its own generator when it has a seed), in a fixed number of kernels
+    whatever the number of rows (a few more per seeded row: its noise)."""
+    device = logits.device
+    for seq in sequences:
+        if seq.params.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    params = [seq.params for seq in sequences]
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    if device.type == "cuda":
+        # What `row / temperature` computes there: CUDA divides by a host number as a product with its float32
+        # reciprocal, and so the tokens stay those of one row at a time (a seeded request's, bit for bit).
+        scaled = logits * device_tensor(temperatures.reciprocal().tolist(), device, torch.float32)[:, None]
+    else:
+        scaled = logits / temperatures[:, None]
+    probs = _filter_rows(scaled, params).softmax(-1)
+    return _draw_rows(probs, [seq.generator for seq in sequences])
+
+
+def _sample_each_row(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """_sample_rows one row at a time (the CPU's way): the same tokens, each row through _filter_row and
+    torch.multinomial with its own generator."""
+    tokens = []
+    for row, seq in zip(logits, sequences):
+        params = seq.params
+        if params.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+        probs = _filter_row(row / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+        tokens.append(torch.multinomial(probs, 1, generator=seq.generator))
+    return torch.cat(tokens)
+
+
+def _draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of probs (rows, vocab) -> (rows,) int64, row i drawn with generators[i] (None: the
+    device's default generator). On the CPU torch.multinomial, one row at a time (the random stream of generate()
+    and transformers). On a GPU the race torch.multinomial runs inside (_exponential_rows) without the checks before
+    it that read the probabilities back with .item() in torch releases before pytorch#134818 (2024): two host syncs
+    per sampled row, each making `launch` wait for the step in flight (generate() samples the same way,
+    generation/generate.py)."""
     if probs.device.type != "cuda":
-        return torch.multinomial(probs, 1, generator=generator)[0]
-    return _exponential_race(probs, generator)
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    return _exponential_rows(probs, generators)
 
 
 def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """argmax(probs / E), E ~ Exp(1) from `generator`: the token torch.multinomial(probs, 1) draws, probs (vocab,)."""
     return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax()
+
+
+def _exponential_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """_exponential_race over every row at once: probs (rows, vocab) -> (rows,) int64. The rows without a generator
+    share one draw of noise from the default generator; a row with one draws its own row of noise from it, as
+    _exponential_race would (the same numbers: one call of the same size), so a seeded request's token does not
+    depend on the rows beside it."""
+    noise = torch.empty_like(probs)  # (rows, vocab)
+    if any(g is None for g in generators):
+        noise.exponential_(1)  # the seeded rows' share is overwritten below
+    for row, g in enumerate(generators):
+        if g is not None:
+            noise[row].exponential_(1, generator=g)
+    return (probs / noise).argmax(-1)
 
 
 def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: TokenCounts
@@ -214,16 +311,19 @@ def sample_on_device(logits: torch.Tensor, sequences: list[Sequence], counts: To
     constrained = [i for i, seq in enumerate(sequences) if seq.grammar_matcher is not None]
     if constrained:
         logits = mask_logits(logits, [sequences[i].grammar_matcher for i in constrained], constrained)
-    tokens = greedy_tokens(logits)  # greedy rows: one call for all of them
     sampled = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
-    if sampled:
-        tokens = tokens.clone()
-        for i in sampled:
-            params = sequences[i].params
-            row = _filter_row(logits[i] / params.temperature, params.top_k, params.top_p, params.min_p)
-            if params.seed is not None and sequences[i].generator is None:
-                sequences[i].generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-            tokens[i] = _draw(row.softmax(-1), sequences[i].generator)
+    # On a GPU the sampled rows go all together: 256 of them cost the kernels of one (and a noise draw per seeded
+    # row). On the CPU one row at a time is faster (each row's temporaries stay in cache: 173 vs 206 ms for 64 rows
+    # of 32k, benchmarks/bench_sampler.py) and there are no launches to save.
+    sample = _sample_rows if logits.device.type == "cuda" else _sample_each_row
+    if sampled and len(sampled) == len(sequences):
+        tokens = sample(logits, sequences)
+    else:
+        tokens = greedy_tokens(logits)  # greedy rows: one call for all of them
+        if sampled:
+            index = device_tensor(sampled, logits.device)
+            tokens = tokens.index_copy(0, index, sample(logits.index_select(0, index),
+                                                        [sequences[i] for i in sampled]))
     if penalised is not None:
         index, table_rows = penalised
         counts.add(table_rows, tokens.index_select(0, index))
