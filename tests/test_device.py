@@ -194,12 +194,12 @@ def test_resolve_device_rejects_other_forms_listing_the_accepted_ones(bad):
 
 
 def test_select_gpus_sets_the_variables_for_this_process():
-    environ = {"CUDA_VISIBLE_DEVICES": "3"}
+    environ = {}
     select_gpus(" 1, 0 ", environ=environ, cuda=FakeCuda())
     assert environ == {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUFORMERS_GPUS": "1,0"}
     select_gpus("", environ=environ, cuda=FakeCuda())
     assert environ["CUDA_VISIBLE_DEVICES"] == ""
-    select_gpus("GPU-8a1b,2", environ=environ, cuda=FakeCuda())
+    select_gpus("GPU-8a1b,2", environ=environ, cuda=FakeCuda())  # "" hid every GPU: --gpus may choose any
     assert environ["CUDA_VISIBLE_DEVICES"] == "GPU-8a1b,2"
 
 
@@ -282,7 +282,8 @@ def test_nvidia_gpus_falls_back_to_nvml_then_to_none(monkeypatch):
 
 def test_gpu_info_from_device_properties():
     gpus = gpu_info(four_gpus(full={1}))
-    assert gpus[0] == GPUInfo(0, "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 79 * GIB, True, "00000000:3B:00.0")
+    assert gpus[0] == GPUInfo(0, "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 79 * GIB, True, "00000000:3B:00.0",
+                              "GPU-003b")
     assert gpus[1].free_memory is None  # mem_get_info failed on a full GPU: unknown, not a crash
     assert [g.bf16 for g in gpus] == [True, True, True, False]
     assert gpu_info(FakeCuda()) == []

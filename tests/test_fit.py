@@ -140,3 +140,12 @@ def test_weight_bytes_counts_tied_embeddings_once():
     with torch.device("meta"), skip_init():
         other = model_class_for(ModelConfig.from_dict(untied))(ModelConfig.from_dict(untied))
     assert weight_bytes(other, torch.bfloat16) - weight_bytes(model, torch.bfloat16) == 151936 * 1024 * 2
+
+
+def test_one_gpu_option_uses_the_gpu_with_room_not_cuda_0():
+    # 8 GPUs, cuda:0 and cuda:1 busy with another job: before, "1 GPU" measured cuda:0 only and said no
+    config = ModelConfig.from_dict(QWEN3_8B)
+    devices = parse_devices("0=2GiB,1=3GiB," + ",".join(f"{i}=79GiB" for i in range(2, 8)) + ",cpu=64GiB")
+    devices["cuda:5"] = 80 * GiB
+    report = fit_report(config, devices, dtype=torch.bfloat16, context=4096)
+    assert report.recommended.name == "1 GPU" and report.recommended.device_map == '"cuda:5"'

@@ -5,6 +5,7 @@ Offers:
 - `resolve_device(device_or_map)` -> torch.device, with an error that says how to fix a missing GPU (never a CPU fallback)
 - `select_gpus("0,2")`: what `--gpus` does (CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, before CUDA starts)
 - `GPUInfo` / `gpu_info()`: the GPUs as CUDA numbers them; `NvidiaGPU` / `nvidia_gpus()`: as nvidia-smi numbers them
+- `arch_supported(capability, torch.cuda.get_arch_list())`: whether this torch build has kernels for a GPU
 - `visible_devices_problems(value)`: what is wrong with a CUDA_VISIBLE_DEVICES value
 
 Two numberings meet here. CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and only those that
@@ -216,6 +217,16 @@ def select_gpus(gpus: str, *, environ: Any = None, cuda: Any = None) -> None:
     if bad or len(set(tokens)) != len(tokens):
         raise ValueError(f'--gpus "{gpus}" is not a comma-separated list of distinct GPU indices or UUIDs '
                          f'(e.g. --gpus 0,2 as nvidia-smi numbers them, or --gpus "" for the CPU)')
+    current = environ.get("CUDA_VISIBLE_DEVICES")
+    allowed = _split_gpus(current) if current is not None and current.strip() not in ("", "-1") else None
+    outside = [t for t in tokens if allowed is not None and not any(_same_gpu(t, a) for a in allowed)]
+    if outside:
+        # a job scheduler (SLURM without device cgroups) or a parent run gave this process only these GPUs:
+        # replacing the list would land on GPUs that belong to someone else
+        raise ValueError(f'--gpus "{gpus}" picks {", ".join(outside)}, outside CUDA_VISIBLE_DEVICES={current!r} '
+                         f"already set for this process (by a job scheduler, a parent run or an export): choose "
+                         f"among {current}, in the same form (index or UUID), or unset CUDA_VISIBLE_DEVICES if "
+                         f"the other GPUs are yours to use")
     torch = sys.modules.get("torch")  # not imported yet -> CUDA cannot have started
     if cuda is None and torch is not None:
         cuda = torch.cuda
@@ -225,6 +236,13 @@ def select_gpus(gpus: str, *, environ: Any = None, cuda: Any = None) -> None:
     environ["CUDA_VISIBLE_DEVICES"] = ",".join(tokens)
     environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so that "0,2" means nvidia-smi's 0 and 2
     environ[GPUS_FLAG_VARIABLE] = ",".join(tokens)
+
+
+def _same_gpu(token: str, other: str) -> bool:
+    """Whether two CUDA_VISIBLE_DEVICES entries name the same GPU: equal, or one UUID abbreviating the other."""
+    if token.startswith(("GPU-", "MIG-")) and other.startswith(("GPU-", "MIG-")):
+        return token.startswith(other) or other.startswith(token)
+    return token == other
 
 
 def visible_devices_problems(value: str, gpu_count: int | None = None, uuids: tuple[str, ...] = ()) -> list[str]:
@@ -245,7 +263,8 @@ def visible_devices_problems(value: str, gpu_count: int | None = None, uuids: tu
             elif gpu_count is not None and int(token) >= gpu_count:
                 problems.append(f"entry {token} is past the last GPU (nvidia-smi lists {gpu_count}: 0 to {gpu_count - 1})")
         elif token.startswith(("GPU-", "MIG-")):
-            if uuids and not any(u.startswith(token) for u in uuids):
+            # `uuids` are nvidia-smi --query-gpu's, whole GPUs only: a MIG instance's UUID is not among them
+            if uuids and token.startswith("GPU-") and not any(u.startswith(token) for u in uuids):
                 problems.append(f"no GPU has a UUID starting with {token}")
         else:
             problems.append(f"entry {token!r} is neither a GPU index nor a GPU-/MIG- UUID")
@@ -266,6 +285,7 @@ class GPUInfo:
     free_memory: int | None  # bytes; None when CUDA could not say (e.g. the GPU is full)
     bf16: bool  # native bfloat16: compute capability >= 8.0
     pci_bus_id: str | None  # nvidia-smi's spelling, "00000000:3B:00.0"
+    uuid: str | None = None  # nvidia-smi's spelling, "GPU-8a1b..." (torch's str(props.uuid) lacks the prefix)
 
 
 def _bus_id(domain: int, bus: int, device: int) -> str:
@@ -292,10 +312,33 @@ def gpu_info(cuda: Any = None) -> list[GPUInfo]:
             free = None
         pci = getattr(props, "pci_bus_id", None)  # torch >= 2.6; older builds lack the PCI fields
         bus = None if pci is None else _bus_id(getattr(props, "pci_domain_id", 0), pci, props.pci_device_id)
+        uuid = str(getattr(props, "uuid", "") or "") or None
+        if uuid and not uuid.startswith(("GPU-", "MIG-")):  # (a MIG instance's gets "GPU-" too, matching no GPU)
+            uuid = f"GPU-{uuid}"
         gpus.append(GPUInfo(index=index, name=props.name, capability=(props.major, props.minor),
                             total_memory=int(props.total_memory), free_memory=free,
-                            bf16=(props.major, props.minor) >= (8, 0), pci_bus_id=bus))
+                            bf16=(props.major, props.minor) >= (8, 0), pci_bus_id=bus, uuid=uuid))
     return gpus
+
+
+def arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool | None:
+    """Whether a torch built for `arch_list` (torch.cuda.get_arch_list(): "sm_80", "sm_90a", "compute_120") has
+    kernels for a GPU of `capability`; None when the list is empty (unknown). A cubin sm_XY runs on X.Y to X.9
+    ("a": on X.Y only); PTX compute_XY is compiled at load time for any X.Y or newer. CUDA 13 builds (cu130)
+    start at sm_75, so a V100 (7.0) is not among them."""
+    if not arch_list:
+        return None
+    for arch in arch_list:
+        match = re.fullmatch(r"(sm|compute)_(\d+?)(\d)([af]?)", arch.strip())
+        if not match:
+            continue
+        kind, major, minor, suffix = match[1], int(match[2]), int(match[3]), match[4]
+        if kind == "compute" and capability >= (major, minor):
+            return True
+        exact = suffix == "a"  # sm_90a: architecture-specific features, 9.0 only
+        if kind == "sm" and capability[0] == major and (capability[1] == minor if exact else capability[1] >= minor):
+            return True
+    return False
 
 
 @dataclass(frozen=True)

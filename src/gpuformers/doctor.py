@@ -17,7 +17,26 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from gpuformers.device import GPUS_FLAG_VARIABLE, NvidiaReport, gpu_info, nvidia_gpus, visible_devices_problems
+from gpuformers.device import (GPUS_FLAG_VARIABLE, NvidiaReport, arch_supported, gpu_info, nvidia_gpus,
+                               visible_devices_problems)
+from gpuformers.sizes import format_size
+
+# (oldest Linux driver, newest CUDA it runs, the torch wheel index for it), newest first. A CUDA major runs on the
+# driver of its x.0 (13.x: 580, 12.x: 525, 11.x: 450) by minor version compatibility (CUDA toolkit release notes),
+# so a 535 driver runs the cu126 wheels.
+_DRIVERS = [(580, "13.0", "cu130"), (570, "12.8", "cu128"), (525, "12.6", "cu126"), (450, "11.8", "cu118")]
+_MIN_DRIVER = {13: 580, 12: 525, 11: 450}
+
+
+def _driver_major(driver: str | None) -> int | None:
+    head = (driver or "").split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _wheel_for(driver: str | None) -> tuple[str, str] | None:
+    """(newest CUDA, wheel index suffix) that a driver "570.86.10" runs, or None when unknown."""
+    major = _driver_major(driver)
+    return next(((cuda, wheel) for oldest, cuda, wheel in _DRIVERS if major is not None and major >= oldest), None)
 
 
 def _package_version(*names: str) -> str | None:
@@ -42,7 +61,7 @@ def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | No
                      "triton": _package_version("triton", "pytorch-triton", "triton-windows"),
                      "flash_attn": _package_version("flash-attn", "flash-attn-3"),
                      "bitsandbytes": _package_version("bitsandbytes")},
-        "torch_error": None, "cuda_available": False, "device_count": 0, "cuda_error": None,
+        "torch_error": None, "cuda_available": False, "device_count": 0, "cuda_error": None, "arch_list": [],
         "environ": {name: environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")},
         "gpus_flag": environ.get(GPUS_FLAG_VARIABLE),
         "gpus": [],
@@ -66,8 +85,14 @@ def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | No
         except Exception as error:
             report["cuda_error"] = f"{type(error).__name__}: {error}"
     by_bus = {g.pci_bus_id: g.index for g in nvidia.gpus} if nvidia else {}
-    for gpu in gpu_info(cuda):
-        report["gpus"].append({**asdict(gpu), "nvidia_smi_index": by_bus.get(gpu.pci_bus_id)})
+    by_uuid = {g.uuid: g.index for g in nvidia.gpus} if nvidia else {}  # torch < 2.6 has no PCI fields, only uuid
+    gpus = gpu_info(cuda)
+    if gpus and hasattr(cuda, "get_arch_list"):
+        report["arch_list"] = list(cuda.get_arch_list())  # the GPU architectures this torch has kernels for
+    for gpu in gpus:
+        index = by_bus.get(gpu.pci_bus_id, by_uuid.get(gpu.uuid))
+        report["gpus"].append({**asdict(gpu), "nvidia_smi_index": index,
+                               "torch_supports": arch_supported(gpu.capability, report["arch_list"])})
     return report
 
 
@@ -102,10 +127,11 @@ def doctor(report: dict[str, Any]) -> list[Finding]:
         found.append(Finding("fail", "torch", f"import torch fails: {report['torch_error']}",
                              "reinstall torch for your CUDA (https://pytorch.org/get-started/locally/)"))
     elif physical and versions["torch_cuda"] is None:
+        cuda, wheel = _wheel_for(versions["driver"]) or ("that nvidia-smi shows", "cu126")
         found.append(Finding("fail", "torch", f"nvidia-smi lists {len(physical)} GPU(s) but torch "
                              f"{versions['torch']} is a CPU-only build", "install a CUDA build of torch: "
-                             "pip install torch --index-url https://download.pytorch.org/whl/cu126 (pick the CUDA "
-                             "version nvidia-smi supports)"))
+                             f"pip install torch --index-url https://download.pytorch.org/whl/{wheel} (driver "
+                             f"{versions['driver'] or 'unknown'} runs CUDA {cuda} and older)"))
     else:
         found.append(Finding("ok", "torch", f"torch {versions['torch']} imports"
                              + (f", built for CUDA {versions['torch_cuda']}" if versions["torch_cuda"] else "")))
@@ -144,10 +170,17 @@ def doctor(report: dict[str, Any]) -> list[Finding]:
     if report["cuda_available"]:
         found.append(Finding("ok", "CUDA", f"torch.cuda.is_available() True, {report['device_count']} GPU(s)"))
     elif physical and versions["torch_cuda"] and not (visible is not None and visible.strip() in ("", "-1")):
+        driver, needed = versions["driver"], _MIN_DRIVER.get(int(versions["torch_cuda"].split(".")[0]))
+        if _driver_major(driver) is not None and needed is not None and _driver_major(driver) < needed:
+            cuda, wheel = _wheel_for(driver) or ("11 or older", "cu118")
+            fix = (f"NVIDIA driver {driver} is too old for torch's CUDA {versions['torch_cuda']}, which needs driver "
+                   f">= {needed}: update the driver, or install a torch built for CUDA {cuda} (pip install torch "
+                   f"--index-url https://download.pytorch.org/whl/{wheel})")
+        else:
+            fix = (f"update the NVIDIA driver (torch needs one for CUDA {versions['torch_cuda']}), or in a container "
+                   "start it with --gpus all")
         found.append(Finding("fail", "CUDA", f"nvidia-smi lists {len(physical)} GPU(s) but torch cannot use them: "
-                             f"{report['cuda_error'] or 'torch.cuda.is_available() is False'}",
-                             f"update the NVIDIA driver (torch needs one for CUDA {versions['torch_cuda']}), or in "
-                             "a container start it with --gpus all"))
+                             f"{report['cuda_error'] or 'torch.cuda.is_available() is False'}", fix))
     elif physical:
         found.append(Finding("info", "CUDA", f"torch sees none of the {len(physical)} GPU(s) nvidia-smi lists "
                              "(see above): gpuformers runs on the CPU"))
@@ -155,11 +188,31 @@ def doctor(report: dict[str, Any]) -> list[Finding]:
         found.append(Finding("info", "CUDA", "no CUDA GPU: gpuformers runs on the CPU"))
 
     for gpu in gpus:
+        if gpu.get("torch_supports") is False:
+            sm = "sm_{}{}".format(*gpu["capability"])
+            found.append(Finding("fail", "capability", f"cuda:{gpu['index']} {gpu['name']} is {sm}, which torch "
+                                 f"{versions['torch']} (CUDA {versions['torch_cuda']}) has no kernels for (it has: "
+                                 f"{' '.join(report['arch_list'])}); every CUDA op fails with 'no kernel image is "
+                                 "available'", f"install a torch whose torch.cuda.get_arch_list() includes {sm}: CUDA "
+                                 "13 builds start at sm_75, CUDA 12 builds (--index-url "
+                                 "https://download.pytorch.org/whl/cu126) reach back further"))
         if not gpu["bf16"]:
             major, minor = gpu["capability"]
+            # Triton (so use_kernels=True and torch.compile's inductor) needs 7.0: torch._inductor GPUTooOldForTriton
+            triton = ", no Triton kernels and no torch.compile (Triton needs 7.0)" if (major, minor) < (7, 0) else ""
             found.append(Finding("warn", "capability", f"cuda:{gpu['index']} {gpu['name']} has compute capability "
-                                 f"{major}.{minor} < 8.0: no bfloat16 (dtype='auto' picks float16) and no "
-                                 "FlashAttention 2", "use attn_implementation='sdpa'; bfloat16 needs an Ampere or newer GPU"))
+                                 f"{major}.{minor} < 8.0: no bfloat16 (dtype='auto' picks float16), no "
+                                 f"FlashAttention 2{triton}", "use attn_implementation='sdpa'; bfloat16 needs an "
+                                 "Ampere or newer GPU"))
+        total, free = gpu["total_memory"], gpu["free_memory"]
+        if free is None or free < total / 2:
+            # another process's memory: CUDA's free is the whole GPU's, and nvidia-smi's process list names the owner
+            found.append(Finding("warn", "memory", f"cuda:{gpu['index']} {gpu['name']} (nvidia-smi "
+                                 f"{'?' if gpu['nvidia_smi_index'] is None else gpu['nvidia_smi_index']}): "
+                                 + ("free memory unknown (CUDA could not create a context: full, or in exclusive "
+                                    "mode)" if free is None else f"only {format_size(free)} of {format_size(total)} "
+                                    "free: other processes use it"),
+                                 "`nvidia-smi` lists the processes on each GPU; pick idle GPUs with --gpus"))
     for package, what in (("triton", "the fused kernels (use_kernels=True)"),
                           ("flash_attn", "attn_implementation='flash_attention_2'")):
         if versions[package]:

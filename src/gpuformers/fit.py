@@ -4,8 +4,8 @@ before any weight is downloaded.
     config --meta-device model--> weights (exact: the tensors our loader allocates, tied ones once)
            --shapes-->            KV cache per token = layers x 2 (k and v) x kv_heads x head_dim x bytes
                                   activations of one prefill = tokens x (largest transient of one decoder layer)
-    devices (free memory now, or --max-memory) --> the first of: one GPU, all GPUs (device_map="auto"), int8,
-                                  nf4, GPUs + CPU offload, + disk, that holds the weights; for each, the longest
+    devices (free memory now, or --max-memory) --> the first of: the roomiest GPU, all GPUs (device_map="auto"),
+                                  int8, nf4, GPUs + CPU offload, + disk, that holds the weights; for each, the longest
                                   context at --batch and the largest batch at --context that fit next to them
 
 The KV cache and the activations share what the weights leave free: a prompt of N tokens in a batch of B needs
@@ -158,6 +158,8 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
     logits = batch * config.vocab_size * 4  # float32 logits of the last position
     limit = config.max_position_embeddings
     gpus = [_usable(v, True) for k, v in devices.items() if k.startswith("cuda")]
+    # one GPU: the one with the most room, not cuda:0, which another process may fill
+    roomiest = max((k for k in devices if k.startswith("cuda")), key=lambda k: devices[k], default=None)
     cpu = devices.get("cpu", 0)
     report = FitReport(model_name, sum(p.numel() for p in model.parameters()), str(dtype).removeprefix("torch."),
                        weights, kv, act, context, batch, dict(devices))
@@ -173,12 +175,12 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
 
     if gpus:
         many = len(gpus) > 1
-        add("1 GPU", '"cuda:0"', None, weights, gpus[0])
+        add("1 GPU", f'"{roomiest}"', None, weights, _usable(devices[roomiest], True))
         if many:
             add(f"{len(gpus)} GPUs", '"auto"', None, weights, sum(gpus))
         for quantization in QUANTIZATIONS:
             quantized = weight_bytes(model, dtype, quantization)
-            add(f"{len(gpus)} GPU{'s' if many else ''}, {quantization}", '"auto"' if many else '"cuda:0"',
+            add(f"{len(gpus)} GPU{'s' if many else ''}, {quantization}", '"auto"' if many else f'"{roomiest}"',
                 quantization, quantized, sum(gpus), f"quantization_config={_QUANTIZATION_CONFIGS[quantization]}")
         # Offload: the weights that do not fit on the GPUs wait on the CPU and stream in per layer; the GPUs keep
         # room for the KV cache and activations of the requested context and batch.
