@@ -77,7 +77,13 @@ def process_device() -> torch.device:
         return torch.device("cpu")
     from gpuformers.device import resolve_device
 
-    return resolve_device(f"cuda:{max(int(os.environ.get('LOCAL_RANK', 0)), 0)}")
+    local_rank, count = max(int(os.environ.get("LOCAL_RANK", 0)), 0), torch.cuda.device_count()
+    if local_rank >= count:  # more processes on this machine than GPUs: one GPU per process
+        raise RuntimeError(f"process LOCAL_RANK={local_rank} has no GPU of its own: {count} GPU(s) are visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)')!s}); start at "
+                           f"most {count} processes per machine (torchrun --nproc_per_node={count}, or "
+                           f"--tensor-parallel-size {count}), or make more GPUs visible")
+    return resolve_device(f"cuda:{local_rank}")
 
 
 def check_backend(backend: str | None, device: torch.device) -> None:

@@ -135,6 +135,14 @@ def apply_tensor_parallel(model: nn.Module, tp_plan="auto", tp_size: int | None 
             raise NotImplementedError(f"{name}: a local_rowwise layer with a bias is not supported (the bias would be "
                                       "added once per process)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "cuda":
+        from gpuformers.device import resolve_device
+
+        # Before the mesh and the first NCCL call: parallelize_module moves each weight to the *current* GPU
+        # (`.to("cuda")`), and NCCL binds its communicator to it. A process group joined without set_device (a
+        # script's own init_process_group) leaves every process on cuda:0: every slice there, the rest on its GPU.
+        device = resolve_device(device)  # "cuda" -> cuda:LOCAL_RANK
+        torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (tp_size,))
     parallelize_module(model, mesh, {name: _parallel_style(model.get_submodule(name), style)
                                      for name, style in plan.items() if style in _DTENSOR_STYLES})

@@ -246,7 +246,8 @@ def load_pretrained(
     checkpoint_dtype = parse_dtype(config.dtype) if config.dtype else files.first_floating_dtype()
     if checkpoint_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 weights compute in bfloat16
         checkpoint_dtype = torch.bfloat16
-    dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=device)
+    # (under tp_plan the weights are read on the CPU but computed on tp_device: its GPU decides, as with device_map)
+    dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=tp_device or device)
 
     with torch.device("meta"), skip_init():
         model = cls(config)
