@@ -81,3 +81,15 @@ def test_bad_labels_are_named():
         cross_entropy(torch.randn(4, 10), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"hidden has size 8 but weight \(vocab, hidden\) is \(10, 9\)"):
         fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 9), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("label", [10, -1, -99], ids=["vocab", "negative", "not-ignore-index"])
+def test_labels_outside_the_vocabulary_are_refused(label):
+    """The kernels read the target's logit at the label: one outside [0, vocab) (and not ignore_index) would read
+    another row's memory and give a wrong loss, where torch's cross_entropy fails."""
+    labels = torch.tensor([1, -100, label, 3])
+    with pytest.raises(RuntimeError, match=r"labels must be class indices in \[0, 10\) or ignore_index \(-100\)"):
+        cross_entropy(torch.randn(4, 10), labels)
+    with pytest.raises(RuntimeError, match=r"labels must be class indices in \[0, 10\)"):
+        fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), labels)
+    cross_entropy(torch.randn(4, 10), torch.tensor([1, -100, 9, 0]))  # the edges pass

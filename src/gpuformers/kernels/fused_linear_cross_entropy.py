@@ -73,11 +73,17 @@ def _launch(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor | Non
     return loss
 
 
-def _check_labels(labels: torch.Tensor, rows: int, device) -> None:
+def _check_labels(labels: torch.Tensor, rows: int, device, vocab: int, ignore_index: int) -> None:
     if labels.dtype not in (torch.int64, torch.int32) or labels.numel() != rows:
         raise ValueError(f"labels must be {rows} int64 class indices, got {labels.dtype} {tuple(labels.shape)}")
     if labels.device != device:
         raise ValueError(f"labels are on {labels.device} but the logits are on {device}")
+    if rows and not torch.compiler.is_compiling():
+        # The kernel would read the "target" logit outside the row. Checked on the device, without a host sync: on a
+        # GPU a failed check is a device-side assert (as torch's own cross_entropy gives), on the CPU a RuntimeError.
+        valid = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
+        torch._assert_async(valid.all(), f"labels must be class indices in [0, {vocab}) or ignore_index "
+                                         f"({ignore_index})")
 
 
 def _inverse_count(labels, ignore_index, num_items_in_batch) -> torch.Tensor:
@@ -110,7 +116,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
                   num_items_in_batch=None) -> torch.Tensor:
     """Mean cross-entropy of logits (rows, vocab) against labels (rows,), in float32; differentiable."""
     check_tensor("logits", logits, ndim=2)
-    _check_labels(labels, logits.shape[0], logits.device)
+    _check_labels(labels, logits.shape[0], logits.device, logits.shape[1], ignore_index)
     if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
         scale = _inverse_count(labels, ignore_index, num_items_in_batch)
         with_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -183,7 +189,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     check_same("device", hidden=hidden, weight=weight)
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden has size {hidden.shape[1]} but weight (vocab, hidden) is {tuple(weight.shape)}")
-    _check_labels(labels, hidden.shape[0], hidden.device)
+    _check_labels(labels, hidden.shape[0], hidden.device, weight.shape[0], ignore_index)
     rows, vocab = hidden.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = max(1, triton.cdiv(rows, max(1, triton.cdiv(vocab, hidden.shape[1]))))
