@@ -101,6 +101,28 @@ def test_fp16_refuses_float16_trainable_weights_and_takes_float32(tiny_checkpoin
     check_trainable(model, fp16, tensor_parallel=False)
 
 
+def test_clipping_a_tensor_parallel_model_whose_split_gradients_are_all_replicated(one_process_group, monkeypatch):
+    """Split gradients that are all replicated DTensors (a row-wise layer's bias) beside plain ones: nothing to sum
+    over the processes. The all-reduce of get_total_norm([]) (a CPU tensor) would fail on NCCL."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from gpuformers.training.optim import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (1,))
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Replicate()]))
+    replicated.grad = distribute_tensor(torch.tensor([3.0, 0.0, 0.0]), mesh, [Replicate()])
+    plain = torch.nn.Parameter(torch.zeros(2))
+    plain.grad = torch.tensor([0.0, 4.0])
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kwargs: reduced.append(tensor))
+    norm = clip_grad_norm([replicated, plain], max_norm=1.0)
+    assert reduced == [] and float(norm) == pytest.approx(5.0)
+    assert plain.grad.tolist() == pytest.approx([0.0, 0.8], rel=1e-5)
+    assert replicated.grad.to_local().tolist() == pytest.approx([0.6, 0.0, 0.0], rel=1e-5)
+
+
 def _worker() -> None:
     import argparse
 

@@ -335,10 +335,14 @@ def _clip_tensor_parallel(grads: list[torch.Tensor], max_norm: float) -> torch.T
             group = grad.device_mesh.get_group()
         else:  # a plain tensor, or a replicated DTensor (a row-wise layer's bias): the same in every process
             whole.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    squares = torch.nn.utils.get_total_norm(sharded).square()
-    torch.distributed.all_reduce(squares, group=group)
+    squares = None
+    if sharded:  # (none when every split gradient is replicated: nothing to sum, and get_total_norm([]) is a CPU
+        # tensor that an NCCL all-reduce would refuse)
+        squares = torch.nn.utils.get_total_norm(sharded).square()
+        torch.distributed.all_reduce(squares, group=group)
     if whole:
-        squares = squares + torch.nn.utils.get_total_norm(whole).square()
+        own = torch.nn.utils.get_total_norm(whole).square()
+        squares = own if squares is None else squares + own
     total_norm = squares.sqrt()
     coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if total_norm.device.type != "cpu" or bool(coefficient < 1.0):
