@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from gpuformers.training import TrainerCallback, TrainingArguments
@@ -28,3 +33,16 @@ def tiny_args(output_dir, **overrides) -> TrainingArguments:
     values = dict(output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=3e-3, max_steps=10,
                   logging_steps=1, save_strategy="no", disable_tqdm=True, optim="adamw_torch", seed=0)
     return TrainingArguments(**{**values, **overrides})
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(module: str, *args: str, processes: int = 2) -> None:
+    """`python -m module args` in `processes` processes under torchrun (one thread each, this checkout's code);
+    fails the test with the end of their output when one of them fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={processes}", "-m", module, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,9 +25,8 @@ from gpuformers import AutoModelForCausalLM
 from gpuformers.distributed import DDPOptions, wrap_model
 from gpuformers.training import Trainer, TrainingArguments
 from gpuformers.training.model_setup import ddp_options
-from tests.training.helpers import make_rows, tiny_args
+from tests.training.helpers import make_rows, tiny_args, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 # 32 experts, one per token: a row of at most 16 tokens leaves at least 16 experts of each layer without a token
 MOE = dict(num_experts=32, num_experts_per_tok=1, moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[])
 
@@ -48,11 +45,7 @@ def moe_checkpoint(tmp_path_factory):
 def test_moe_trains_under_ddp_with_experts_left_without_tokens(moe_checkpoint, tmp_path):
     """Before, DDP was built without find_unused_parameters: the experts no token was routed to had no gradient, and
     the second step failed ("Expected to have finished reduction in the prior iteration")."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "tests.training.test_ddp_options", str(moe_checkpoint), str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    torchrun("tests.training.test_ddp_options", str(moe_checkpoint), str(tmp_path))
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["backend"] == "gloo" and result["find_unused_parameters"] is True
     assert result["idle_experts"] > 0  # the case this is about really happened

@@ -6,9 +6,6 @@ Each configuration is a named entry of distributed_worker.RUNS."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +15,9 @@ import torch
 from gpuformers import AutoModelForCausalLM
 from gpuformers.training import Trainer
 from tests.training.distributed_worker import DISTRIBUTED_ARGS, EVAL_ROWS, ROWS, argmax_ids, metrics
+from tests.training import helpers
 from tests.training.helpers import make_rows, tiny_args
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def layout(mesh: list[int], offload: str, gathered_after_forward: bool) -> dict:
@@ -41,11 +38,7 @@ LAYOUTS = {
 
 
 def torchrun(*args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "tests.training.distributed_worker", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    helpers.torchrun("tests.training.distributed_worker", *args)
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -7,10 +7,7 @@ the torchrun worker of the resume test:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +18,8 @@ from gpuformers.training import Trainer
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.callbacks import TrainerState
 from gpuformers.training.model_setup import check_trainable
-from tests.training.helpers import make_rows, tiny_args
+from tests.training.helpers import make_rows, tiny_args, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 # 2 processes x 1 row x 2 micro-batches: each process's rows have their own lengths, so its dropout draws differ
 RESUME_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=4, save_steps=2,
                    save_strategy="steps", lr_scheduler_type="constant", use_cpu=True)
@@ -43,27 +39,20 @@ def test_a_checkpoint_keeps_the_rng_state_of_every_process(tiny_checkpoint, tmp_
         assert torch.equal(rng["cpu"], expected["cpu"])
 
 
-def _torchrun(*args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "tests.training.test_training_gpu_paths", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-
 
 @pytest.mark.distributed
 def test_ddp_with_dropout_resumes_exactly(tiny_checkpoint, tmp_path):
     """Before, process 0 alone wrote rng_state.pth and every process restored it: process 1 went on with process
     0's generators (on GPUs, with its own GPU's generator reset), and its dropout masks, so the losses, changed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _torchrun(str(tiny_checkpoint), str(straight))
+    torchrun("tests.training.test_training_gpu_paths", str(tiny_checkpoint), str(straight))
     checkpoint = straight / "checkpoint-2"
     assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
     first, second = (torch.load(checkpoint / f"rng_state_{i}.pth", weights_only=True)["cpu"] for i in (0, 1))
     assert not torch.equal(first, second)  # the processes' generators really went apart
     resumed.mkdir()
     shutil.copytree(checkpoint, resumed / checkpoint.name)
-    _torchrun(str(tiny_checkpoint), str(resumed), "--resume")
+    torchrun("tests.training.test_training_gpu_paths", str(tiny_checkpoint), str(resumed), "--resume")
     expected = json.loads((straight / "losses.json").read_text())
     got = json.loads((resumed / "losses.json").read_text())
     assert sorted(got) == ["1", "2", "3", "4"]  # 1-2 from the checkpoint's log, 3-4 trained after the resume
