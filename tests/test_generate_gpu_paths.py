@@ -102,6 +102,27 @@ def test_an_offloaded_model_decodes_eagerly(llama):
         del llama.hf_device_map
 
 
+@pytest.mark.parametrize("method, compiled", [("bitsandbytes", False), ("gptq", False), ("awq", False),
+                                              ("mxfp4", False), ("weight_only", True), ("fp8", True),
+                                              ("compressed-tensors", True)])
+def test_quantized_models_compile_only_where_transformers_does(llama, method, compiled):
+    """transformers leaves the decode step of a model whose quantizer is not compileable eager (bitsandbytes,
+    GPTQ, AWQ, MXFP4); asked for with a compile_config, it says so."""
+    from types import SimpleNamespace
+
+    from gpuformers.generation.config import GenerationConfig
+
+    config = GenerationConfig(compile_config=CompileConfig(backend="eager"))
+    llama.quantization_config = SimpleNamespace(quant_method=method)
+    try:
+        if compiled:
+            assert llama._compiles_decode(config)
+        else:
+            with pytest.warns(UserWarning, match=f"a {method} quantized model's decode step is not compiled"):
+                assert not llama._compiles_decode(config)
+    finally:
+        llama.quantization_config = None
+
 def test_a_moe_model_with_its_host_reading_experts_is_not_compiled():
     from gpuformers.models.config import ModelConfig
     from gpuformers.models.registry import model_class_for

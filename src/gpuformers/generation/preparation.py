@@ -181,6 +181,13 @@ class GenerationPreparation:
             # Offloaded weights stream in through hooks at every forward, which CUDA graphs cannot replay (transformers
             # does not compile such a model either): the static cache runs eagerly.
             return False
+        method = getattr(self.quantization_config, "quant_method", None)
+        if method in _NOT_COMPILED:
+            # transformers compiles only quantization methods whose quantizer says it can (is_compileable)
+            if config.compile_config is not None:
+                warnings.warn(f"a {method} quantized model's decode step is not compiled (as in transformers): the "
+                              f"static cache runs without CUDA graphs", UserWarning, stacklevel=4)
+            return False
         if not self.supports_compiled_decode:
             warnings.warn(
                 f"{type(self).__name__} does not support a compiled decode step yet (supports_compiled_decode is "
@@ -212,6 +219,12 @@ class GenerationPreparation:
         from gpuformers.kernels.cpu_linear import cpu_matmuls
 
         return cpu_matmuls(self, rows) if forward is self else contextlib.nullcontext()
+
+
+# Quantization methods whose layers transformers does not compile (its quantizers' is_compileable is False): their
+# matmuls call into packages (bitsandbytes, GPTQ/AWQ kernels) or unpack per call (MXFP4) in ways torch.compile breaks
+# its graph on. Weight-only, FP8 and compressed-tensors layers compile.
+_NOT_COMPILED = frozenset({"bitsandbytes", "gptq", "awq", "mxfp4"})
 
 
 def _reusable(cache: StaticCache, rows: int, size: int, embeddings: torch.Tensor) -> bool:
