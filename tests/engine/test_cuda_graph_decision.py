@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuformers.engine.cuda_graphs import capture_blockers, decide_cuda_graph
+from gpuformers.engine.cuda_graphs import decide_cuda_graph
+from gpuformers.layers.moe import host_syncing_modules
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16)
@@ -24,7 +25,7 @@ def _model(model_type: str, **extra):
 
 def test_dense_model_captures():
     model = _model("qwen3")
-    assert capture_blockers(model) == []
+    assert host_syncing_modules(model) == []
     assert decide_cuda_graph(None, model, cuda=True, tp_size=1) is True
     assert decide_cuda_graph(None, model, cuda=False, tp_size=1) is False  # the CPU has no graphs
     assert decide_cuda_graph(None, model, cuda=True, tp_size=2) is False  # collectives inside a graph: not yet
@@ -39,7 +40,7 @@ def test_moe_blocks_that_wait_on_the_host_turn_graphs_off(model_type, extra, lay
     import logging
 
     model = _model(model_type, **extra)
-    blockers = capture_blockers(model)
+    blockers = host_syncing_modules(model)
     assert blockers and all(layer in type(model.get_submodule(name)).__name__ for name in blockers)
     with caplog.at_level(logging.INFO, logger="gpuformers.engine.cuda_graphs"):
         assert decide_cuda_graph(None, model, cuda=True, tp_size=1) is False
@@ -59,5 +60,5 @@ def test_the_fused_moe_kernel_makes_the_model_capturable():
     with pytest.raises(ValueError, match="load the model with use_kernels=True"):
         decide_cuda_graph(True, model, cuda=True, tp_size=1)
     kernelize(model)
-    assert capture_blockers(model) == []
+    assert host_syncing_modules(model) == []
     assert decide_cuda_graph(None, model, cuda=True, tp_size=1) is True

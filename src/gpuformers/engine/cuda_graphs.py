@@ -26,7 +26,7 @@ experts got tokens (`torch.unique(...).tolist()`, as transformers' do), and a la
 its forward: use_kernels=True gives Qwen3-MoE-style blocks the fused MoE kernel, which syncs nothing), rather than
 let the first capture fail; asked for explicitly, they are an error naming the layer.
 
-Offers: DecodeGraphs, BATCH_BUCKETS, capture_blockers, decide_cuda_graph.
+Offers: DecodeGraphs, BATCH_BUCKETS, decide_cuda_graph.
 """
 
 from __future__ import annotations
@@ -36,17 +36,11 @@ import logging
 import torch
 
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
+from gpuformers.layers.moe import host_syncing_modules
 
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-def capture_blockers(model: torch.nn.Module) -> list[str]:
-    """Names of the modules whose forward waits on the host (class attribute `syncs_host`, forward not replaced on
-    the instance by a kernel), so a CUDA graph cannot capture the model."""
-    return [name for name, module in model.named_modules()
-            if getattr(type(module), "syncs_host", False) and "forward" not in module.__dict__]
 
 
 def decide_cuda_graph(asked: bool | None, model: torch.nn.Module, cuda: bool, tp_size: int) -> bool:
@@ -54,7 +48,7 @@ def decide_cuda_graph(asked: bool | None, model: torch.nn.Module, cuda: bool, tp
     forward never waits on the host; asked True for a model that waits is a ValueError naming the layer."""
     if asked is False or (asked is None and (not cuda or tp_size > 1)):
         return False
-    blockers = capture_blockers(model)
+    blockers = host_syncing_modules(model)
     if blockers:
         layer = type(model.get_submodule(blockers[0])).__name__
         fix = ("load the model with use_kernels=True (its fused MoE kernel syncs nothing)"

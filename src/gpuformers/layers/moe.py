@@ -17,7 +17,7 @@ Training with output_router_logits=True adds the Switch-Transformer load-balanci
 forward, every router call appends its logits (both forwards above call the router), and `load_balancing_loss`
 turns them into the aux loss. With `recorded` left at None (inference, the engine) nothing is kept.
 
-Offers: TopKRouter, SparseMoeBlock, load_balancing_loss.
+Offers: TopKRouter, SparseMoeBlock, load_balancing_loss, host_syncing_modules.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ class TopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+def host_syncing_modules(model: nn.Module) -> list[str]:
+    """Names of the modules whose forward waits on the host (class attribute `syncs_host`, as SparseMoeBlock's torch
+    forward reads which experts got tokens; forward not replaced on the instance by a kernel): neither a CUDA graph
+    (engine/cuda_graphs.py) nor a compiled decode step (supports_compiled_decode) can hold them."""
+    return [name for name, module in model.named_modules()
+            if getattr(type(module), "syncs_host", False) and "forward" not in module.__dict__]
 
 
 class SparseMoeBlock(nn.Module):

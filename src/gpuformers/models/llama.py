@@ -21,6 +21,7 @@ from gpuformers.layers.attention import AttentionInterface, build_attention_mask
 from gpuformers.kernels.mapping import active_kernel_functions
 from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss, logits_needed
 from gpuformers.layers.mlp import GatedMLP
+from gpuformers.layers.moe import host_syncing_modules
 from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from gpuformers.models.config import ModelConfig
@@ -191,7 +192,7 @@ class LlamaForCausalLM(PreTrainedModel):
         # `syncs_host`) breaks the compiled graph at every layer and changes its shapes with the routing: recompiles
         # and CUDA graph re-recordings, slower than eager. A kernel that replaced that forward (use_kernels) syncs
         # nothing.
-        return not any(getattr(type(m), "syncs_host", False) and "forward" not in m.__dict__ for m in self.modules())
+        return not host_syncing_modules(self)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
