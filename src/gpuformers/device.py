@@ -3,6 +3,8 @@
 Offers:
 - `parse_dtype(value)` -> torch.dtype or "auto"; `default_dtype(device)`; `resolve_dtype(dtype, checkpoint_dtype=, device=)`
 - `resolve_device(device_or_map)` -> torch.device, with an error that says how to fix a missing GPU (never a CPU fallback)
+- `mapped_devices(model)` / `is_offloaded(model)`: where device_map placed a loaded model, and whether some of it
+  streams in from the CPU or disk
 - `select_gpus("0,2")`: what `--gpus` does (CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, before CUDA starts)
 - `GPUInfo` / `gpu_info()`: the GPUs as CUDA numbers them; `NvidiaGPU` / `nvidia_gpus()`: as nvidia-smi numbers them
 - `arch_supported(capability, torch.cuda.get_arch_list())`: whether this torch build has kernels for a GPU
@@ -179,6 +181,19 @@ def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
                            f"cuda:{count - 1}) with CUDA_VISIBLE_DEVICES={_shown(os.environ)}; pick an index below "
                            f"{count}, or choose other GPUs with --gpus (see `gpuformers env`)")
     return torch.device("cuda", index)
+
+
+def mapped_devices(model: Any) -> set[str]:
+    """The devices device_map (or tp_plan) placed a loaded model's modules on, as its hf_device_map writes them (0,
+    "cuda:1", "cpu", "disk"), as strings; empty for a model loaded without one."""
+    return {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+
+
+def is_offloaded(model: Any) -> bool:
+    """Whether device_map put part of the model on disk, or on the CPU beside a GPU: those weights stream in through
+    hooks at every forward (a model wholly on the CPU is not offloaded)."""
+    places = mapped_devices(model)
+    return "disk" in places or ("cpu" in places and len(places) > 1)
 
 
 def _shown(environ: Any, name: str = "CUDA_VISIBLE_DEVICES") -> str:

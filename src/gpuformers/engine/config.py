@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from gpuformers.device import mapped_devices
 from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block, step_workspace_bytes
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
@@ -109,7 +110,7 @@ class ContinuousBatchingConfig:
 def check_one_device(model) -> None:
     """NotImplementedError for a model that device_map spread over several devices (or offloaded): the engine keeps
     its KV cache and step inputs on one device, model.device, and the layers placed elsewhere would not find them."""
-    placed = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    placed = sorted(mapped_devices(model))
     if len(placed) > 1:
         raise NotImplementedError(
             f"the model is spread over {placed} by device_map; the continuous batching engine runs a model on one "

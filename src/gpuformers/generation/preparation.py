@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from gpuformers.device import is_offloaded
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
 from gpuformers.generation.config import CompileConfig, GenerationConfig
 
@@ -176,8 +177,7 @@ class GenerationPreparation:
         device = self.get_input_embeddings().weight.device
         if config.disable_compile or (device.type != "cuda" and config.compile_config is None):
             return False
-        placed = {str(where) for where in (getattr(self, "hf_device_map", None) or {}).values()}
-        if "disk" in placed or ("cpu" in placed and len(placed) > 1):
+        if is_offloaded(self):
             # Offloaded weights stream in through hooks at every forward, which CUDA graphs cannot replay (transformers
             # does not compile such a model either): the static cache runs eagerly.
             return False

@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import nn
 
+from gpuformers.device import is_offloaded, mapped_devices
 from gpuformers.lora.config import ALL_LINEAR, CLASSIFIER_MODULES, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
 from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
@@ -223,10 +224,10 @@ def _unpack_if_grad_needed(module: nn.Module, args: tuple) -> None:
 def _check_placement(model: nn.Module) -> None:
     # device_map's hooks stream an offloaded layer's weights in for its forward, and only the weights they saw at
     # dispatch: adapters added afterwards would stay behind on the CPU (or the meta device, for "disk").
-    places = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
-    if "disk" in places or ("cpu" in places and len(places) > 1):
+    if is_offloaded(model):
+        offloaded = sorted(mapped_devices(model) & {"cpu", "disk"})
         raise NotImplementedError(f"LoRA on a model with offloaded layers (device_map places some on "
-                                  f"{', '.join(sorted(places & {'cpu', 'disk'}))}) is not supported yet; load the "
+                                  f"{', '.join(offloaded)}) is not supported yet; load the "
                                   f"model on GPUs only, or on the CPU only")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gpuformers import distributed
+from gpuformers.device import mapped_devices
 from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
 
@@ -25,7 +26,7 @@ from gpuformers.training.arguments import TrainingArguments
 def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> None:
     """Refuse a model spread over devices, a tensor-parallel model with what tensor parallelism cannot train yet,
     float16 trainable weights under fp16 mixed precision, and a quantized model without LoRA adapters."""
-    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    placed = mapped_devices(model)
     if len(placed) > 1:  # spread over devices by device_map: moving it would undo that
         raise NotImplementedError(f"the model is spread over {sorted(placed)} by device_map; the Trainer trains a "
                                   "model on one device for now: load it with device_map=None or one device")
