@@ -238,9 +238,7 @@ def _sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tenso
     through its temperature, filters and draw (its own generator when it has a seed), in a fixed number of kernels
     whatever the number of rows (a few more per seeded row: its noise)."""
     device = logits.device
-    for seq in sequences:
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    generators = _generators(sequences, device)
     params = [seq.params for seq in sequences]
     temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     if device.type == "cuda":
@@ -250,20 +248,27 @@ def _sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tenso
     else:
         scaled = logits / temperatures[:, None]
     probs = _filter_rows(scaled, params).softmax(-1)
-    return _draw_rows(probs, [seq.generator for seq in sequences])
+    return _draw_rows(probs, generators)
 
 
 def _sample_each_row(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """_sample_rows one row at a time (the CPU's way): the same tokens, each row through _filter_row and
     torch.multinomial with its own generator."""
     tokens = []
-    for row, seq in zip(logits, sequences):
+    for row, seq, generator in zip(logits, sequences, _generators(sequences, logits.device)):
         params = seq.params
-        if params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator(device=logits.device).manual_seed(params.seed)
         probs = _filter_row(row / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
-        tokens.append(torch.multinomial(probs, 1, generator=seq.generator))
+        tokens.append(torch.multinomial(probs, 1, generator=generator))
     return torch.cat(tokens)
+
+
+def _generators(sequences: list[Sequence], device: torch.device) -> list[torch.Generator | None]:
+    """Each sequence's own generator (made from its seed at its first sample, then kept on it), or None: the
+    device's default one."""
+    for seq in sequences:
+        if seq.params.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    return [seq.generator for seq in sequences]
 
 
 def _draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
