@@ -193,10 +193,9 @@ class BlockManager:
         """After a step: register the blocks that became full and computed, so later requests can share them."""
         if not self.allow_block_sharing:
             return
-        tokens = seq.token_ids
-        full = seq.num_computed_tokens // self.block_size
-        for index in range(len(seq.block_hashes), full):
-            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+        size = self.block_size
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            chunk = tuple(seq.tokens(index * size, (index + 1) * size))
             previous = seq.block_hashes[-1] if seq.block_hashes else seq.adapter_id
             h = chain_hash(previous, chunk)
             seq.block_hashes.append(h)

@@ -32,6 +32,7 @@ Offers: ModelRunner, LaunchedStep, kv_bytes_per_block, step_workspace_bytes, PRO
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -127,20 +128,26 @@ class ModelRunner:
         bs = self.block_size
         tokens, positions, slots, query_start, context_lens, sample_rows = [], [], [], [0], [], []
         num_decodes = 0
+        sampling = batch.sampling()  # asked before the scheduler advances the sequences
         for index, (seq, n) in enumerate(zip(batch.sequences, batch.num_tokens)):
             start = seq.num_computed_tokens
-            tokens.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode (or a one-token chunk): the common case, without ranges
+                tokens += seq.tokens(start, start + 1)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                if num_decodes == index:
+                    num_decodes += 1
+            else:
+                tokens += seq.tokens(start, start + n)
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_start.append(query_start[-1] + n)
             context_lens.append(start + n)
-            if n == 1 and num_decodes == index:
-                num_decodes += 1
-            if batch.samples(index):
+            if sampling[index]:
                 sample_rows.append(query_start[-1] - 1)
-        max_blocks = max(len(seq.block_table) for seq in batch.sequences)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.sequences]
+        width = max(len(seq.block_table) for seq in batch.sequences)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.sequences]
         device = self.device
 
         def as_tensor(values):
@@ -148,7 +155,7 @@ class ModelRunner:
 
         context = PagedContext(
             slot_mapping=as_tensor(slots),
-            block_tables=as_tensor(tables),
+            block_tables=as_tensor(list(itertools.chain.from_iterable(tables))).view(len(batch), width),
             context_lens=as_tensor(context_lens),
             query_start=query_start,
             context_lens_list=context_lens,
@@ -169,7 +176,8 @@ class ModelRunner:
         found, row = [], 0
         for seq, n in zip(batch.sequences, batch.num_tokens):
             start = seq.num_computed_tokens
-            positions = seq.prompt_logprob_positions(start, n)
+            wants = seq.params.prompt_logprobs is not None  # most requests do not: no lookup for them
+            positions = seq.prompt_logprob_positions(start, n) if wants else None
             if positions:
                 found.append((seq, positions.start + 1,
                               range(row + positions.start - start, row + positions.stop - start)))
@@ -208,7 +216,7 @@ class ModelRunner:
                 logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
                 for seq, first, rows in prompt_rows:
                     self._record_prompt_logprobs(hidden[0], seq, first, rows)
-        sampling = [seq for i, seq in enumerate(batch.sequences) if batch.samples(i)]
+        sampling = [seq for seq, samples in zip(batch.sequences, batch.sampling()) if samples]
         tokens, logprob_rows, on_device = sample_on_device(logits, sampling, self.token_counts)
         event = None
         host = on_device

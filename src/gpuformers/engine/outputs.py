@@ -57,7 +57,8 @@ class Outbox:
     def __init__(self, running: Callable[[], bool]):
         self.running = running
         self.finished: dict[str, GenerationOutput] = {}
-        self.streams: dict[str, queue.Queue] = {}
+        # SimpleQueue: the engine puts one output per streaming request and step, at half the cost of a Queue
+        self.streams: dict[str, queue.SimpleQueue] = {}
         self.live: set[str] = set()
         self.num_finished = 0  # requests finished so far (a count, not a store: for progress bars)
         self._done = threading.Condition()
@@ -75,7 +76,7 @@ class Outbox:
             made = make(request_id)
             self.live.add(request_id)
             if streaming:
-                self.streams[request_id] = queue.Queue()
+                self.streams[request_id] = queue.SimpleQueue()
             return made
 
     def publish(self, output: GenerationOutput, final: bool) -> None:
@@ -136,7 +137,7 @@ class Outbox:
                 return
             yield output
 
-    def _next(self, stream: queue.Queue, deadline: float | None) -> GenerationOutput | None:
+    def _next(self, stream: queue.SimpleQueue, deadline: float | None) -> GenerationOutput | None:
         """A stream's next output; None when the deadline passes, or when none is queued and no loop runs."""
         while True:
             left = _left(deadline)
@@ -149,7 +150,7 @@ class Outbox:
                     except queue.Empty:
                         return None
 
-    def _last(self, request_id: str, stream: queue.Queue, timeout: float | None) -> GenerationOutput | None:
+    def _last(self, request_id: str, stream: queue.SimpleQueue, timeout: float | None) -> GenerationOutput | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             output = self._next(stream, deadline)

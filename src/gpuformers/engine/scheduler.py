@@ -40,6 +40,7 @@ class ScheduledBatch:
 
     sequences: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    _sampling: list[bool] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -48,11 +49,18 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    def sampling(self) -> list[bool]:
+        """Per sequence, whether this step reaches its last token, so its logits give a new token. Worked out on the
+        first call, which must come before `Scheduler.advance` moves the counts on (the model runner's prepare
+        asks first); later calls give the same answers."""
+        if self._sampling is None:
+            self._sampling = [seq.num_computed_tokens + n == seq.num_tokens
+                              for seq, n in zip(self.sequences, self.num_tokens)]
+        return self._sampling
+
     def samples(self, index: int) -> bool:
-        """Whether this step reaches the sequence's last token, so its logits give a new token (ask before
-        `Scheduler.advance`, which moves the counts on)."""
-        seq = self.sequences[index]
-        return seq.num_computed_tokens + self.num_tokens[index] == seq.num_tokens
+        """Whether the sequence at `index` samples in this step (see `sampling`)."""
+        return self.sampling()[index]
 
 
 class Scheduler:
@@ -119,22 +127,26 @@ class Scheduler:
         return ScheduledBatch([batch.sequences[i] for i in order], [batch.num_tokens[i] for i in order])
 
     def _continue_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
+        # Sets of id(): membership in the lists would cost a scan per sequence, quadratic in the running requests.
+        skipped = {id(seq) for seq in batch.sequences}  # admitted this step already (prefill_first)
         for seq in list(self.running):
             if budget[0] == 0:
                 break
-            if seq not in self.running or seq in batch.sequences:
-                continue  # preempted for an older sequence, or admitted this step already (prefill_first)
+            if id(seq) in skipped:
+                continue  # preempted for an older sequence, or admitted this step already
             if seq.out_of_new_tokens:
                 continue  # its last token is in flight (async batching): it finishes when that step is collected
             n = min(seq.num_uncomputed_tokens, budget[0])
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim, batch, budget)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            if self.block_manager.blocks_needed(seq, seq.num_computed_tokens + n):  # else its last block has room
+                while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                    victim = self.running[-1]
+                    self._preempt(victim, batch, budget)
+                    skipped.add(id(victim))
+                    if victim is seq:
+                        break
+                if id(seq) in skipped:
+                    continue
+                self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             batch.sequences.append(seq)
             batch.num_tokens.append(n)
             budget[0] -= n
@@ -182,8 +194,7 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The step was launched: count its tokens as computed and give each sampling sequence a placeholder."""
-        for index, (seq, n) in enumerate(zip(batch.sequences, batch.num_tokens)):
-            samples = batch.samples(index)  # read before the count moves on
+        for seq, n, samples in zip(batch.sequences, batch.num_tokens, batch.sampling()):
             seq.num_computed_tokens += n
             if samples:
                 seq.add_placeholder()

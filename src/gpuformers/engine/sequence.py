@@ -230,6 +230,20 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.generated_ids + [PLACEHOLDER] * self.num_pending_tokens
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] (0 <= start), without building the whole list: the engine reads a step's few new
+        tokens of sequences that may be thousands long."""
+        prompt, generated = len(self.prompt_ids), len(self.generated_ids)
+        stop = min(stop, prompt + generated + self.num_pending_tokens)
+        if start >= stop:
+            return []
+        found = self.prompt_ids[start:stop] if start < prompt else []
+        if stop > prompt:
+            found += self.generated_ids[max(start - prompt, 0):stop - prompt]
+        if stop > prompt + generated:
+            found += [PLACEHOLDER] * (stop - max(start, prompt + generated))
+        return found
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated_ids) + self.num_pending_tokens
@@ -290,7 +304,7 @@ class Sequence:
         done = len(self.generated_ids) >= params.max_new_tokens
         done = done or (not params.ignore_eos and token_id in params.eos_token_ids)
         stops = len(self.generated_ids) >= params.min_new_tokens
-        done = done or (stops and any(self.generated_ids[-len(s):] == s for s in params.stop))
+        done = done or (stops and bool(params.stop) and any(self.generated_ids[-len(s):] == s for s in params.stop))
         if self.grammar_matcher is not None and not done:
             if not self.grammar_matcher.accept_token(token_id):  # a token the mask allowed is never refused
                 self.fail(f"token {token_id} does not fit {params.structured_output.name} (structured output)")
