@@ -129,11 +129,8 @@ class TypicalLogitsWarper(LogitsProcessor):
     distribution's entropy, keep the closest ones until their mass reaches `mass`."""
 
     def __init__(self, mass: float = 0.9, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        mass = float(mass)
-        if not 0.0 < mass < 1.0:
-            raise ValueError(f"typical_p must be between 0 and 1 (exclusive), got {mass!r}")
+        self.mass = _check_open_unit_interval("typical_p", mass)
         _check_min_tokens(min_tokens_to_keep)
-        self.mass = mass
         self.filter_value = filter_value
         self.min_tokens_to_keep = min_tokens_to_keep
 
@@ -155,11 +152,8 @@ class EpsilonLogitsWarper(LogitsProcessor):
     """Epsilon sampling (arXiv:2210.15191): drop tokens with probability below `epsilon`."""
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        epsilon = float(epsilon)
-        if not 0.0 < epsilon < 1.0:
-            raise ValueError(f"epsilon_cutoff must be between 0 and 1 (exclusive), got {epsilon!r}")
+        self.epsilon = _check_open_unit_interval("epsilon_cutoff", epsilon)
         _check_min_tokens(min_tokens_to_keep)
-        self.epsilon = epsilon
         self.filter_value = filter_value
         self.min_tokens_to_keep = min_tokens_to_keep
 
@@ -173,13 +167,10 @@ class EtaLogitsWarper(LogitsProcessor):
     """Eta sampling (arXiv:2210.15191): drop tokens with probability below min(eta, sqrt(eta) * exp(-entropy))."""
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        epsilon = float(epsilon)
-        if not 0.0 < epsilon < 1.0:
-            raise ValueError(f"eta_cutoff must be between 0 and 1 (exclusive), got {epsilon!r}")
+        self.epsilon = _check_open_unit_interval("eta_cutoff", epsilon)
         _check_min_tokens(min_tokens_to_keep)
-        self.epsilon = epsilon
         # sqrt taken in float32, as the reference does; a host float, so no tensor is copied to the device per step
-        self._sqrt_epsilon = torch.tensor(epsilon, dtype=torch.float32).sqrt().item()
+        self._sqrt_epsilon = torch.tensor(self.epsilon, dtype=torch.float32).sqrt().item()
         self.filter_value = filter_value
         self.min_tokens_to_keep = min_tokens_to_keep
 
@@ -197,6 +188,14 @@ def _keep_top_tokens(scores: torch.Tensor, remove: torch.Tensor, min_tokens_to_k
     k = min(min_tokens_to_keep, scores.shape[-1])
     kth_best = torch.topk(scores, k).values[..., -1:]  # (batch, 1)
     return remove & (scores < kth_best)
+
+
+def _check_open_unit_interval(name: str, value: float) -> float:
+    """`value` as a float, checked to lie strictly between 0 and 1 (`name`: the generation config field)."""
+    value = float(value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must be between 0 and 1 (exclusive), got {value!r}")
+    return value
 
 
 def _check_min_tokens(min_tokens_to_keep: int) -> None:

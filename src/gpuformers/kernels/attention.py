@@ -79,6 +79,28 @@ def _seq_bounds(b, CU_Q, CU_K, Q_LEN, K_LEN, VARLEN: tl.constexpr):
     return q_start, q_len, k_start, k_len
 
 
+@triton.jit
+def _key_range(pid_m, q_len, k_len, diag, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys query tile pid_m can see, lo a multiple of BLOCK_N (the forward and dq kernels' loop)."""
+    lo = k_len * 0
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + diag)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pid_m * BLOCK_M + diag - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.where(pid_m * BLOCK_M < q_len, hi, lo)  # programs past a short packed sequence do nothing
+    return lo, hi
+
+
+@triton.jit
+def _load_tile(ptr, b, h, stride_b, stride_h, stride_s, positions, offs_d, mask):
+    """(len(positions), BLOCK_D): rows of head h of sequence b (b = 0 for packed tensors, positions absolute)."""
+    return tl.load(ptr + b * stride_b + h * stride_h + positions[:, None] * stride_s + offs_d[None, :], mask=mask,
+                   other=0.0)
+
+
 # Lengths and the window vary call to call; specialising on them (== 1, multiple of 16) would compile a kernel
 # per shape. Strides keep their specialisation (it enables vector loads).
 _DYNAMIC = ["Q_LEN", "K_LEN", "window"]
@@ -108,14 +130,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, MASK, CU_Q, CU_K,
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    lo = k_len * 0
-    hi = k_len
-    if CAUSAL:
-        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + diag)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, pid_m * BLOCK_M + diag - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.where(pid_m * BLOCK_M < q_len, hi, lo)  # programs past a short packed sequence do nothing
+    lo, hi = _key_range(pid_m, q_len, k_len, diag, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     k_base = K + b_dense * stride_kb + kvh * stride_kh
     v_base = V + b_dense * stride_vb + kvh * stride_vh
     for start_n in range(lo, hi, BLOCK_N):
@@ -173,10 +188,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, CU_Q, CU_K,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < head_dim
     kv_mask = (cols < k_len)[:, None] & dmask[None, :]
-    k = tl.load(K + b_dense * stride_kb + kvh * stride_kh + (k_start + cols)[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b_dense * stride_vb + kvh * stride_vh + (k_start + cols)[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = _load_tile(K, b_dense, kvh, stride_kb, stride_kh, stride_ks, k_start + cols, offs_d, kv_mask)
+    v = _load_tile(V, b_dense, kvh, stride_vb, stride_vh, stride_vs, k_start + cols, offs_d, kv_mask)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     lo = q_len * 0
@@ -192,10 +205,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, CU_Q, CU_K,
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_mask = (rows < q_len)[:, None] & dmask[None, :]
-            q = tl.load(Q + b_dense * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qs
-                        + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(DO + b_dense * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dos
-                         + offs_d[None, :], mask=row_mask, other=0.0)
+            q = _load_tile(Q, b_dense, h, stride_qb, stride_qh, stride_qs, q_start + rows, offs_d, row_mask)
+            do = _load_tile(DO, b_dense, h, stride_dob, stride_doh, stride_dos, q_start + rows, offs_d, row_mask)
             lse = tl.load(LSE + b * stride_lb + h * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
             delta = tl.load(DELTA + b * stride_lb + h * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -233,28 +244,17 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < head_dim
     row_mask = (rows < q_len)[:, None] & dmask[None, :]
-    q = tl.load(Q + b_dense * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qs + offs_d[None, :],
-                mask=row_mask, other=0.0)
-    do = tl.load(DO + b_dense * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dos + offs_d[None, :],
-                 mask=row_mask, other=0.0)
+    q = _load_tile(Q, b_dense, h, stride_qb, stride_qh, stride_qs, q_start + rows, offs_d, row_mask)
+    do = _load_tile(DO, b_dense, h, stride_dob, stride_doh, stride_dos, q_start + rows, offs_d, row_mask)
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
     delta = tl.load(DELTA + b * stride_lb + h * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    lo = k_len * 0
-    hi = k_len
-    if CAUSAL:
-        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + diag)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, pid_m * BLOCK_M + diag - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.where(pid_m * BLOCK_M < q_len, hi, lo)
+    lo, hi = _key_range(pid_m, q_len, k_len, diag, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < k_len)[:, None] & dmask[None, :]
-        k = tl.load(K + b_dense * stride_kb + kvh * stride_kh + (k_start + cols)[:, None] * stride_ks
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b_dense * stride_vb + kvh * stride_vh + (k_start + cols)[:, None] * stride_vs
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_tile(K, b_dense, kvh, stride_kb, stride_kh, stride_ks, k_start + cols, offs_d, kv_mask)
+        v = _load_tile(V, b_dense, kvh, stride_vb, stride_vh, stride_vs, k_start + cols, offs_d, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         ok = _visible(rows, cols, q_len, k_len, diag, window, b, MASK, stride_mb, stride_mq, stride_mk,
                       CAUSAL, HAS_WINDOW, HAS_MASK)

@@ -26,7 +26,7 @@ get no gradient (QLoRA trains adapters beside the layer). Under torch.compile we
 torch.library op gpuformers::weight_only_matmul (registered on import of this file) instead of its autograd.Function.
 
 Offers: weight_only_matmul, weight_only_matmul_forward, weight_only_matmul_reference, MatmulConfig, choose_config,
-kernel_fits, launch, sum_split_k, WeightOnlyMatmulFunction.
+kernel_fits, launch, store_output_tile, sum_split_k, WeightOnlyMatmulFunction.
 """
 
 from __future__ import annotations
@@ -98,6 +98,14 @@ def _weight_only_matmul_kernel(X, Q, S, Z, B, Y, M, N, K, stride_xm, stride_qn, 
         acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
     if SCALE_OUTPUT:  # int8 with one scale per output channel: x @ (q * s)^T = (x @ q^T) * s
         acc *= tl.load(S + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    store_output_tile(Y, B, acc, pid_k, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ys, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def store_output_tile(Y, B, acc, pid_k, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ys, HAS_BIAS: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
+    """Store a program's float32 (BLOCK_M, BLOCK_N) tile of y (this kernel's and fp8_matmul's): plus the bias in y's
+    dtype, or under split-K as one float32 partial tile of (SPLIT_K, M, N) for sum_split_k."""
     # int64: a config with split-K at large M puts split_k * m * n past 2**31
     y_ptrs = Y + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLayer, _adapter_dtype_and_device, _broken_adapter
+from gpuformers.lora.layers import LoraLayer, _adapter_dtype_and_device
 
 
 class LoraEmbedding(LoraLayer):
@@ -75,10 +75,7 @@ class LoraEmbedding(LoraLayer):
     def merge(self, safe_merge: bool = False) -> None:
         if self.merged:
             return
-        delta = self.delta_weight()
-        if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
-            raise _broken_adapter()
-        self.base_layer.weight.add_(delta)
+        self._add_to_base_weight(self.delta_weight(), safe_merge)
         self.merged = True
 
     @torch.no_grad()

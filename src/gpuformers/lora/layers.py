@@ -81,6 +81,13 @@ class LoraLayer(nn.Module):
     def bias(self) -> nn.Parameter | None:
         return self.base_layer.bias  # an nn.Embedding has none: AttributeError, as on the layer itself
 
+    def _add_to_base_weight(self, delta: torch.Tensor, safe_merge: bool) -> None:
+        """merge() into a float base weight: add `delta` (the weight's shape) in place; with safe_merge, first check
+        that the sum is finite (else ValueError, the weight untouched)."""
+        if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
+            raise _broken_adapter()
+        self.base_layer.weight.add_(delta)
+
 
 class LoraLinear(LoraLayer):
     """A frozen linear layer (nn.Linear or a quantized one) plus a trainable low-rank update:
@@ -151,10 +158,7 @@ class LoraLinear(LoraLayer):
         if self.quantized:
             self._requantize(delta, safe_merge)
         else:
-            delta = delta.T if self.fan_in_fan_out else delta
-            if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
-                raise _broken_adapter()
-            self.base_layer.weight.add_(delta)
+            self._add_to_base_weight(delta.T if self.fan_in_fan_out else delta, safe_merge)
         self.merged = True
 
     @torch.no_grad()

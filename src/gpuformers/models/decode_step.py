@@ -68,8 +68,8 @@ def _own_forwards(parent: nn.Module, *names: str) -> list | None:
 
 def _layer(layer: nn.Module) -> _Layer | None:
     """The calls of one decoder layer, or None where the flat step would not make the same ones: the layer's and
-    its attention's forward must be the llama ones (the flat step is their body); the norms, the MLP (a MoE
-    block, say) and the attention's position_qk may be any family's."""
+    its attention's forward (and attend) must be the llama ones (the flat step is their body); the norms, the MLP
+    (a MoE block, say) and the attention's position_qk may be any family's."""
     from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer
     from gpuformers.models.qwen3 import Qwen3Attention, joint_norm_applies
 
@@ -78,7 +78,8 @@ def _layer(layer: nn.Module) -> _Layer | None:
         return None
     attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
     calls = _own_forwards(layer, *names)
-    if type(attn).forward is not LlamaAttention.forward or calls is None:
+    if type(attn).forward is not LlamaAttention.forward or type(attn).attend is not LlamaAttention.attend \
+            or calls is None:
         return None
     step = _Layer()
     step.attn, step.index, step.head_dim = attn, attn.layer_idx, attn.head_dim

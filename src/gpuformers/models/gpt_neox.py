@@ -184,13 +184,7 @@ class GPTNeoXAttention(LlamaAttention):
         # width, as the llama layer reads them.
         qkv = query_key_value(hidden_states).view(batch, seq, -1, 3 * self.head_dim)
         q, k, v = qkv.chunk(3, dim=-1)
-        q, k = self.position_qk(q, k, position_embeddings)
-        v = v.transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
-        out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
-                                   dropout=self.attention_dropout, sliding_window=self.sliding_window)
-        return dense(out.reshape(batch, seq, -1))
+        return dense(self.attend(q, k, v, position_embeddings, attention_mask, past_key_values, cache_position))
 
 
 class GPTNeoXMLP(nn.Module):

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpuformers.generation.cache import Cache, DynamicCache
+from gpuformers.generation.cache import Cache
 from gpuformers.loading.fan_out import FanOut
 from gpuformers.models.classification import configure_labels, last_token_index, sequence_classification_loss
 from gpuformers.models.config import ModelConfig
@@ -193,15 +193,10 @@ class BaseModelHead(TaskModel):
         cache_position: torch.LongTensor | None = None,
     ) -> BaseModelOutputWithPast:
         """input_ids (batch, seq) -> BaseModelOutputWithPast(last_hidden_state (batch, seq, hidden), cache)."""
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        hidden_states, all_hidden = self._stack(input_ids, attention_mask, position_ids,
-                                                past_key_values if use_cache else None, inputs_embeds,
+        cache = self._forward_cache(use_cache, past_key_values)
+        hidden_states, all_hidden = self._stack(input_ids, attention_mask, position_ids, cache, inputs_embeds,
                                                 output_hidden_states, cache_position)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states,
-                                       past_key_values=past_key_values if use_cache else None,
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache,
                                        hidden_states=tuple(all_hidden) if output_hidden_states else None)
 
 
@@ -245,12 +240,8 @@ class SequenceClassificationHead(TaskModel):
 
         labels: (batch,) class ids, (batch,) or (batch, num_labels) floats for regression, (batch, num_labels)
         0/1 floats for multi-label classification (module doc)."""
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        hidden_states, all_hidden = self.model(input_ids, attention_mask, position_ids,
-                                               past_key_values if use_cache else None, inputs_embeds,
+        cache = self._forward_cache(use_cache, past_key_values)
+        hidden_states, all_hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds,
                                                output_hidden_states, None)
         batch = hidden_states.shape[0]
         last = last_token_index(input_ids, self.config.pad_token_id, batch, hidden_states.device)
@@ -259,8 +250,7 @@ class SequenceClassificationHead(TaskModel):
         loss = None
         if labels is not None:
             loss = sequence_classification_loss(logits, labels, self.config)
-        return SequenceClassifierOutputWithPast(loss=loss, logits=logits,
-                                                past_key_values=past_key_values if use_cache else None,
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=cache,
                                                 hidden_states=tuple(all_hidden) if output_hidden_states else None)
 
 

@@ -59,28 +59,28 @@ class LlamaAttention(nn.Module):
         cos, sin = position_embeddings
         return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_embeddings, attention_mask,
+               past_key_values: Cache | None, cache_position: torch.Tensor | None = None) -> torch.Tensor:
+        """What follows the projections, for every family's attention: q (batch, seq, heads, head_dim), k and v
+        (batch, seq, kv_heads, head_dim) -> position_qk, the KV cache, the attention backend -> (batch, seq,
+        heads * head_dim), the output projection's input."""
+        batch, seq = q.shape[:2]
+        q, k = self.position_qk(q, k, position_embeddings)
+        v = v.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
+        if past_key_values is not None:
+            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
+        out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
+                                   dropout=self.attention_dropout, sliding_window=self.sliding_window)
+        return out.reshape(batch, seq, -1)
+
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None,
                 cache_position: torch.Tensor | None = None):
         batch, seq, _ = hidden_states.shape
         q_proj, k_proj, v_proj, o_proj = plain_calls(self, "q_proj", "k_proj", "v_proj", "o_proj")
-        # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim)
-        q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)
         k = k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        v = v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = self.position_qk(q, k, position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
-        out, _ = self.attention_fn(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            scaling=self.scaling,
-            dropout=self.attention_dropout,
-            sliding_window=self.sliding_window,
-        )
-        return o_proj(out.reshape(batch, seq, -1))
+        v = v_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        return o_proj(self.attend(q, k, v, position_embeddings, attention_mask, past_key_values, cache_position))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -224,6 +224,15 @@ class LlamaForCausalLM(PreTrainedModel):
         Triton kernel, or the chunked torch loss), which never makes the logits."""
         return type(self).compute_logits is LlamaForCausalLM.compute_logits
 
+    def _forward_cache(self, use_cache: bool | None, past_key_values: Cache | None) -> Cache | None:
+        """The KV cache a forward fills and returns (this class's and the task heads'): None without use_cache
+        (default: config.use_cache, outside training), else past_key_values or a new DynamicCache."""
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if not use_cache:
+            return None
+        return DynamicCache() if past_key_values is None else past_key_values
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -248,13 +257,9 @@ class LlamaForCausalLM(PreTrainedModel):
         """
         if kwargs:
             raise TypeError(f"forward() got unexpected arguments: {', '.join(sorted(kwargs))}")
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
+        cache = self._forward_cache(use_cache, past_key_values)
         hidden_states, all_hidden = self.model(
-            input_ids, attention_mask, position_ids, past_key_values if use_cache else None, inputs_embeds,
-            output_hidden_states, cache_position,
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, output_hidden_states, cache_position,
         )
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None  # not quantized, not a LoRA
         fusable = labels is not None and self.training and self.logits_are_head_output
@@ -263,7 +268,7 @@ class LlamaForCausalLM(PreTrainedModel):
             # use_kernels=True in training, else the chunked torch version when the caller reads no logits (the
             # Trainer's training step, inside layers/loss.py's logits_not_needed()).
             loss = linear_causal_lm_loss(hidden_states, self.lm_head.weight, labels, num_items_in_batch)
-            return CausalLMOutput(loss=loss, logits=None, past_key_values=past_key_values if use_cache else None,
+            return CausalLMOutput(loss=loss, logits=None, past_key_values=cache,
                                   hidden_states=tuple(all_hidden) if output_hidden_states else None)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
@@ -272,7 +277,7 @@ class LlamaForCausalLM(PreTrainedModel):
         return CausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=past_key_values if use_cache else None,
+            past_key_values=cache,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
         )
 

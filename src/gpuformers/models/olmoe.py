@@ -87,14 +87,8 @@ class OlmoeAttention(Olmo2Attention):
         q_proj, k_proj, v_proj, o_proj = plain_calls(self, "q_proj", "k_proj", "v_proj", "o_proj")
         q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)
         k = k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        v = v_proj(hidden_states).clamp(-self.clip_qkv, self.clip_qkv)
-        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
-        q, k = self.position_qk(q, k, position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
-        out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
-                                   dropout=self.attention_dropout, sliding_window=self.sliding_window)
-        return o_proj(out.reshape(batch, seq, -1))
+        v = v_proj(hidden_states).clamp(-self.clip_qkv, self.clip_qkv).view(batch, seq, -1, self.head_dim)
+        return o_proj(self.attend(q, k, v, position_embeddings, attention_mask, past_key_values, cache_position))
 
 
 class OlmoeDecoderLayer(LlamaDecoderLayer):

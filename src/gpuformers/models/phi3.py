@@ -116,13 +116,7 @@ class Phi3Attention(LlamaAttention):
         # (batch, seq, heads + 2 kv_heads, head_dim): q's heads, then k's, then v's
         qkv = qkv_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)
-        q, k = self.position_qk(q, k, position_embeddings)
-        v = v.transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(self.layer_idx, k, v, cache_position)
-        out, _ = self.attention_fn(self, q, k, v, attention_mask, scaling=self.scaling,
-                                   dropout=self.attention_dropout, sliding_window=self.sliding_window)
-        return o_proj(out.reshape(batch, seq, -1))
+        return o_proj(self.attend(q, k, v, position_embeddings, attention_mask, past_key_values, cache_position))
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):

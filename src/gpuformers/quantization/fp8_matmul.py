@@ -35,7 +35,7 @@ from torch.library import custom_op
 
 from gpuformers.kernels.checks import check_bias_and_devices, check_tensor, dot_precision
 from gpuformers.kernels.ops import NAMESPACE
-from gpuformers.kernels.weight_only_matmul import MatmulConfig, choose_config, sum_split_k
+from gpuformers.kernels.weight_only_matmul import MatmulConfig, choose_config, store_output_tile, sum_split_k
 from gpuformers.kernels.weight_only_matmul import kernel_fits as _block_k_fits
 from gpuformers.quantization.fp8 import dequantize_fp8_weight, scale_grid
 
@@ -64,14 +64,7 @@ def _fp8_matmul_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, 
         scale = tl.load(scale_rows + k0 // block_cols, mask=mask_n, other=0.0)  # (BLOCK_N,) float32
         w = (w.to(tl.float32) * scale[:, None]).to(X.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    # int64: a config with split-K at large M puts split_k * m * n past 2**31
-    y_ptrs = Y + pid_k.to(tl.int64) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-    else:  # a float32 partial tile; the launcher sums the SPLIT_K of them and adds the bias
-        tl.store(y_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    store_output_tile(Y, B, acc, pid_k, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_ys, HAS_BIAS, SPLIT_K)
 
 
 def kernel_fits(in_features: int, block_size: tuple[int, int] | None) -> bool:
