@@ -77,3 +77,51 @@ def test_a_prompt_of_one_token_and_single_decodes(model_and_reference):
         manager.run_until_done()
         assert manager.get_result(request, timeout=0).generated_tokens == reference[prompts.index(prompt)]
     assert {(1, 4), (1, 8), (1, 16), (1, 32)} <= set(manager.runner.graphs.graphs)
+
+
+def test_torch_decode_attention_keeps_a_graph_per_context_bucket(model_and_reference):
+    """The torch decode path gathers keys up to the bucket, so its graphs are per (batch, context) bucket."""
+    model, _, _ = model_and_reference
+    reference = greedy_reference(model, [[5, 6]], new_tokens=40)
+    manager = replaying_manager(model, block_size=16, num_blocks=24, max_batch_tokens=64)
+    request = manager.add_request([5, 6], max_new_tokens=40)  # contexts 3..41: buckets 16, 32 and 64
+    manager.run_until_done()
+    assert manager.get_result(request, timeout=0).generated_tokens == reference[0]
+    graphs = manager.runner.graphs
+    assert graphs.per_context is True
+    assert {length for _, length in graphs.graphs} == {16, 32, 64}
+    # the buckets stop at max_position_embeddings (256), not at the whole cache (24 blocks of 16 = 384 tokens)
+    assert graphs.context_buckets[-1] == 256
+
+
+def test_triton_decode_kernel_needs_one_graph_per_batch_bucket(model_and_reference, monkeypatch):
+    """The Triton kernel (here under the interpreter) reads each row's own keys through the block table, whatever its
+    width: one graph per batch bucket, at the longest context, and the same tokens."""
+    from gpuformers.engine import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_triton_decode_available", lambda query: True)
+    model, prompts, reference = model_and_reference
+    manager = replaying_manager(model, block_size=16, num_blocks=24, max_batch_tokens=64)
+    for prompt in prompts[:6]:  # few: the interpreter runs each kernel program in Python
+        manager.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    manager.run_until_done()
+    assert [manager.get_result(f"req_{i}", timeout=0).generated_tokens for i in range(6)] == reference[:6]
+    graphs = manager.runner.graphs
+    assert graphs.per_context is False
+    assert graphs.graphs and {length for _, length in graphs.graphs} == {graphs.context_buckets[-1]}
+    assert list(graphs.block_tables) == [graphs.context_buckets[-1]]
+
+
+def test_a_context_past_the_longest_bucket_runs_eagerly():
+    """A rotary model goes on past max_position_embeddings; such a step is not given to a graph."""
+    model = tiny_model(rope_scaling=None)
+    model.config.max_position_embeddings = 32
+    prompt = list(range(1, 30))
+    reference = greedy_reference(model, [prompt], new_tokens=8)
+    manager = replaying_manager(model, block_size=8, num_blocks=16, max_batch_tokens=64)
+    graphs = manager.runner.graphs
+    assert graphs.context_buckets[-1] == 32
+    request = manager.add_request(prompt, max_new_tokens=8)
+    manager.run_until_done()
+    assert manager.get_result(request, timeout=0).generated_tokens == reference[0]
+    assert graphs.graphs and all(length <= 32 for _, length in graphs.graphs)  # the steps up to 32 did replay

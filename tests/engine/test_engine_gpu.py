@@ -36,6 +36,8 @@ def test_greedy_matches_generate_on_gpu(use_cuda_graph):
     if use_cuda_graph:
         graphs = manager.runner.graphs
         assert not graphs.failed and graphs.graphs, "no CUDA graph was captured or replayed"
+        # the Triton decode kernel serves "paged|sdpa" on CUDA: one graph per batch bucket, at the longest context
+        assert graphs.per_context is False and {length for _, length in graphs.graphs} == {graphs.context_buckets[-1]}
 
 
 @pytest.mark.gpu

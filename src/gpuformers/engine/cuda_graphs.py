@@ -1,10 +1,15 @@
-"""CUDA graphs for decode steps: one graph per (batch-size bucket, context-length bucket), captured lazily.
+"""CUDA graphs for decode steps: one graph per batch-size bucket (with the Triton decode kernel) or per (batch-size
+bucket, context-length bucket) (with the torch decode attention), captured lazily.
 
 A decode step launches hundreds of small kernels; replaying them as one CUDA graph removes the CPU launch cost,
 which dominates decode for small models and batches. A graph fixes every shape and address, so a step runs in
 the smallest captured bucket that holds it: its batch is padded to the bucket (padding rows write their keys and
-values to a scratch block the block manager never hands out, and their logits are dropped) and the paged
-attention gathers keys up to the context bucket (longer than the real contexts; the mask hides the rest).
+values to a scratch block the block manager never hands out, and their logits are dropped). The Triton decode
+kernel reads each row's own keys through its block table, so the table's width (the context bucket) changes
+nothing it computes: one graph at the longest context serves every length. The torch path gathers keys up to the
+context bucket (longer than the real contexts; the mask hides the rest), so its graphs are kept per context
+bucket too. The first decode step finds out which path the model's attention takes (`gathered_decode_keys`).
+Contexts are covered up to max_position_embeddings; a step past it runs eagerly.
 
 Graphs are captured lazily, the first time a step needs a bucket, not all at start-up: capturing every bucket
 takes seconds to tens of seconds (the start-up cost users complain about most in vLLM), and a workload only ever
@@ -35,7 +40,7 @@ import logging
 
 import torch
 
-from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
+from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, gathered_decode_keys, paged_context
 from gpuformers.layers.moe import host_syncing_modules
 
 logger = logging.getLogger(__name__)
@@ -74,12 +79,22 @@ class DecodeGraphs:
         self.runner = runner
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         bs = runner.block_size
-        # Context buckets: powers of two from one block up to the whole cache.
+        # Context buckets: powers of two from one block up to the model's max_position_embeddings (or the whole
+        # cache, when smaller). A step with a longer context (rotary models go on past it) runs eagerly.
+        longest = runner.num_blocks * bs
+        positions = getattr(runner.model.config, "max_position_embeddings", None)
+        if positions:
+            longest = min(longest, -(-positions // bs) * bs)
         self.context_buckets, c = [], bs
-        while c < runner.num_blocks * bs:
+        while c < longest:
             self.context_buckets.append(c)
             c *= 2
-        self.context_buckets.append(runner.num_blocks * bs)
+        self.context_buckets.append(longest)
+        # Whether a graph must be kept per context bucket: the torch decode path gathers every row's keys up to the
+        # bucket, so its cost follows the bucket; the Triton kernel reads each row's own keys through the block
+        # table whatever the table's width, so one graph per batch bucket (at the longest context) serves every
+        # length: fewer captures, each paid once. Found by the first decode forward (None until then).
+        self.per_context: bool | None = None
         n, device = max_batch, runner.device
         # The static inputs every graph reads (graphs use their first `bucket` rows).
         self.input_ids = torch.zeros(1, n, dtype=torch.long, device=device)
@@ -98,10 +113,12 @@ class DecodeGraphs:
         self.failed = False  # a capture failed once: stay eager rather than fail every step
 
     def can_run(self, batch, context: PagedContext) -> bool:
-        return (not self.failed and context.num_decodes == len(batch) and len(batch) <= self.batch_buckets[-1])
+        return (not self.failed and context.num_decodes == len(batch) and len(batch) <= self.batch_buckets[-1]
+                and max(context.context_lens_list) <= self.context_buckets[-1])
 
-    def _forward(self, rows: int, length: int) -> None:
-        """The decode forward over the static buffers, its rows' final hidden states written to self.hidden."""
+    def _forward(self, rows: int, length: int) -> PagedContext:
+        """The decode forward over the static buffers, its rows' final hidden states written to self.hidden.
+        Returns the context it ran in."""
         runner = self.runner
         context = PagedContext(
             slot_mapping=self.slot_mapping[:rows],
@@ -119,6 +136,7 @@ class DecodeGraphs:
             hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
                                        past_key_values=PagedKVCache(context))
         self.hidden[:rows].copy_(hidden[0])
+        return context
 
     def _capture(self, rows: int, length: int):
         """-> a graph whose replay recomputes `_forward(rows, length)`."""
@@ -136,32 +154,46 @@ class DecodeGraphs:
         self.pool = graph.pool()
         return graph
 
+    def _fill_table(self, length: int, block_tables: torch.Tensor, n: int, rows: int) -> None:
+        """The static block table of context bucket `length`: the step's n tables, then the padding rows' (the
+        scratch block). A sequence's table may list a block past its context (taken ahead for its next token): the
+        bucket's width is what is read."""
+        if length not in self.block_tables:
+            self.block_tables[length] = torch.zeros(self.batch_buckets[-1], length // self.runner.block_size,
+                                                    dtype=torch.long, device=self.runner.device)
+        tables = self.block_tables[length]
+        width = min(block_tables.shape[1], tables.shape[1])
+        tables[:n, :width].copy_(block_tables[:, :width])
+        tables[:n, width:].fill_(self.runner.scratch_block)
+        tables[n:rows].fill_(self.runner.scratch_block)
+
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext) -> torch.Tensor:
         """-> (n, vocab) logits of the step's n decodes."""
         n = input_ids.shape[1]
         rows = _bucket(n, self.batch_buckets)
         length = _bucket(max(context.context_lens_list), self.context_buckets)
-        scratch = self.runner.scratch_block
-        bs = self.runner.block_size
-        if length not in self.block_tables:
-            self.block_tables[length] = torch.zeros(self.batch_buckets[-1], length // bs, dtype=torch.long,
-                                                    device=self.runner.device)
-        tables = self.block_tables[length]
-        # Real rows, then padding rows that write to the scratch block and attend only to it. A sequence's table
-        # may list a block past its context (taken ahead for its next token): the bucket's width is what is read.
-        width = min(context.block_tables.shape[1], tables.shape[1])
+        scratch, bs = self.runner.scratch_block, self.runner.block_size
+        # Real rows, then padding rows that write to the scratch block and attend only to it.
         self.input_ids[0, :n].copy_(input_ids[0])
         self.position_ids[0, :n].copy_(position_ids[0])
         self.slot_mapping[:n].copy_(context.slot_mapping)
         self.context_lens[:n].copy_(context.context_lens)
-        tables[:n, :width].copy_(context.block_tables[:, :width])
-        tables[:n, width:].fill_(scratch)
         if rows > n:
             self.input_ids[0, n:rows].fill_(0)
             self.position_ids[0, n:rows].fill_(0)
             self.slot_mapping[n:rows].fill_(scratch * bs)
             self.context_lens[n:rows].fill_(1)
-            tables[n:rows].fill_(scratch)
+        if self.per_context is None:  # the first decode step: does the attention's cost follow the bucket?
+            self._fill_table(length, context.block_tables, n, rows)
+            self.per_context = gathered_decode_keys(self._forward(rows, length))
+            logger.info("CUDA graphs kept per batch bucket%s", " and context bucket (the torch decode attention "
+                        "reads keys up to the bucket)" if self.per_context else " (the Triton decode kernel reads "
+                        "each row's own keys)")
+            if not self.per_context and length != self.context_buckets[-1]:
+                del self.block_tables[length]  # the probe's: no graph reads it
+        if not self.per_context:
+            length = self.context_buckets[-1]
+        self._fill_table(length, context.block_tables, n, rows)
         key = (rows, length)
         if key not in self.graphs:
             try:

@@ -19,7 +19,8 @@ paged_attention_triton.py, which reads keys in place through the block tables, o
 keys up to the longest context and masking the padding. On the CPU, and for every prefill chunk, each sequence is
 attended on its own, causally, after its cached prefix.
 
-Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, PAGED_BACKENDS.
+Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, gathered_decode_keys,
+PAGED_BACKENDS.
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def _decode_layout(ctx: PagedContext, sliding_window: int | None):
             mask = mask & (positions[None, :] >= lens - sliding_window)
         ctx.memo[key] = (slots, mask[:, None, None, :])
     return ctx.memo[key]
+
+
+def gathered_decode_keys(ctx: PagedContext) -> bool:
+    """Whether a forward in this context attended its decodes by gathering every row's keys up to the longest
+    context (or max_decode_context), the torch path, whose cost grows with that length; the Triton decode kernel
+    reads each row's own keys through the block tables instead."""
+    return any(isinstance(key, tuple) and key[0] == "decode" for key in ctx.memo)
 
 
 def _sequence_layout(ctx: PagedContext, i: int, sliding_window: int | None):
