@@ -7,7 +7,7 @@
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 # A device call lasts at most 10 minutes and a session gets about 15 minutes of device time in all, start-up (a few
 # minutes) included, so every step cannot run in one session. In order of what they prove: `tests engine` first
-# (<= 7 min: the gpu tests, then issue 6's benchmark), then, with the time left, `generate kernels` (<= 3 min),
+# (<= 8 min: the gpu tests, then issue 6's benchmarks), then, with the time left, `generate kernels` (<= 3 min),
 # then `serving load quant`.
 #
 # Steps, in order, with their time boxes (seconds):
@@ -16,7 +16,8 @@
 #   kernels   benchmarks/bench_kernels.py --quick                  (90)   bench_kernels.txt + .json
 #   generate  benchmarks/bench_generate.py on cuda, bf16, --big    (80)   bench_generate.txt
 #   engine    benchmarks/bench_offline.py --gpu (fewer requests)   (130)  bench_offline.txt + .json
-#             (ours with and without CUDA graphs and async batching, and transformers' generate_batch)
+#             (ours with and without CUDA graphs and async batching, and transformers' generate_batch),
+#             then benchmarks/bench_engine_host.py --streaming (30)  bench_engine_host.txt
 #   load      benchmarks/bench_load.py --device cuda --repeats 1   (50)   bench_load.txt
 #   serving   benchmarks/bench_serving.py --gpu, 64 then 256 clients (60 + 80)  bench_serving_64.txt, _256.txt
 #   quant     benchmarks/bench_quant.py on cuda, bf16, --big       (120)  bench_quant.txt
@@ -77,8 +78,11 @@ for step in "${steps[@]}"; do
             python benchmarks/bench_kernels.py --quick --out "${OUT}/bench_kernels.json" ;;
         generate) run_step generate 80 bench_generate.txt \
             python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
-        engine) run_step engine 130 bench_offline.txt \
-            python benchmarks/bench_offline.py --gpu --num-requests 128 --json "${OUT}/bench_offline.json" ;;
+        engine)
+            run_step engine 130 bench_offline.txt \
+                python benchmarks/bench_offline.py --gpu --num-requests 128 --json "${OUT}/bench_offline.json"
+            # the engine's host work per step on this machine's CPU (a stand-in model: no GPU time)
+            run_step engine-host 30 bench_engine_host.txt python benchmarks/bench_engine_host.py --streaming ;;
         load) run_step load 50 bench_load.txt python benchmarks/bench_load.py --device cuda --repeats 1 ;;
         serving)
             run_step serving-64 60 bench_serving_64.txt python benchmarks/bench_serving.py --gpu --clients 64 --rounds 2
