@@ -99,7 +99,7 @@ def test_triton_decode_kernel_needs_one_graph_per_batch_bucket(model_and_referen
     width: one graph per batch bucket, at the longest context, and the same tokens."""
     from gpuformers.engine import paged_attention
 
-    monkeypatch.setattr(paged_attention, "_triton_decode_available", lambda query: True)
+    monkeypatch.setattr(paged_attention, "_triton_kernels_available", lambda query: True)
     model, prompts, reference = model_and_reference
     manager = replaying_manager(model, block_size=16, num_blocks=24, max_batch_tokens=64)
     for prompt in prompts[:6]:  # few: the interpreter runs each kernel program in Python

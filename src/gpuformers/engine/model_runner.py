@@ -164,6 +164,8 @@ class ModelRunner:
             key_caches=self.key_caches,
             value_caches=self.value_caches,
             block_tables_list=tables,
+            # for the Triton prefill kernel (paged_attention.py): a step with prefill chunks only
+            cu_seqlens_q=device_tensor(query_start, device, torch.int32) if num_decodes < len(batch) else None,
         )
         return as_tensor(tokens)[None], as_tensor(positions)[None], context, sample_rows
 

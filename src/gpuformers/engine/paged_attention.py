@@ -14,10 +14,11 @@ to find each sequence's queries and keys. Outside a step (plain `generate`) they
     query_start         0    1    2    3             7      9
     context_lens       ctx0 ctx1 ctx2 ctx3          ctx4           (tokens in cache, this step's included)
 
-On a GPU the decodes (first in the batch) are attended together: by the Triton kernel in
+On a GPU the decodes (first in the batch) are attended together: by the Triton decode kernel in
 paged_attention_triton.py, which reads keys in place through the block tables, or (for "paged|eager") by gathering
-keys up to the longest context and masking the padding. On the CPU, and for every prefill chunk, each sequence is
-attended on its own, causally, after its cached prefix.
+keys up to the longest context and masking the padding. The prefill chunks go, on a GPU with Triton, to its
+prefill kernel, all in one launch per layer (each chunk after its cached keys, read in place); otherwise (the CPU,
+"paged|eager", soft-capped or sink layers) each sequence is attended on its own, causally, after its cached prefix.
 
 Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, gathered_decode_keys,
 PAGED_BACKENDS.
@@ -54,6 +55,9 @@ class PagedContext:
     # The same as block_tables, on the host, for the CPU path. The model runner gives it, so the tables are never
     # read back from the device (a sync that would wait for a step in flight); absent, they are, once per step.
     block_tables_list: list[list[int]] | None = None
+    # query_start as an int32 tensor on the device, for the Triton prefill kernel; given by the model runner for a
+    # step with prefill chunks (None in decode-only steps and CUDA graphs)
+    cu_seqlens_q: torch.Tensor | None = None
     # Slots and masks are the same in every layer: built by the first layer of the step, reused by the others.
     memo: dict = field(default_factory=dict)
 
@@ -107,8 +111,9 @@ def _batch_decodes(query: torch.Tensor, ctx: PagedContext) -> bool:
     return query.is_cuda or ctx.max_decode_context is not None
 
 
-def _triton_decode_available(query: torch.Tensor) -> bool:
-    """The Triton decode kernel serves "paged|sdpa" on CUDA when triton is installed ("paged|eager" stays torch)."""
+def _triton_kernels_available(query: torch.Tensor) -> bool:
+    """The Triton decode and prefill kernels serve "paged|sdpa" on CUDA when triton is installed ("paged|eager"
+    stays torch)."""
     from gpuformers.kernels.checks import triton_importable
 
     return query.is_cuda and triton_importable()
@@ -212,7 +217,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     if not batched and nd and base is sdpa_attention and sliding_window is None:
         out[:nd] = _cpu_decodes(ctx, query, key, value, scaling)
         batched = nd  # the loop below does the prefill chunks only
-    elif batched and base is sdpa_attention and _triton_decode_available(query):
+    elif batched and base is sdpa_attention and _triton_kernels_available(query):
         from gpuformers.engine.paged_attention_triton import paged_decode_attention
 
         # Keys read in place through the block tables: no gathered copy. (nd, heads, head_dim)
@@ -232,7 +237,21 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         q = query[0, :, :nd].transpose(0, 1).reshape(nd, kv_heads, heads // kv_heads, head_dim)
         o, _ = base(module, q, k, v, mask, scaling=scaling)  # (nd, n_rep, kv_heads, head_dim)
         out[:nd] = o.transpose(1, 2).reshape(nd, heads, head_dim)
-    for i in range(batched, len(ctx.query_start) - 1):
+    num_seqs = len(ctx.query_start) - 1
+    if batched < num_seqs and base is sdpa_attention and ctx.cu_seqlens_q is not None \
+            and _triton_kernels_available(query):
+        # The prefill chunks in one Triton kernel that reads each sequence's cached keys in place: no per-sequence
+        # gathers, masks and SDPA calls (kernel launches that add up on a GPU).
+        from gpuformers.engine.paged_attention_triton import paged_prefill_attention
+
+        first = ctx.query_start[batched]
+        cu = ctx.cu_seqlens_q[batched:] - ctx.cu_seqlens_q[batched]
+        longest = max(ctx.query_start[i + 1] - ctx.query_start[i] for i in range(batched, num_seqs))
+        out[first:] = paged_prefill_attention(query[0, :, first:].transpose(0, 1), key, value,
+                                              ctx.block_tables[batched:], cu, ctx.context_lens[batched:],
+                                              ctx.block_size, scaling, longest, sliding_window)
+        batched = num_seqs
+    for i in range(batched, num_seqs):
         start, end = ctx.query_start[i], ctx.query_start[i + 1]
         slots, mask = _sequence_layout(ctx, i, sliding_window)
         k, v = _read_keys(key, slots), _read_keys(value, slots)  # (1, kv_heads, ctx_len, head_dim)
