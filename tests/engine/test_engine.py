@@ -259,7 +259,7 @@ def test_gpu_decode_paths_on_cpu(qwen3, monkeypatch, triton):
         pytest.skip(triton_runs_on("cpu")[1])
     model, prompts, reference = qwen3
     monkeypatch.setattr(paged_attention, "_batch_decodes", lambda query, ctx: True)
-    monkeypatch.setattr(paged_attention, "_triton_decode_available", lambda query: triton)
+    monkeypatch.setattr(paged_attention, "_triton_kernels_available", lambda query: triton)
     count = 6 if triton else 24
     results = model.generate_batch(prompts[:count], max_new_tokens=NEW_TOKENS, eos_token_id=None,
                                    progress_bar=False, block_size=8, num_blocks=64)
