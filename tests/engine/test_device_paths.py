@@ -71,12 +71,12 @@ def with_free_memory(monkeypatch, free: int) -> None:
 def test_a_gpu_cache_leaves_a_steps_workspace_and_the_scratch_block(monkeypatch):
     model = on_cuda(tiny_model())
     per_block = kv_bytes_per_block(model.config, 256, torch.bfloat16)
-    workspace = step_workspace_bytes(model.config, 2048, 256, torch.bfloat16)
-    assert workspace > 2048 * model.config.intermediate_size * 2 + 256 * model.config.vocab_size * 4
+    workspace = step_workspace_bytes(model.config, 8192, 256, torch.bfloat16)
+    assert workspace > 8192 * model.config.intermediate_size * 2 + 256 * model.config.vocab_size * 4
 
     with_free_memory(monkeypatch, 40 * workspace)  # max_memory_percent leaves more than the workspace free
     resolved = ContinuousBatchingConfig().resolve(model)
-    assert resolved.block_size == 256 and resolved.max_batch_tokens == 2048
+    assert resolved.block_size == 256 and resolved.max_batch_tokens == 8192
     assert resolved.num_blocks == int(40 * workspace * 0.9) // per_block - 1  # the runner adds the scratch block
 
     with_free_memory(monkeypatch, workspace + 10 * per_block + 7)  # the workspace is more than 10% of the free memory

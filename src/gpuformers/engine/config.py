@@ -64,7 +64,9 @@ class ContinuousBatchingConfig:
         check_one_device(model)
         cuda = model.device.type == "cuda"
         values["block_size"] = self.block_size or (256 if cuda else 64)
-        values["max_batch_tokens"] = self.max_batch_tokens or (2048 if cuda else 512)
+        # 8192 on a GPU, vLLM's default: a prefill step long enough that the host's launches (the eager forward) hide
+        # behind its matmuls, while a decode batch waits at most one such step
+        values["max_batch_tokens"] = self.max_batch_tokens or (8192 if cuda else 512)
         values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
         tp_size = getattr(model, "tp_size", 1)
         if self.num_blocks is None:
