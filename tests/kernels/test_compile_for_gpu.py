@@ -1,4 +1,4 @@
-"""Every kernel compiles for a Hopper GPU (sm_90) on this GPU-less machine, at the tile sizes the launchers pick.
+"""Every kernel (the engine's paged attention too) compiles for a Hopper GPU (sm_90) on this GPU-less machine, at the tile sizes the launchers pick.
 
 The interpreter runs the kernels' Python, not Triton's compiler, so type errors in compiled code and tiles that
 overflow shared memory would otherwise first show on a lent GPU. triton.compile needs no GPU to produce a cubin
@@ -59,13 +59,25 @@ _SCRIPT = textwrap.dedent('''
             block_m, block_n, warps, stages = attention._blocks(torch.device("cuda"), 128, kind, dtype)
             shared[f"attention {kind} {dtype}"] = build(fn, pointers, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
                                                         warps, stages)
+    from gpuformers.engine import paged_attention_triton as paged
+    pointers = dict(BLOCK_TABLES="*i64", CONTEXT_LENS="*i64", CU_Q="*i32")
+    pointers.update({n: "*bf16" for n in ("Q", "K", "V", "OUT")})
+    shared["paged decode"] = build(paged._paged_decode_kernel, pointers, dict(
+        N_REP=2, ROWS=16, HEAD_DIM=128, D_P2=128, BLOCK_SIZE=256, BLOCK_N=64, HAS_WINDOW=True,
+        PRECISION="tf32"), 4, 3, floats=("scale",))  # the launcher leaves Triton's defaults
+    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        pointers.update({n: ptr for n in ("Q", "K", "V", "OUT")})
+        block_m, block_n, warps, stages = paged._prefill_tiles(torch.device("cuda"), dtype, 128)
+        shared[f"paged prefill {dtype}"] = build(paged._paged_prefill_kernel, pointers, dict(
+            GROUP=2, HEAD_DIM=128, D_P2=128, BLOCK_SIZE=256, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=True,
+            PRECISION=attention.dot_precision(dtype)), warps, stages, floats=("qk_scale",))
     print(json.dumps(shared))
 ''')
 
 H100_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
-@pytest.mark.slow  # compiles 9 kernels with ptxas: about 30 s on 2 cores
+@pytest.mark.slow  # compiles 12 kernels with ptxas: about 40 s on 2 cores
 def test_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
@@ -73,6 +85,6 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 9
+    assert len(shared) == 12
     too_big = {name: size for name, size in shared.items() if size > H100_SHARED_LIMIT}
     assert not too_big, f"tiles overflow the {H100_SHARED_LIMIT} bytes of shared memory: {too_big}"
