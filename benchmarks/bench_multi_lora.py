@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench_offline import SHAPES, build_models, make_requests, release, sync
+from bench_offline import SHAPES, build_ours, make_requests, release, sync
 
 from gpuformers.lora import PeftModel
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    _, model = build_models(args.shape, dtype, args.device, skip_hf=True)
+    model = build_ours(args.shape, dtype, args.device)
     vocab = model.config.vocab_size
     prompts, outputs = make_requests(args.requests, args.low, args.high, vocab, seed=0)
     names = [f"adapter{i % args.adapters}" for i in range(args.requests)]
