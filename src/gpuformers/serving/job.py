@@ -6,14 +6,15 @@ parser, reasoning.py, a chat answer's think block becomes its reasoning_content 
 rest).
 
 Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
-carries the engine's progress into the event loop (the engine's streams are blocking queues). Text is decoded
+carries the engine's progress into the event loop (the engine's streams are blocking queues), through one LoopRelay
+per loop that wakes the loop once per burst of outputs (loop_relay.py). Text is decoded
 incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
 which frees its KV blocks. A client that disconnects cancels its requests the same way.
 
     token ids -> Engine.submit (n engine requests) -> ChoiceText -> [reasoning parser] -> [tool-call parser]
               -> Job.whole (JSON) or Job.sse (SSE)
 
-Offers: Engine, ChoiceText, Job, now.
+Offers: Engine, ChoiceText, Job, now, JSON (json.dumps(..., ensure_ascii=False) as one encoder).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import json
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator
 
+from gpuformers.engine.sequence import RequestStatus
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
+from gpuformers.serving.loop_relay import LoopRelay
 from gpuformers.serving.protocol import APIError, CompletionRequest, error_body
 
 
@@ -38,6 +42,8 @@ class Engine:
         self.max_pending = max_pending
         self.in_flight = 0
         self._lock = threading.Lock()
+        # per event loop, the LoopRelay that the pump threads hand outputs to (one wakeup of the loop per burst)
+        self._relays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def reserve(self, count: int) -> None:
         """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere)."""
@@ -56,15 +62,19 @@ class Engine:
         """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished."""
         request_id = f"srv-{uuid.uuid4().hex}"
         self.manager.add_request(prompt_ids, request_id=request_id, streaming=True, **sampling)
-        thread = threading.Thread(target=self._pump, args=(request_id, tag, queue, loop), daemon=True,
+        with self._lock:
+            relay = self._relays.get(loop)
+            if relay is None:
+                relay = self._relays[loop] = LoopRelay(loop)
+        thread = threading.Thread(target=self._pump, args=(request_id, tag, queue, relay), daemon=True,
                                   name=f"pump-{request_id[-8:]}")
         thread.start()
         return request_id
 
-    def _pump(self, request_id: str, tag: Any, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+    def _pump(self, request_id: str, tag: Any, queue: asyncio.Queue, relay: LoopRelay) -> None:
         try:
             for output in self.manager.request_id_iter(request_id):
-                loop.call_soon_threadsafe(queue.put_nowait, (tag, output))
+                relay.put(queue, (tag, output))
         except RuntimeError:  # the event loop closed under us (server shutdown)
             return
 
@@ -109,8 +119,6 @@ class ChoiceText:
         return self.finish_reason is not None or self.error is not None
 
     def update(self, output) -> str:
-        from gpuformers.engine.sequence import RequestStatus
-
         if self.finished:
             return ""
         self.token_ids = output.generated_tokens
@@ -125,8 +133,10 @@ class ChoiceText:
         if done:
             detokenizer.flush()
         text = detokenizer.text
-        cuts = (text.find(s, max(0, searched - len(s) + 1)) for s in self.stops)
-        cut = min((i for i in cuts if i >= 0), default=-1)
+        cut = -1
+        if self.stops:
+            cuts = (text.find(s, max(0, searched - len(s) + 1)) for s in self.stops)
+            cut = min((i for i in cuts if i >= 0), default=-1)
         if cut >= 0:
             text, self.finish_reason, self.cut_at_stop = text[:cut], "stop", True
         elif output.status == RequestStatus.FAILED:
@@ -160,6 +170,16 @@ def now() -> int:
     return int(time.time())
 
 
+# json.dumps(..., ensure_ascii=False) without making an encoder per call (the same text: dumps' other defaults)
+JSON = json.JSONEncoder(ensure_ascii=False)
+_MARKER = "text"  # any text: its encoding is found by position (Job._text_chunk)
+
+# How often a job waiting for the engine asks whether its client is still connected, and the queue item that wakes an
+# idle wait to ask
+CHECK_CLIENT_SECONDS = 0.5
+CHECK_CLIENT = object()
+
+
 class Job:
     """One HTTP request's n engine requests, their texts, and the response they make (whole or streamed). `state` is
     the app's shared state (server.py): the engine, tokenizer, model name and metrics."""
@@ -181,6 +201,8 @@ class Job:
         self.arrival = time.monotonic()
         self.last_token_time: list[float | None] = [None] * parsed.n
         self.last_check = time.monotonic()  # when the client was last seen connected
+        self._tick: asyncio.TimerHandle | None = None  # puts a CHECK_CLIENT into the queue (see _next)
+        self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # per choice: a text chunk's JSON around the text
         self.closed = False
         # A chat request with tools and tool_choice "auto": each choice's text goes through the model's tool-call
         # parser (the server checked that it has one)
@@ -205,6 +227,8 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self._tick is not None:
+            self._tick.cancel()
         for request_id, choice in zip(self.request_ids, self.choices):
             if not choice.finished or choice.cut_at_stop:
                 self.state.engine.cancel(request_id)  # a no-op for a request the engine already finished
@@ -217,14 +241,21 @@ class Job:
         while True:
             # Ask whether the client is still there every half second, busy or not: a whole-answer request has no
             # other way to learn that its client gave up (a streamed one is also cancelled by Starlette).
-            if time.monotonic() - self.last_check > 0.5:
+            if time.monotonic() - self.last_check > CHECK_CLIENT_SECONDS:
                 self.last_check = time.monotonic()
                 if await request.is_disconnected():
                     raise ConnectionError("client disconnected")
-            try:
-                index, output = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            # An idle wait ends within half a second by a CHECK_CLIENT the tick puts in the queue. One tick at a time,
+            # armed when the queue is empty: a timeout per wait (asyncio.wait_for makes a task and a timer each
+            # time) cost ~30 us per streamed token.
+            if self._tick is None and self.queue.empty():
+                self._tick = asyncio.get_running_loop().call_later(CHECK_CLIENT_SECONDS, self.queue.put_nowait,
+                                                                   CHECK_CLIENT)
+            item = await self.queue.get()
+            if item is CHECK_CLIENT:
+                self._tick = None
                 continue
+            index, output = item
             choice = self.choices[index]
             before = len(choice.token_ids)
             text = choice.update(output)
@@ -270,13 +301,13 @@ class Job:
         text position of token `start` (completions' text_offset)."""
         if not self.parsed.logprobs:
             return None
-        tokenizer = self.state.tokenizer
+        texts = self.state.token_texts
         end = choice.num_tokens_kept() if end is None else end
         ids, values = choice.token_ids[start:end], [_finite(v) for v in choice.logprobs[start:end]]
         if self.parsed.chat:
-            strings = [tokenizer.decode([t]) for t in ids]
+            strings = [texts[t] for t in ids]
             # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-            tops = [[(tokenizer.decode([t]), _finite(lp)) for t, lp in top] for top in choice.top_logprobs[start:end]]
+            tops = [[(texts[t], _finite(lp)) for t, lp in top] for top in choice.top_logprobs[start:end]]
             tops += [[] for _ in range(len(strings) - len(tops))]
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
                                  "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
@@ -289,8 +320,8 @@ class Job:
         """Completions' logprobs object: tokens, token_logprobs, top_logprobs (a dict per token of up to
         logprobs + 1 entries: the most likely tokens and, as OpenAI does, always the chosen one; None for a
         token without logprobs, the first of an echoed prompt) and text_offset (from `offset`)."""
-        tokenizer = self.state.tokenizer
-        strings = [tokenizer.decode([t]) for t in ids]
+        texts = self.state.token_texts
+        strings = [texts[t] for t in ids]
         offsets, position = [], offset
         for s in strings:
             offsets.append(position)
@@ -304,7 +335,7 @@ class Job:
                     continue
                 alternatives: dict[str, float] = {}
                 for token_id, logprob in top:  # best first: a later token with the same text keeps the first
-                    alternatives.setdefault(tokenizer.decode([token_id]), _finite(logprob))
+                    alternatives.setdefault(texts[token_id], _finite(logprob))
                 alternatives.setdefault(string, _finite(value))
                 top_dicts.append(alternatives)
         return {"tokens": strings, "token_logprobs": [_finite(v) for v in values], "top_logprobs": top_dicts,
@@ -376,30 +407,44 @@ class Job:
                 "choices": [choice]}
         if self.parsed.include_usage:
             body["usage"] = None
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {JSON.encode(body)}\n\n"
+
+    def _text_chunk(self, index: int, text: str) -> str:
+        """_chunk(index, text, None): a text delta without logprobs, the chunk of nearly every token. Its other
+        fields stay the same for the whole answer, so their JSON is made once per choice (by _chunk, around a
+        marker text) and only the text is encoded each time, by the string encoder _chunk's JSON uses."""
+        around = self._text_chunk_parts.get(index)
+        if around is None:
+            # The text is the chunk's last string: whatever the model's name holds, the marker's last match is it
+            before, _, after = self._chunk(index, _MARKER, None).rpartition(JSON.encode(_MARKER))
+            around = self._text_chunk_parts[index] = (before, after)
+        return around[0] + JSON.encode(text) + around[1]
 
     async def sse(self, request) -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice (chat), text deltas (with a reasoning parser: first
         {"reasoning_content": ...} deltas while the answer is inside its think block; with tools: a delta per complete
         tool call, {"tool_calls": [{index, id, type, function: {name, arguments}}]}), a finish chunk per choice, the
         usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are
-        too."""
+        too. The chunks that one engine output makes (the last text, the finish chunk, the usage and [DONE]) go out
+        in one write."""
         reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
         parsers = [self.tool_parser() for _ in range(self.parsed.n)] if self.tool_parser is not None else None
         try:
             if self.parsed.chat:
-                for index in range(self.parsed.n):
-                    yield self._chunk(index, None, None, role=True)
+                yield "".join(self._chunk(index, None, None, role=True) for index in range(self.parsed.n))
             elif self.parsed.echo:  # the prompt is each choice's first text chunk
                 prompt = self._echo_text()
-                for index in range(self.parsed.n):
-                    yield self._chunk(index, prompt, None)
+                yield "".join(self._chunk(index, prompt, None) for index in range(self.parsed.n))
+            events: list[str] = []  # the chunks of the latest engine output, not sent yet
             while not all(c.finished for c in self.choices):
+                if events:
+                    yield "".join(events)
+                    events = []
                 index, text = await self._next(request)
                 choice = self.choices[index]
                 if choice.error is not None:
                     body = error_body(f"generation failed: {choice.error}", "server_error")
-                    yield f"data: {json.dumps(body)}\n\n"
+                    events.append(f"data: {json.dumps(body)}\n\n")
                     break
                 # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
                 end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
@@ -409,8 +454,8 @@ class Job:
                         more_reasoning, more_text = self.reasoners[index].finish()
                         reasoning, text = reasoning + more_reasoning, text + more_text
                     if reasoning:
-                        yield self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
-                                          reasoning=reasoning)
+                        events.append(self._chunk(index, None, None, reasoning=reasoning,
+                                                  logprobs=self._logprobs(choice, reported[index], end)))
                         reported[index] = max(reported[index], end)
                 calls = []
                 if parsers is not None:  # the calls come out of the text; text that may open a call waits
@@ -419,26 +464,28 @@ class Job:
                         rest, more = parsers[index].finish()
                         text, calls = text + rest, calls + more
                 if text:
-                    offset = choice.sent - len(text)
-                    yield self._chunk(index, text, None, logprobs=self._logprobs(choice, reported[index], end, offset))
+                    logprobs = self._logprobs(choice, reported[index], end, choice.sent - len(text))
+                    events.append(self._text_chunk(index, text) if logprobs is None
+                                  else self._chunk(index, text, None, logprobs=logprobs))
                     reported[index] = max(reported[index], end)
                 first = len(parsers[index].calls) - len(calls) if calls else 0  # the first new call's index
                 for position, call in enumerate(calls, first):
-                    yield self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
-                                      tool_call={"index": position, **call.to_dict()})
+                    events.append(self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
+                                              tool_call={"index": position, **call.to_dict()}))
                     reported[index] = max(reported[index], end)
                 if choice.finished:
                     called = parsers is not None and parsers[index].calls
-                    yield self._chunk(index, None if self.parsed.chat else "",
-                                      "tool_calls" if called else choice.finish_reason,
-                                      logprobs=self._logprobs(choice, reported[index], end, choice.sent))
+                    events.append(self._chunk(index, None if self.parsed.chat else "",
+                                              "tool_calls" if called else choice.finish_reason,
+                                              logprobs=self._logprobs(choice, reported[index], end, choice.sent)))
                     reported[index] = max(reported[index], end)
             if self.parsed.include_usage:
                 body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
                         "created": self.created, "model": self.parsed.model, "choices": [],
                         "usage": self._usage()}
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
+                events.append(f"data: {json.dumps(body)}\n\n")
+            events.append("data: [DONE]\n\n")
+            yield "".join(events)
         except ConnectionError:
             return
         finally:

@@ -9,6 +9,8 @@ Offers: Histogram, Metrics.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import defaultdict
 
@@ -20,21 +22,25 @@ class Histogram:
     """Cumulative buckets in seconds, as Prometheus expects them (le="+Inf" is the count)."""
 
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"histogram {name}: buckets {buckets} must be ascending, each bound once")
         self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * len(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, the observations it is the first to hold; last: +Inf only
         self.sum = 0.0
         self.count = 0
 
     def observe(self, seconds: float) -> None:
+        # One count per observation, in the first bucket that holds it (once per streamed token: no loop over the
+        # buckets); lines() makes them cumulative.
         self.sum += seconds
         self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if seconds <= bound:
-                self.counts[i] += 1
+        # (nan is in no bucket but +Inf, as `nan <= bound` is false)
+        self.counts[bisect.bisect_left(self.buckets, seconds) if seconds == seconds else -1] += 1
 
     def lines(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        out += [f'{self.name}_bucket{{le="{bound}"}} {count}' for bound, count in zip(self.buckets, self.counts)]
+        out += [f'{self.name}_bucket{{le="{bound}"}} {count}'
+                for bound, count in zip(self.buckets, itertools.accumulate(self.counts))]
         out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
                 f"{self.name}_count {self.count}"]
         return out

@@ -8,11 +8,10 @@ Offers: ResponseJob.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import AsyncIterator
 
-from gpuformers.serving.job import Job, now
+from gpuformers.serving.job import JSON, Job, now
 
 
 class ResponseJob(Job):
@@ -128,7 +127,7 @@ class ResponseJob(Job):
     def _event(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {JSON.encode(body)}\n\n"
 
     async def sse(self, request) -> AsyncIterator[str]:
         """The typed events of the class docstring. Cancelled (the client left) -> the engine request is too."""

@@ -30,6 +30,7 @@ from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body
                                          parse_response)
 from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_parser
 from gpuformers.serving.responses import ResponseJob
+from gpuformers.serving.token_texts import TokenTexts
 from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
                                            template_renders_tools)
 
@@ -49,6 +50,7 @@ class _State:
         self.engine = Engine(manager, max_pending)
         self.manager = manager
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # each token's text alone, for logprobs: decoded once per id
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key

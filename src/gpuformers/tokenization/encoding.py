@@ -24,12 +24,13 @@ TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second", "do_not_t
 
 def _ids_as_list(ids: Any) -> list[int]:
     """Token ids given as an int, a list, a torch tensor or a numpy array -> a flat list of ints."""
-    if isinstance(ids, Mapping):
-        ids = ids["input_ids"]
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if isinstance(ids, int):
-        return [ids]
+    if type(ids) is not list:  # a plain list, the common case (a streaming server decodes per token), is none of these
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            return [ids]
     if ids and isinstance(ids[0], (list, tuple)):
         raise TypeError(
             f"decode takes one sequence of ids, got a batch of {len(ids)}; use batch_decode, or decode(ids[0])"

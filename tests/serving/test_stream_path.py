@@ -1,0 +1,277 @@
+"""The streamed token's path through the server, without a server: the LoopRelay that carries the engine's outputs
+from the pump threads into the event loop, a Job's text chunks (their JSON made once per choice around the text),
+its idle wait that still asks after the client every half second, the token texts logprobs use (decoded once per
+id) and the ITL histogram's buckets."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from gpuformers.serving import job as job_module  # noqa: E402
+from gpuformers.serving.job import Job  # noqa: E402
+from gpuformers.serving.loop_relay import LoopRelay  # noqa: E402
+from gpuformers.serving.metrics import Histogram  # noqa: E402
+from gpuformers.serving.protocol import parse_chat, parse_completion  # noqa: E402
+from gpuformers.serving.token_texts import TokenTexts  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------- LoopRelay
+
+
+class RecordingLoop:
+    """An event loop stand-in whose call_soon_threadsafe only records the callbacks: the test runs them."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def call_soon_threadsafe(self, callback, *args):
+        self.callbacks.append((callback, args))
+
+    def run_pending(self):
+        callbacks, self.callbacks = self.callbacks, []
+        for callback, args in callbacks:
+            callback(*args)
+
+
+def test_the_relay_wakes_the_loop_once_per_burst_and_keeps_the_order():
+    loop, first, second = RecordingLoop(), asyncio.Queue(), asyncio.Queue()
+    relay = LoopRelay(loop)
+    for item in range(3):
+        relay.put(first, item)
+        relay.put(second, -item)
+    assert len(loop.callbacks) == 1  # one wakeup for the six items
+    loop.run_pending()
+    assert [first.get_nowait() for _ in range(3)] == [0, 1, 2] and [second.get_nowait() for _ in range(3)] == [0, -1,
+                                                                                                               -2]
+    relay.put(first, 3)  # after a delivery, the next put wakes the loop again
+    assert len(loop.callbacks) == 1
+    loop.run_pending()
+    assert first.get_nowait() == 3 and first.empty()
+
+
+def test_a_put_as_a_delivery_ends_is_delivered():
+    """A pump that puts just after the delivery found the deque empty: its item must get a delivery of its own,
+    not wait for some later, unrelated put."""
+    loop = RecordingLoop()
+    relay = LoopRelay(loop)
+    target = asyncio.Queue()
+
+    class Racing(collections.deque):
+        raced = False
+
+        def __bool__(self):  # the delivery's "anything left?": found empty, then another thread's put lands
+            empty = len(self) == 0
+            if empty and not self.raced:
+                self.raced = True
+                relay.put(target, "late")
+            return not empty
+
+    relay._pending = Racing()
+    relay.put(asyncio.Queue(), "early")
+    loop.run_pending()
+    assert target.empty()  # the first delivery had ended
+    loop.run_pending()  # the delivery the late put asked for
+    assert target.get_nowait() == "late"
+    assert not loop.callbacks and not relay._pending
+
+
+def test_the_relay_from_many_threads_delivers_every_item_once_in_order():
+    async def main():
+        loop = asyncio.get_running_loop()
+        relay = LoopRelay(loop)
+        queues = [asyncio.Queue() for _ in range(8)]
+        count = 2000
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting
+
+        def pump(queue):
+            for item in range(count):
+                relay.put(queue, item)
+
+        threads = [threading.Thread(target=pump, args=(queue,)) for queue in queues]
+        for thread in threads:
+            thread.start()
+        received = []
+        for queue in queues:
+            got = []
+            while len(got) < count:
+                got.append(await asyncio.wait_for(queue.get(), timeout=30))
+            received.append(got)
+        for thread in threads:
+            thread.join()
+        await asyncio.sleep(0.05)
+        assert all(queue.empty() for queue in queues)  # nothing twice
+        return received, wakeups
+
+    received, wakeups = asyncio.run(main())
+    assert received == [list(range(2000))] * 8
+    assert wakeups < 8 * 2000  # items rode along with deliveries already asked for
+
+
+def test_a_closed_loop_raises_as_call_soon_threadsafe_does():
+    loop = asyncio.new_event_loop()
+    loop.close()
+    relay = LoopRelay(loop)
+    with pytest.raises(RuntimeError):
+        relay.put(asyncio.Queue(), 1)
+    with pytest.raises(RuntimeError):  # and again: a failed put leaves no delivery thought to be on its way
+        relay.put(asyncio.Queue(), 2)
+
+
+# ---------------------------------------------------------------------------------------------- a Job's chunks
+
+
+def make_job(parsed):
+    state = SimpleNamespace(tokenizer=None, eos_ids=set(), reasoning_parser=None, tool_call_parser=None)
+    return Job(state, parsed, [1, 2, 3], max_tokens=8, loop=None)
+
+
+TEXTS = ["hello", " world", "text", '"text"', 'say "hi"\\n', "\n\t\x00\x1f", "é👋🏽你好", "\u2028\u2029", "}]}",
+         "a" * 300, '", "model": "x']
+MODELS = ["m", "text", '"text"', "tëxt 👋", 'a"b\\c']
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "include_usage"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_text_chunk_is_the_general_chunk_byte_for_byte(chat, usage):
+    for model in MODELS:
+        body = {"model": model, "stream": True, "stream_options": {"include_usage": usage}, "n": 2}
+        parsed = parse_chat({**body, "messages": [{"role": "user", "content": "hi"}]}) if chat else \
+            parse_completion({**body, "prompt": "hi"})
+        job = make_job(parsed)
+        for index in (1, 0):
+            for text in TEXTS:
+                fast = job._text_chunk(index, text)
+                assert fast == job._chunk(index, text, None), (model, index, text)
+                assert fast == f"data: {json.dumps(json.loads(fast[6:]), ensure_ascii=False)}\n\n"
+                chunk = json.loads(fast[6:])
+                delta = chunk["choices"][0]["delta"]["content"] if chat else chunk["choices"][0]["text"]
+                assert delta == text and chunk["model"] == model and chunk["choices"][0]["index"] == index
+
+
+def test_the_general_chunk_is_what_json_dumps_gives():
+    job = make_job(parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}))
+    chunk = job._chunk(0, "é", "stop")
+    body = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "é"}, "logprobs": None, "finish_reason": "stop"}]}
+    assert chunk == f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------- the idle wait
+
+
+class Client:
+    """A request whose client leaves at `leaves_at` (time.monotonic())."""
+
+    def __init__(self, leaves_at: float):
+        self.leaves_at, self.asked = leaves_at, 0
+
+    async def is_disconnected(self) -> bool:
+        self.asked += 1
+        return time.monotonic() >= self.leaves_at
+
+
+def test_an_idle_wait_still_notices_a_client_that_left(monkeypatch):
+    """No output comes (a long queue, a long prefill): the wait must still ask after the client, and stop."""
+    monkeypatch.setattr(job_module, "CHECK_CLIENT_SECONDS", 0.05)
+
+    async def main():
+        job = make_job(parse_completion({"model": "m", "prompt": "hi"}))
+        client = Client(time.monotonic() + 0.2)
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(job._next(client), timeout=10)
+        return time.monotonic() - start, client.asked, job
+
+    waited, asked, job = asyncio.run(main())
+    assert 0.2 <= waited < 2 and asked >= 2
+
+
+def test_outputs_are_taken_without_a_timer_and_close_cancels_the_tick():
+    from gpuformers.engine.outputs import GenerationOutput
+    from gpuformers.engine.sequence import RequestStatus
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    async def main():
+        job = make_job(parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8}))
+        job.state.tokenizer = Tokenizer()
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s: None)
+        job.choices[0] = job_module.ChoiceText(job.state.tokenizer, [], 8, set())
+        job.queue.put_nowait((0, GenerationOutput("r", generated_tokens=[0], status=RequestStatus.DECODING)))
+        first = await job._next(Client(float("inf")))
+        assert job._tick is None  # an output was waiting: no timer armed for it
+        waiting = asyncio.ensure_future(job._next(Client(float("inf"))))
+        await asyncio.sleep(0.01)
+        assert job._tick is not None  # an idle wait arms one tick
+        job.queue.put_nowait((0, GenerationOutput("r", generated_tokens=[0, 1], status=RequestStatus.DECODING)))
+        second = await waiting
+        tick = job._tick
+        job.state.engine = SimpleNamespace(cancel=lambda request_id: None, release=lambda count: None)
+        job.state.metrics.count_tokens = lambda prompt, generated: None
+        job.request_ids = ["r"]
+        job.close()
+        return first, second, tick
+
+    first, second, tick = asyncio.run(main())
+    assert first == (0, "a") and second == (0, "b") and tick.cancelled()
+
+
+# ---------------------------------------------------------------------------------------------- token texts
+
+
+def test_token_texts_decode_each_id_once_with_special_tokens_kept():
+    class CountingTokenizer:
+        calls = []
+
+        def decode(self, ids, skip_special_tokens=False):
+            self.calls.append((list(ids), skip_special_tokens))
+            return "<|end|>" if ids == [0] and not skip_special_tokens else f"t{ids[0]}"
+
+    tokenizer = CountingTokenizer()
+    texts = TokenTexts(tokenizer)
+    assert [texts[t] for t in (5, 0, 5, 7, 0)] == ["t5", "<|end|>", "t5", "t7", "<|end|>"]
+    assert tokenizer.calls == [([5], False), ([0], False), ([7], False)]  # once per id, as decode([id]) does
+
+
+def test_token_texts_are_the_real_tokenizers_single_token_decodes():
+    from gpuformers import AutoTokenizer
+    from tests.assets import qwen3_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode("Hi 👋🏽 你好", add_special_tokens=False) + [151645]  # pieces of characters; <|im_end|>
+    for _ in range(2):
+        assert [texts[t] for t in ids] == [tokenizer.decode([t]) for t in ids]
+
+
+# ---------------------------------------------------------------------------------------------- the histogram
+
+
+def test_histogram_buckets_hold_each_value_in_the_first_bound_not_below_it():
+    histogram = Histogram("h", "help", (0.1, 1.0, 2.5))
+    for seconds in (0.0, 0.1, 0.10001, 1.0, 2.5, 2.6, 100.0, float("nan")):
+        histogram.observe(seconds)
+    lines = histogram.lines()
+    # <= bound, as Prometheus' le: 0.1 and 1.0 and 2.5 count in their own bucket; nan only in +Inf
+    assert 'h_bucket{le="0.1"} 2' in lines and 'h_bucket{le="1.0"} 4' in lines and 'h_bucket{le="2.5"} 5' in lines
+    assert 'h_bucket{le="+Inf"} 8' in lines and "h_count 8" in lines
+    with pytest.raises(ValueError, match="must be ascending"):
+        Histogram("h", "help", (1.0, 0.1))
