@@ -1,5 +1,5 @@
 """Benchmark: the server's own host work per streamed token, the Python that `gpuformers serve` runs for each token
-it streams besides the engine's step: taking the output from the engine's per-request stream into the event loop,
+it streams besides the engine's step: handing the engine's output to the event loop,
 incremental detokenization, stop-string checks, the SSE chunk's JSON, and writing it through Starlette and uvicorn.
 It runs in the server's threads and competes with the engine loop for the GIL: at 256 streaming clients, 100 us per
 token would be 25 ms per engine step, five times a GPU's ~5 ms decode step of a small model.
@@ -12,11 +12,13 @@ with --client: raw sockets, no tokenizer, so its own cost stays out of this proc
 once (max_tokens T, ignore_eos, include_usage) and reads them to the end. The CPU time of this process's threads
 over the round comes from each thread's CPU clock:
 
-    engine       the engine loop: scheduling, inputs, the stand-in model and sampler, publishing (not the server's)
+    engine       the engine loop: scheduling, inputs, the stand-in model and sampler, publishing (and handing each
+                 output to the event loop: the server's on_output callback runs in this thread)
     event loop   uvicorn's loop: HTTP, Starlette, the SSE generator (detokenizing, stop strings, chunk JSON)
-    pumps        the rest of the process: the per-request threads that carry the engine's outputs into the loop
+    other        the rest of the process's threads
 
-and "server us/token" = (event loop + pumps) CPU / tokens streamed. It holds the per-request work too (the HTTP
+"process us/token" = all of it / tokens streamed, the figure that counts, since every thread shares one GIL;
+"server us/token" = (event loop + other) / tokens streamed. It holds the per-request work too (the HTTP
 request, the chat template, the role and usage chunks), spread over T tokens. Wall time, engine steps and ms per
 step come with it. `--device-ms` gives each step a device time (default 5, a GPU decode step of a small model): a
 launched step's tokens are ready that long after the stand-in device is free to start it, so with async batching
@@ -26,8 +28,8 @@ one GIL) bounds the step. uvicorn runs as `gpuformers serve` runs it: httptools 
 
 Every answer is checked: its streamed text equals the decode of its tokens (cut before the first stop string the
 text holds, with --stop), it ends with `data: [DONE]` and finish_reason "length" ("stop" when cut), and its usage
-counts T tokens. `--profile` adds a cProfile run of the event loop and the pump threads at the largest N, timed by
-the threads' CPU clocks (several times slower: for where the time goes, not for the table).
+counts T tokens. `--profile` adds a cProfile run of the event loop at the largest N, timed by its CPU clock
+(several times slower: for where the time goes, not for the table).
 
     python benchmarks/bench_serving_host.py                        # 64, 128, 256 clients, 128 tokens each (~1 min)
     python benchmarks/bench_serving_host.py --clients 256 --profile
@@ -291,7 +293,7 @@ def run_round(server: ServerThread, manager, tokenizer, device: StandInDevice, a
     total, engine, loop, main = (b - a for a, b in zip(cpu, after))
     streamed = sum(answer["usage"]["completion_tokens"] for answer in report["answers"])  # fewer when a stop cut
     return {"wall_s": report["wall"], "tokens": streamed, "steps": manager.num_steps - steps,
-            "engine_cpu": engine, "loop_cpu": loop, "pumps_cpu": total - engine - loop - main,
+            "engine_cpu": engine, "loop_cpu": loop, "other_cpu": total - engine - loop - main,
             "chunks": sum(a["chunks"] for a in report["answers"]), "ttft_p50": report["ttft_p50"]}
 
 
@@ -317,31 +319,16 @@ def check(answers: list[dict], bodies: list[dict], tokenizer, device: StandInDev
 
 
 def profile_round(server: ServerThread, manager, tokenizer, device, args, clients: int, tokens: int) -> str:
-    """The top functions by own time in the event loop and the pump threads over one round, per streamed token."""
-    from gpuformers.serving import job
-
-    # Timed by each thread's CPU clock: a call's waits (for the GIL, a queue, the socket) are not counted as its time
-    loop_profile, pump_profiles = cProfile.Profile(time.thread_time), []
-    original_pump = job.Engine._pump
-
-    def profiled_pump(self, *pump_args):
-        profile = cProfile.Profile(time.thread_time)
-        profile.enable()
-        try:
-            original_pump(self, *pump_args)
-        finally:
-            profile.disable()
-            pump_profiles.append(profile)
-
-    job.Engine._pump = profiled_pump
+    """The top functions by own time in the event loop over one round, per streamed token."""
+    # Timed by the thread's CPU clock: a call's waits (for the GIL, a queue, the socket) are not counted as its time
+    loop_profile = cProfile.Profile(time.thread_time)
     server.call(loop_profile.enable)
     try:
         streamed = run_round(server, manager, tokenizer, device, args, clients, tokens)["tokens"]
     finally:
         server.call(loop_profile.disable)
-        job.Engine._pump = original_pump
     out = []
-    for name, profiles in (("event loop", [loop_profile]), ("pump threads", pump_profiles)):
+    for name, profiles in (("event loop", [loop_profile]),):
         stats = pstats.Stats(profiles[0], stream=io.StringIO())
         for profile in profiles[1:]:
             stats.add(profile)
@@ -419,12 +406,13 @@ def main(argv=None) -> None:
             "engine steps": lambda r: f"{r['steps']}",
             "ms per step": lambda r: f"{r['wall_s'] / max(r['steps'], 1) * 1e3:.1f}",
             "TTFT p50 ms": lambda r: f"{r['ttft_p50'] * 1e3:.0f}",
-            "server us/token (loop + pumps CPU)":
-                lambda r: f"**{(r['loop_cpu'] + r['pumps_cpu']) / r['tokens'] * 1e6:.1f}**",
-            "  event loop us/token": lambda r: f"{r['loop_cpu'] / r['tokens'] * 1e6:.1f}",
-            "  pumps us/token": lambda r: f"{r['pumps_cpu'] / r['tokens'] * 1e6:.1f}",
-            "engine us/token (CPU)": lambda r: f"{r['engine_cpu'] / r['tokens'] * 1e6:.1f}",
-            "server ms per step": lambda r: f"{(r['loop_cpu'] + r['pumps_cpu']) / max(r['steps'], 1) * 1e3:.1f}",
+            "process us/token (CPU, one GIL)":
+                lambda r: f"**{(r['engine_cpu'] + r['loop_cpu'] + r['other_cpu']) / r['tokens'] * 1e6:.1f}**",
+            "  engine thread us/token": lambda r: f"{r['engine_cpu'] / r['tokens'] * 1e6:.1f}",
+            "  server us/token (loop + other)": lambda r: f"{(r['loop_cpu'] + r['other_cpu']) / r['tokens'] * 1e6:.1f}",
+            "    event loop us/token": lambda r: f"{r['loop_cpu'] / r['tokens'] * 1e6:.1f}",
+            "    other threads us/token": lambda r: f"{r['other_cpu'] / r['tokens'] * 1e6:.1f}",
+            "server ms per step": lambda r: f"{(r['loop_cpu'] + r['other_cpu']) / max(r['steps'], 1) * 1e3:.1f}",
             "wall us/token": lambda r: f"{r['wall_s'] / r['tokens'] * 1e6:.1f}",
         }
         for name, cell in rows.items():

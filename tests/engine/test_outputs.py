@@ -75,3 +75,60 @@ def test_a_manager_answers_at_once_before_start_and_after_stop_and_serves_its_qu
     assert manager.get_result(late) is None
     with manager:  # a later start() serves what was queued meanwhile
         assert manager.get_result(late, timeout=60).generated_tokens == reference[3]
+
+
+def test_on_output_gets_every_update_in_order_then_frees_the_id():
+    outbox = Outbox(running=lambda: True)
+    got = []
+    outbox.admit("cb", False, lambda request_id: request_id, on_output=got.append)
+    assert "cb" in outbox.live and "cb" not in outbox.streams
+    outbox.publish(_output("cb", [1], False), False)
+    outbox.publish(_output("cb", [1, 2], True), True)
+    assert [o.generated_tokens for o in got] == [[1], [1, 2]]
+    assert outbox.live == set() and outbox.listeners == {} and outbox.finished == {} and outbox.num_finished == 1
+    outbox.admit("cb", False, lambda request_id: request_id, on_output=got.append)  # the id is free again
+
+
+def test_a_failing_on_output_gets_nothing_more_and_does_not_leak(caplog):
+    outbox = Outbox(running=lambda: True)
+    calls = []
+
+    def broken(output):
+        calls.append(output)
+        raise RuntimeError("event loop is closed")
+
+    outbox.admit("x", False, lambda request_id: request_id, on_output=broken)
+    outbox.publish(_output("x", [1], False), False)  # raises inside: logged, not raised to the engine
+    outbox.publish(_output("x", [1, 2], False), False)
+    outbox.publish(_output("x", [1, 2, 3], True), True)
+    assert len(calls) == 1 and "on_output of request 'x' failed" in caplog.text
+    assert outbox.live == set() and outbox.listeners == {} and outbox.finished == {}
+
+
+def test_engine_hands_each_streamed_update_to_on_output_in_its_thread():
+    model = tiny_model()
+    prompts = make_prompts(6)
+    reference = greedy_reference(model, prompts)
+    seen: dict[str, list] = {}
+    threads = set()
+
+    def record(output):
+        threads.add(threading.current_thread().name)
+        seen.setdefault(output.request_id, []).append(output)
+
+    with model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64) as manager:
+        ids = [manager.add_request(p, max_new_tokens=NEW_TOKENS, on_output=record) for p in prompts]
+        ids.append(manager.add_request(prompts[0], max_new_tokens=NEW_TOKENS, on_output=record))
+        manager.cancel_request(ids[-1])
+        deadline = time.monotonic() + 30
+        while len([i for i in ids if seen.get(i) and seen[i][-1].is_finished()]) < len(ids):
+            assert time.monotonic() < deadline, "not every request reached its final output"
+            time.sleep(0.01)
+        engine_thread = manager._thread.name
+    for request_id, tokens in zip(ids, reference):
+        updates = seen[request_id]
+        assert [len(o.generated_tokens) for o in updates] == list(range(1, NEW_TOKENS + 1))  # one per token
+        assert updates[-1].generated_tokens == tokens and updates[-1].status is RequestStatus.FINISHED
+    assert seen[ids[-1]][-1].status is RequestStatus.FAILED  # cancelled: its final output says so
+    assert threads == {engine_thread}
+    assert manager.outbox.live == set() and manager.outbox.listeners == {} and manager.outbox.finished == {}

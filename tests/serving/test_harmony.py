@@ -183,10 +183,8 @@ class HarmonyManager(ScriptedManager):
         self.generation_config.eos_token_ids = tokenizer.convert_tokens_to_ids(["<|return|>", "<|endoftext|>",
                                                                                 "<|call|>"])
 
-    def add_request(self, prompt_ids, request_id, **sampling):
-        answer = self.answers[len(self.prompts) % len(self.answers)]
-        self.prompts.append(self.tokenizer.decode(prompt_ids))
-        self.scripts[request_id] = self.tokenizer.encode(answer, add_special_tokens=False)
+    def script(self, answer: str) -> list[int]:
+        return self.tokenizer.encode(answer, add_special_tokens=False)  # (its terminator is in the answer)
 
 
 def client_for(tokenizer, answers, **app_options):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -187,10 +188,17 @@ class ScriptedManager:
     def is_running(self):
         return True
 
-    def add_request(self, prompt_ids, request_id, **sampling):
+    def script(self, answer: str) -> list[int]:
+        """The answer's token ids as the engine would generate them (ending with eos)."""
+        return self.tokenizer.encode(answer, add_special_tokens=False) + [self.eos]
+
+    def add_request(self, prompt_ids, request_id, on_output=None, **sampling):
         answer = self.answers[len(self.prompts) % len(self.answers)]
         self.prompts.append(self.tokenizer.decode(prompt_ids))
-        self.scripts[request_id] = self.tokenizer.encode(answer, add_special_tokens=False) + [self.eos]
+        self.scripts[request_id] = self.script(answer)
+        if on_output is not None:  # as the engine does: every output handed over from the engine's thread
+            threading.Thread(target=lambda: [on_output(o) for o in self.request_id_iter(request_id)],
+                             daemon=True).start()
 
     def request_id_iter(self, request_id):
         from gpuformers.engine.manager import GenerationOutput

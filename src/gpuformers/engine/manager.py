@@ -31,6 +31,7 @@ import queue
 import random
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -325,13 +326,17 @@ class ContinuousBatchingManager(AdapterServingMixin):
     # --- requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, adapter_name: str | None = None, **sampling) -> str:
+                    streaming: bool = False, adapter_name: str | None = None,
+                    on_output: Callable[[GenerationOutput], None] | None = None, **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `adapter_name`: one of `adapters` (None:
         the base model). `sampling` overrides this request's temperature, top_p, top_k, min_p, do_sample, stop,
         seed, ignore_eos, repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens, logit_bias,
         return_logprobs, top_logprobs, prompt_logprobs, structured_output (see SamplingParams; a prompt_logprobs
         request takes no prefix-cache hits). A bad prompt or setting raises ValueError here, before the request can
-        reach a step; so does a `request_id` whose earlier request's final output has not been taken yet."""
+        reach a step; so does a `request_id` whose earlier request's final output has not been taken yet.
+        `on_output` (not in transformers): a callback that gets every output of the request (streamed, then the final
+        one) in the engine's thread, instead of get_result / request_id_iter; it must return at once (hand the output
+        to another thread or event loop) and a callback that raises gets nothing more."""
         if self.broken is not None and not self.is_running():
             raise RuntimeError(f"the engine loop has stopped ({self.broken}); start() it again, or make a new manager")
         if adapter_name is not None:
@@ -356,7 +361,8 @@ class ContinuousBatchingManager(AdapterServingMixin):
             seq.created_time = time.time()
             return seq
 
-        seq = self.outbox.admit(request_id, streaming, make)
+        streaming = streaming or on_output is not None  # a callback is called on every update
+        seq = self.outbox.admit(request_id, streaming, make, on_output)
         self._inbox.put(("add", seq))
         return seq.request_id
 

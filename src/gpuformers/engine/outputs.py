@@ -4,8 +4,10 @@ their callers take them.
 The Outbox keeps per request only what its caller has not taken yet, and not a moment longer (a server runs for
 weeks): a non-streaming request's final output waits in `finished` (in finishing order, for take(None)) until
 take() returns it; a streaming request's outputs go only to its queue in `streams`, which is dropped once its
-reader has the final one. The ids of requests whose final output is not taken yet are `live`: a second request
-under one of them would overwrite the first one's output or stream, so `admit` refuses it.
+reader has the final one. A request added with `on_output` (a server's) has no queue at all: each output is handed
+to that callback in the engine's thread as it is published, which spares a reader thread per request and its
+wakeup per token. The ids of requests whose final output is not taken yet are `live`: a second request under one
+of them would overwrite the first one's output or stream, so `admit` refuses it.
 
 A caller waiting for an output never waits on a loop that is not there: with no engine loop running (before
 start(), after stop()), a wait ends at once with nothing, as transformers' get_result does.
@@ -16,6 +18,7 @@ Offers: GenerationOutput, Outbox.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpuformers.engine.sequence import RequestStatus
+
+logger = logging.getLogger(__name__)
 
 _WAIT_SLICE = 0.1  # seconds: how often a waiting caller checks that an engine loop still runs
 
@@ -59,14 +64,17 @@ class Outbox:
         self.finished: dict[str, GenerationOutput] = {}
         # SimpleQueue: the engine puts one output per streaming request and step, at half the cost of a Queue
         self.streams: dict[str, queue.SimpleQueue] = {}
+        self.listeners: dict[str, Callable[[GenerationOutput], None]] = {}  # on_output callbacks, per request
         self.live: set[str] = set()
         self.num_finished = 0  # requests finished so far (a count, not a store: for progress bars)
         self._done = threading.Condition()
         self._next_ids = itertools.count()  # req_0, req_1, ...
 
-    def admit(self, request_id: str | None, streaming: bool, make: Callable[[str], object]):
+    def admit(self, request_id: str | None, streaming: bool, make: Callable[[str], object],
+              on_output: Callable[[GenerationOutput], None] | None = None):
         """Give the request an id (the next free req_N when None) and `make(id)` it, atomically with taking the id;
-        ValueError for an id whose earlier request's final output has not been taken yet."""
+        ValueError for an id whose earlier request's final output has not been taken yet. With `on_output`, its
+        outputs go to that callback instead of a queue."""
         with self._done:
             if request_id is None:
                 request_id = next(f"req_{n}" for n in self._next_ids if f"req_{n}" not in self.live)
@@ -75,11 +83,28 @@ class Outbox:
                                  f"not been taken yet; give another id, or take that one's result first")
             made = make(request_id)
             self.live.add(request_id)
-            if streaming:
+            if on_output is not None:
+                self.listeners[request_id] = on_output
+            elif streaming:
                 self.streams[request_id] = queue.SimpleQueue()
             return made
 
     def publish(self, output: GenerationOutput, final: bool) -> None:
+        listener = self.listeners.get(output.request_id)  # (only this thread, the engine's, removes one)
+        if listener is not None:
+            if final:  # nobody takes it afterwards: the id is free again at once
+                with self._done:
+                    del self.listeners[output.request_id]
+                    self.live.discard(output.request_id)
+                    self.num_finished += 1
+                    self._done.notify_all()
+            try:
+                listener(output)  # outside the lock: the callback may take its time (it should not)
+            except Exception:  # a caller's bug must not stop the engine: its later outputs are dropped
+                logger.exception("on_output of request %r failed; its later outputs are dropped", output.request_id)
+                if not final:
+                    self.listeners[output.request_id] = _drop
+            return
         with self._done:
             stream = self.streams.get(output.request_id)
             if stream is not None:
@@ -163,6 +188,10 @@ class Outbox:
         with self._done:
             self.streams.pop(request_id, None)
             self.live.discard(request_id)
+
+
+def _drop(output: GenerationOutput) -> None:
+    """The callback of a request whose own one failed."""
 
 
 def _left(deadline: float | None) -> float | None:

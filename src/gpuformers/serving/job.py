@@ -5,9 +5,9 @@ with tools has each choice's tool calls parsed out of its text by the model's pa
 parser, reasoning.py, a chat answer's think block becomes its reasoning_content and the tool calls come out of the
 rest).
 
-Each choice of a request is one engine request, added with streaming=True; a small thread per engine request
-carries the engine's progress into the event loop (the engine's streams are blocking queues), through one LoopRelay
-per loop that wakes the loop once per burst of outputs (loop_relay.py). Text is decoded
+Each choice of a request is one engine request, added with streaming=True and an on_output callback: the engine's
+thread hands its progress to the event loop through one LoopRelay per loop, which wakes the loop once per burst of
+outputs (loop_relay.py). Text is decoded
 incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
 which frees its KV blocks. A client that disconnects cancels its requests the same way.
 
@@ -42,7 +42,7 @@ class Engine:
         self.max_pending = max_pending
         self.in_flight = 0
         self._lock = threading.Lock()
-        # per event loop, the LoopRelay that the pump threads hand outputs to (one wakeup of the loop per burst)
+        # per event loop, the LoopRelay the engine hands outputs to (one wakeup of the loop per burst)
         self._relays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def reserve(self, count: int) -> None:
@@ -59,24 +59,17 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue: asyncio.Queue,
                loop: asyncio.AbstractEventLoop) -> str:
-        """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished."""
+        """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished.
+        The engine's thread hands each one to the loop's LoopRelay as it publishes it (add_request's on_output; a
+        loop that closed under it, at shutdown, makes the engine drop the rest)."""
         request_id = f"srv-{uuid.uuid4().hex}"
-        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True, **sampling)
         with self._lock:
             relay = self._relays.get(loop)
             if relay is None:
                 relay = self._relays[loop] = LoopRelay(loop)
-        thread = threading.Thread(target=self._pump, args=(request_id, tag, queue, relay), daemon=True,
-                                  name=f"pump-{request_id[-8:]}")
-        thread.start()
+        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True,
+                                 on_output=lambda output: relay.put(queue, (tag, output)), **sampling)
         return request_id
-
-    def _pump(self, request_id: str, tag: Any, queue: asyncio.Queue, relay: LoopRelay) -> None:
-        try:
-            for output in self.manager.request_id_iter(request_id):
-                relay.put(queue, (tag, output))
-        except RuntimeError:  # the event loop closed under us (server shutdown)
-            return
 
     def cancel(self, request_id: str) -> None:
         self.manager.cancel_request(request_id)

@@ -1,13 +1,13 @@
 """LoopRelay: items put by other threads, delivered into asyncio queues of one event loop, with one wakeup of the loop
 per burst instead of one per item.
 
-The engine's per-request streams are blocking queues, so a pump thread per engine request carries its outputs into
-the event loop (job.py). At 256 streaming requests an engine step publishes 256 outputs at once; waking the loop for
-each (`call_soon_threadsafe` writes a byte to the loop's self-pipe, the loop reads it back and runs one callback)
-cost more than the rest of the token's path. Here the pumps append to one deque, and only the put that finds no
-delivery scheduled schedules one; the delivery, in the loop, empties the deque:
+The engine's thread publishes each streaming request's outputs through the request's on_output callback (job.py),
+which must hand them to the server's event loop. At 256 streaming requests an engine step publishes 256 outputs at
+once; waking the loop for each (`call_soon_threadsafe` writes a byte to the loop's self-pipe, the loop reads it back
+and runs one callback) cost more than the rest of the token's path. Here a put appends to one deque, and only the
+put that finds no delivery scheduled schedules one; the delivery, in the loop, empties the deque:
 
-    pump threads:  put(q1, a)  put(q2, b)  put(q1, c)        (deque: a b c; one call_soon_threadsafe, for a)
+    engine thread: put(q1, a)  put(q2, b)  put(q1, c)        (deque: a b c; one call_soon_threadsafe, for a)
     event loop:    _deliver -> q1.put_nowait(a), q2.put_nowait(b), q1.put_nowait(c)
 
 Items of one thread arrive in the order it put them. Offers: LoopRelay.
