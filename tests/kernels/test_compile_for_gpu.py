@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent('''
         kinds = (("fwd", attention._attn_fwd_kernel), ("dkdv", attention._attn_bwd_dkdv_kernel),
                  ("dq", attention._attn_bwd_dq_kernel))
         for kind, fn in kinds if dtype == torch.bfloat16 else kinds[:1]:  # float32: the forward's larger tiles
-            block_m, block_n, warps, stages = attention._blocks(torch.device("cuda"), 128, kind, dtype)
+            block_m, block_n, warps, stages = attention.tile_sizes(torch.device("cuda"), 128, kind, dtype)
             shared[f"attention {kind} {dtype}"] = build(fn, pointers, dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
                                                         warps, stages)
     from gpuformers.engine import paged_attention_triton as paged
@@ -67,7 +67,7 @@ _SCRIPT = textwrap.dedent('''
         PRECISION="tf32"), 4, 3, floats=("scale",))  # the launcher leaves Triton's defaults
     for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
         pointers.update({n: ptr for n in ("Q", "K", "V", "OUT")})
-        block_m, block_n, warps, stages = paged._prefill_tiles(torch.device("cuda"), dtype, 128)
+        block_m, block_n, warps, stages = attention.tile_sizes(torch.device("cuda"), 128, "fwd", dtype)
         shared[f"paged prefill {dtype}"] = build(paged._paged_prefill_kernel, pointers, dict(
             GROUP=2, HEAD_DIM=128, D_P2=128, BLOCK_SIZE=256, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=True,
             PRECISION=attention.dot_precision(dtype)), warps, stages, floats=("qk_scale",))

@@ -135,6 +135,17 @@ def _decode_layout(ctx: PagedContext, sliding_window: int | None):
     return ctx.memo[key]
 
 
+def _prefill_layout(ctx: PagedContext, first: int) -> tuple[torch.Tensor, int]:
+    """The prefill chunks of sequences first.. (after the decodes): their query offsets from the first chunk's start
+    (int32, on the device) and the longest chunk. The same in every layer: made once per step."""
+    key = ("prefill", first)
+    if key not in ctx.memo:
+        starts = ctx.query_start
+        ctx.memo[key] = (ctx.cu_seqlens_q[first:] - ctx.cu_seqlens_q[first],
+                         max(starts[i + 1] - starts[i] for i in range(first, len(starts) - 1)))
+    return ctx.memo[key]
+
+
 def gathered_decode_keys(ctx: PagedContext) -> bool:
     """Whether a forward in this context attended its decodes by gathering every row's keys up to the longest
     context (or max_decode_context), the torch path, whose cost grows with that length; the Triton decode kernel
@@ -245,8 +256,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         from gpuformers.engine.paged_attention_triton import paged_prefill_attention
 
         first = ctx.query_start[batched]
-        cu = ctx.cu_seqlens_q[batched:] - ctx.cu_seqlens_q[batched]
-        longest = max(ctx.query_start[i + 1] - ctx.query_start[i] for i in range(batched, num_seqs))
+        cu, longest = _prefill_layout(ctx, batched)
         out[first:] = paged_prefill_attention(query[0, :, first:].transpose(0, 1), key, value,
                                               ctx.block_tables[batched:], cu, ctx.context_lens[batched:],
                                               ctx.block_size, scaling, longest, sliding_window)

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels.attention import LOG2E, tile_sizes
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
 
 
@@ -154,9 +155,6 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, context_
     return out
 
 
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
-
-
 @triton.jit
 def _paged_prefill_kernel(Q, K, V, OUT, BLOCK_TABLES, CU_Q, CONTEXT_LENS,
                           stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
@@ -210,15 +208,6 @@ def _paged_prefill_kernel(Q, K, V, OUT, BLOCK_TABLES, CU_Q, CONTEXT_LENS,
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _prefill_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the flash forward's tiles (kernels/attention.py)."""
-    if device.type != "cuda":
-        return 16, 16, 1, 1  # the interpreter: small tiles so short test chunks still cross tile edges
-    if dtype == torch.float32:
-        return (64, 32, 4, 2) if head_dim <= 128 else (32, 16, 4, 1)
-    return (128, 64, 8, 3) if head_dim <= 128 else (64, 32, 8, 2)
-
-
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             block_size: int, scale: float, max_seqlen_q: int,
@@ -243,13 +232,13 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     out = torch.empty_like(query)
     if total_q == 0 or num_seqs == 0:
         return out
-    block_m, block_n, warps, stages = _prefill_tiles(query.device, query.dtype, head_dim)
+    block_m, block_n, warps, stages = tile_sizes(query.device, head_dim, "fwd", query.dtype)  # the flash forward's
     grid = (triton.cdiv(max_seqlen_q, block_m), heads, num_seqs)
     _paged_prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables.contiguous(), cu_seqlens_q, context_lens.contiguous(),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         value_cache.stride(0), value_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale * _LOG2E, sliding_window or 0,
+        scale * LOG2E, sliding_window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_P2=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
         PRECISION=dot_precision(query.dtype), num_warps=warps, num_stages=stages,

@@ -22,7 +22,8 @@ cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 offsets.
 Under torch.compile, flash_attention calls the torch.library op gpuformers::flash_attention (ops.py) instead of
 FlashAttentionFunction; packed sequences then need max_seqlen_q / max_seqlen_k (no host sync in a graph).
 
-Offers: flash_attention, attention_reference, FlashAttentionFunction.
+Offers: flash_attention, attention_reference, FlashAttentionFunction, tile_sizes (the kernels' tiles, which the
+engine's paged prefill kernel shares), LOG2E.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton.language as tl
 from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
 
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2 (axis 0 takes 2**31 - 1)
 
 
@@ -268,7 +269,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
 
 # --- launchers ----------------------------------------------------------------------------------------------
 
-def _blocks(device: torch.device, head_dim: int, kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def tile_sizes(device: torch.device, head_dim: int, kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dkdv or dq kernel."""
     if device.type != "cuda":
         return 16, 16, 1, 1  # the interpreter: small tiles so short test sequences still cross tile edges
@@ -371,7 +372,7 @@ def _forward(p: _Problem, q, k, v, scale):
         out = torch.empty(p.batch, p.q_len, p.heads, p.head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse_shape, (slb, slh) = p.lse_shape_strides()
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _blocks(q.device, p.head_dim, "fwd", q.dtype)
+    block_m, block_n, warps, stages = tile_sizes(q.device, p.head_dim, "fwd", q.dtype)
     mask, smb, smq, smk = p.mask_args(lse)
     cu_q = p.cu_q if p.varlen else lse
     cu_k = p.cu_k if p.varlen else lse
@@ -381,7 +382,7 @@ def _forward(p: _Problem, q, k, v, scale):
             q, k, v, out, lse, mask, cu_q, cu_k,
             *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(out, p.varlen),
             slb, slh, smb, smq, smk,
-            p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E,
+            p.q_len, p.k_len, p.head_dim, p.window, scale * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **p.flags(q.dtype),
         )
     elif q.numel():
@@ -403,20 +404,20 @@ def _backward(p: _Problem, q, k, v, out, lse, dout, scale):
     flags = p.flags(q.dtype)
     if not q.numel() or not p.k_len:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_m, block_n, warps, stages = _blocks(q.device, p.head_dim, "dkdv", q.dtype)
+    block_m, block_n, warps, stages = tile_sizes(q.device, p.head_dim, "dkdv", q.dtype)
     _attn_bwd_dkdv_kernel[(triton.cdiv(p.k_len, block_n), p.kv_heads, p.batch)](
         q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
         *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(dout, p.varlen),
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), slb, slh, smb, smq, smk,
-        p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
+        p.q_len, p.k_len, p.head_dim, p.window, scale * LOG2E, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
     )
-    block_m, block_n, warps, stages = _blocks(q.device, p.head_dim, "dq", q.dtype)
+    block_m, block_n, warps, stages = tile_sizes(q.device, p.head_dim, "dq", q.dtype)
     _attn_bwd_dq_kernel[(triton.cdiv(p.q_len, block_m), p.heads, p.batch)](
         q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
         *_strides3(q, p.varlen), *_strides3(k, p.varlen), *_strides3(v, p.varlen), *_strides3(dout, p.varlen),
         *_strides3(dq, p.varlen), slb, slh, smb, smq, smk,
-        p.q_len, p.k_len, p.head_dim, p.window, scale * _LOG2E, scale,
+        p.q_len, p.k_len, p.head_dim, p.window, scale * LOG2E, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
     )
     return dq, dk, dv
