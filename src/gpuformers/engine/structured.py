@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 INSTALL_HINT = "structured outputs (response_format json_object / json_schema, regex, choice, grammar) need the " \
-               "xgrammar package: pip install xgrammar"
+               "xgrammar package: pip install xgrammar (or the extra: pip install \"gpuformers[structured]\")"
 
 
 def _xgrammar():
