@@ -7,7 +7,6 @@ Offers: check_best_model_setup, update_best_metric, load_best_model, keep_only_b
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 from gpuformers import distributed
@@ -78,5 +77,5 @@ def keep_only_best_checkpoint(output_dir: str, state: TrainerState) -> None:
         best = Path(state.best_model_checkpoint).resolve()
         for path in ckpt.sorted_checkpoints(output_dir):
             if path.resolve() != best:
-                shutil.rmtree(path, ignore_errors=True)
+                ckpt.remove_checkpoint(path)  # renamed first: a crash never leaves a checkpoint-N half deleted
     distributed.barrier()

@@ -8,10 +8,16 @@
                                             rng_state_<process>.pth per process, as transformers writes them)
         trainer_state.json                  global step, epoch, data position, log history, callback states
         training_args.json                  the arguments, for people
-      .tmp-checkpoint-N-<pid>/             a save in progress; never read
+      .tmp-checkpoint-N-<pid>/             a save in progress, or a checkpoint being deleted; never read, removed
+                                            by the next save
 
 A save writes everything into the temporary folder, flushes it to disk, then renames it to checkpoint-N: a
-rename is atomic, so a crash at any moment leaves either no checkpoint-N or a complete one. Reading uses
+rename is atomic, so a crash at any moment leaves either no checkpoint-N or a complete one. Deleting one (the
+rotation of save_total_limit) is the same in reverse: checkpoint-N is renamed to a .tmp- folder first, then removed,
+so a crash in the middle leaves a .tmp- folder, never a checkpoint-N with files missing. A checkpoint-N that lacks
+a file all the same (left half-removed by an earlier gpuformers or by transformers' rotation: trainer_state.json but
+no weights, say) is incomplete (incomplete_reason): never listed as a checkpoint, skipped by a resume with a warning,
+and removed by the next rotation. Reading uses
 torch.load(weights_only=True) only, so a checkpoint cannot run code (transformers' rng_state.pth holds a NumPy
 array: the few NumPy globals that rebuild it are allowed for that file, nothing else).
 
@@ -21,12 +27,14 @@ optimizer group of a LoRA model; one-process checkpoints of ours from before tha
 and FSDP checkpoints, and another optimizer's or scheduler's state, are refused with the file and the reason.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
-rotate_checkpoints, load_model_weights_in_place, load_optimizer_state, capture_rng_state, restore_rng_state,
-CHECKPOINT_PREFIX.
+incomplete_reason, rotate_checkpoints, remove_checkpoint, load_model_weights_in_place, load_optimizer_state,
+capture_rng_state, restore_rng_state, CHECKPOINT_PREFIX.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import re
@@ -39,11 +47,16 @@ import torch
 
 from gpuformers.training.arguments import OPTIMIZERS, SCHEDULERS
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_PREFIX = "checkpoint"
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 _TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}-"
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME, RNG_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"
+# the model's weights as both Trainers' save_pretrained writes them: one file, a LoRA adapter, or an index of shards
+_WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 # ------------------------------------------------------------------------------------------------ RNG state
@@ -156,39 +169,112 @@ def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model,
     return final
 
 
-def sorted_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint-N folders in `output_dir`, oldest step first."""
+def _checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
+    """Every checkpoint-N folder in `output_dir`, complete or not, oldest step first."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
-    found = [(int(m[1]), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name))
-             and (p / STATE_NAME).is_file()]
+    found = [(int(m[1]), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
+def _weights_missing(folder: Path) -> str | None:
+    if any((folder / name).is_file() for name in _WEIGHT_FILES):
+        return None
+    for name in _WEIGHT_INDEXES:
+        if (folder / name).is_file():
+            try:
+                shards = set(json.loads((folder / name).read_text(encoding="utf-8"))["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return f"{name} cannot be read"
+            gone = sorted(shard for shard in shards if not (folder / shard).is_file())
+            return f"the shards {', '.join(gone[:3])} named in {name} are gone" if gone else None
+    return f"no model weights ({', '.join(_WEIGHT_FILES[:2])} or a sharded index)"
+
+
+def incomplete_reason(folder: str | os.PathLike) -> str | None:
+    """Why checkpoint folder `folder` is not whole (None when it is): trainer_state.json, the model's weights (every
+    shard an index names), and, unless it was saved without its training state (save_only_model), optimizer.pt and
+    scheduler.pt together, as both Trainers write them. (A missing RNG file is no sign: both Trainers resume without
+    one, from another number of processes say, with a warning here.) Our rotation never leaves an incomplete folder;
+    a rotation of an earlier gpuformers or of transformers' Trainer killed while it deleted files one by one does."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "the folder is gone"
+    if not (folder / STATE_NAME).is_file():
+        return f"no {STATE_NAME}"
+    if _foreign_layout(folder):  # a DeepSpeed or FSDP folder of transformers: refused by name when it is loaded
+        return None
+    if (missing := _weights_missing(folder)) is not None:
+        return missing
+    training = {name: (folder / name).is_file() for name in (OPTIMIZER_NAME, SCHEDULER_NAME)}
+    has_rng = (folder / RNG_NAME).is_file() or any(folder.glob("rng_state_*.pth"))
+    if (any(training.values()) or has_rng or (folder / SCALER_NAME).is_file()) and not all(training.values()):
+        return f"no {' or '.join(name for name, there in training.items() if not there)}"
+    return None
+
+
+def sorted_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint-N folders in `output_dir` (incomplete_reason), oldest step first."""
+    return [p for p in _checkpoint_folders(output_dir) if incomplete_reason(p) is None]
+
+
 def get_last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    checkpoints = sorted_checkpoints(output_dir)
-    return checkpoints[-1] if checkpoints else None
+    """The newest complete checkpoint-N in `output_dir`; newer incomplete ones are skipped with a warning."""
+    for path in reversed(_checkpoint_folders(output_dir)):
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path
+        logger.warning("skipping %s: it is incomplete (%s), what a crash while it was being deleted leaves; resuming "
+                       "from an earlier checkpoint. Delete the folder (the next save_total_limit rotation does)",
+                       path, reason)
+    return None
+
+
+def remove_checkpoint(folder: str | os.PathLike) -> None:
+    """Delete checkpoint folder `folder` so that no crash leaves it looking complete: renamed out of the way first
+    (atomic), to a .tmp- name that nothing reads and the next save removes, then deleted."""
+    folder = Path(folder)
+    trash = folder.parent / f"{_TMP_PREFIX}{folder.name.removeprefix(CHECKPOINT_PREFIX + '-')}-removed-{os.getpid()}"
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(folder, trash)
+    except OSError as error:  # (a file held open on Windows, say) then it stays whole
+        logger.warning("could not delete checkpoint %s (%s); it is left as it was", folder, error)
+        return
+    _fsync_dir(folder.parent)  # the rename on disk before any file goes
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,
                        keep: tuple[str | os.PathLike | None, ...] = ()) -> None:
     """Delete the oldest checkpoints beyond save_total_limit, never the newest one nor those in `keep` (the one just
     written, the best one): with save_total_limit=1 and a best checkpoint older than the newest, both stay, as in
-    transformers."""
+    transformers. Incomplete checkpoint-N folders older than the newest complete one (the remains of an interrupted
+    deletion) count for nothing, and go too."""
     if not save_total_limit:
         return
-    checkpoints = sorted_checkpoints(output_dir)
-    if len(checkpoints) <= save_total_limit:
+    folders = _checkpoint_folders(output_dir)
+    reasons = [incomplete_reason(path) for path in folders]
+    checkpoints = [path for path, reason in zip(folders, reasons) if reason is None]
+    if not checkpoints:
         return
     protected = {checkpoints[-1].resolve()} | {Path(p).resolve() for p in keep if p is not None}
+    newest = folders.index(checkpoints[-1])
+    for path, reason in zip(folders[:newest], reasons[:newest]):
+        if reason is not None and path.resolve() not in protected:
+            logger.warning("deleting %s: it is incomplete (%s), the remains of an interrupted deletion", path, reason)
+            remove_checkpoint(path)
+    if len(checkpoints) <= save_total_limit:
+        return
     excess = len(checkpoints) - save_total_limit
     for path in checkpoints:
         if excess <= 0:
             break
         if path.resolve() in protected:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        remove_checkpoint(path)
         excess -= 1
 
 
@@ -243,18 +329,30 @@ def load_model_weights_in_place(model, folder: Path) -> None:
                          f"{result.unexpected_keys[:5]}; resume with the model the checkpoint was trained from")
 
 
+def _deepspeed_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("global_step*")) + [path for path in [folder / "latest"] if path.is_file()]
+
+
+def _fsdp_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("pytorch_model_fsdp*")) + sorted(folder.glob("optimizer_*")) + [
+        path for path in [folder / "optimizer.bin"] if path.exists()]
+
+
+def _foreign_layout(folder: Path) -> bool:
+    return bool(_deepspeed_files(folder) or _fsdp_files(folder))
+
+
 def _refuse_foreign_layouts(folder: Path) -> None:
     """A checkpoint-N that transformers' Trainer wrote under DeepSpeed or accelerate's FSDP keeps its optimizer
     (and maybe its weights) in their own sharded formats, which this Trainer cannot read: refused before anything
     is loaded, rather than resumed with a fresh optimizer."""
-    deepspeed = sorted(folder.glob("global_step*")) + [path for path in [folder / "latest"] if path.is_file()]
+    deepspeed = _deepspeed_files(folder)
     if deepspeed:
         raise ValueError(f"{deepspeed[0]}: {folder} is a DeepSpeed checkpoint (transformers' Trainer with "
                          f"deepspeed=...), whose optimizer state is in DeepSpeed's ZeRO files, which gpuformers cannot "
                          f"read; resume it with transformers and DeepSpeed, or start a new run from its weights "
                          f"(from_pretrained; under ZeRO-3 after its zero_to_fp32.py)")
-    fsdp = sorted(folder.glob("pytorch_model_fsdp*")) + sorted(folder.glob("optimizer_*")) + [
-        path for path in [folder / "optimizer.bin"] if path.exists()]
+    fsdp = _fsdp_files(folder)
     if fsdp:
         raise ValueError(f"{fsdp[0]}: {folder} was written by transformers' Trainer under FSDP (accelerate's "
                          f"state dicts), which gpuformers cannot read; resume it with transformers, or start a new "
@@ -342,6 +440,10 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
         raise FileNotFoundError(f"{folder} is not a complete training checkpoint (no {STATE_NAME}); pass a "
                                 f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
     _refuse_foreign_layouts(folder)
+    if (reason := incomplete_reason(folder)) is not None:
+        raise FileNotFoundError(f"{folder} is not a complete training checkpoint ({reason}; a crash while it was being "
+                                f"deleted leaves that): pass an earlier checkpoint-N, or resume_from_checkpoint=True, "
+                                f"which takes the newest complete one")
     if model is not None:
         load_model_weights_in_place(model, folder)
     dropped_groups = []
@@ -354,6 +456,9 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
     # under torchrun both Trainers write one RNG file per process
     rng_path = next((path for path in (folder / RNG_NAME, folder / f"rng_state_{process_index}.pth")
                      if path.is_file()), None)
+    if rng_path is None and (folder / OPTIMIZER_NAME).is_file():
+        logger.warning("%s holds no %s (nor rng_state_%d.pth): the random generators go on from where they are, so "
+                       "dropout will not draw what the run that wrote it drew", folder, RNG_NAME, process_index)
     return {"state_path": folder / STATE_NAME, "rng": _load_rng(rng_path) if rng_path else None}
 
 

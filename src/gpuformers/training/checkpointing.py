@@ -79,9 +79,10 @@ class CheckpointMixin:
         self.state.best_model_checkpoint = saved.best_model_checkpoint
         if self.args.restore_callback_states_from_checkpoint:
             cb.restore_callback_states(self.callback_handler.callbacks, saved.stateful_callbacks)
-        if saved.best_model_checkpoint is not None and not os.path.isdir(saved.best_model_checkpoint):
-            logger.warning("the best checkpoint %s recorded in %s is gone: it is not the best one in this run",
-                           saved.best_model_checkpoint, checkpoint)
+        best = saved.best_model_checkpoint
+        if best is not None and (reason := ckpt.incomplete_reason(best)) is not None:  # gone, or half deleted
+            logger.warning("the best checkpoint %s recorded in %s cannot be used (%s): it is not the best one in "
+                           "this run", best, checkpoint, reason)
             self.state.best_model_checkpoint = None
         return loaded["rng"]
 

@@ -8,7 +8,8 @@
 The loss of a step is the sum of token losses over all its micro-batches divided by the number of target tokens
 in the step (transformers' `num_items_in_batch`), so accumulating 4 batches of 2 gives the gradients of one batch
 of 8. The data order of each epoch comes from a generator seeded with (data_seed or seed) + epoch, never from the
-global RNG, so a resumed run replays the same batches; the global RNG state is saved in each checkpoint.
+global RNG, so a resumed run replays the same batches; the global RNG state is saved in each checkpoint and restored
+where it was captured: before the next epoch's loader when the checkpoint ends an epoch, after it inside one.
 The forward runs inside logits_not_needed() (compute_loss reads only the loss): a causal LM then fuses its LM head
 and loss in chunks (layers/loss.py), never holding the (tokens, vocab) logits, with the same loss and gradients.
 
@@ -382,11 +383,17 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
         for epoch in range(start_epoch, num_epochs):
             skip = start_update if epoch == start_epoch and not args.ignore_data_skip else 0
+            if rng is not None and not skip:
+                # A checkpoint at the end of an epoch was written before this epoch's loader (iter(DataLoader) draws
+                # its workers' seed from the global generator) and its callbacks: restored before them, so that
+                # they draw what they drew in the uninterrupted run (transformers restores here too).
+                ckpt.restore_rng_state(rng)
+                rng = None
             loader = self._epoch_loader(epoch, skip * accum)
             self.callback_handler.train_dataloader = loader
             self.control = self._call("on_epoch_begin")
             iterator = iter(loader)
-            if rng is not None:  # restore at the point the checkpoint was written: before the next batch
+            if rng is not None:  # inside an epoch: written after that draw, so restored after it, before the next batch
                 ckpt.restore_rng_state(rng)
                 rng = None
             for update in range(skip, updates_per_epoch):
