@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -160,3 +162,142 @@ def test_env_text_shows_the_gpu_table():
     assert row.split() == ["cuda:0", "3", "NVIDIA", "H100", "80GB", "HBM3", "9.0", "80.00", "GiB", "?", "yes",
                            "00000000:AF:00.0"]
     assert "triton        not installed" in text and "NVIDIA driver 550.54.15" in text
+
+
+# ------------------------------------------------------------------------ the library's errors in the CLI's words
+
+PYTHON_ARGUMENT = re.compile(r"\b(device_map|dtype|gguf_file|local_files_only|tp_plan|bits|quantization_config)=")
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (whichever the library raises, its text is what is translated)
+        return str(error)
+    raise AssertionError("no error")
+
+
+def _offline_miss(tmp_path, monkeypatch):
+    from gpuformers.hub import resolve_model_dir
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    return lambda: resolve_model_dir("acme/absent")
+
+
+def _a_file(tmp_path, monkeypatch):
+    from gpuformers.hub import resolve_model_dir
+
+    (tmp_path / "model.bin").write_bytes(b"")
+    return lambda: resolve_model_dir(tmp_path / "model.bin")
+
+
+def _no_gpu(tmp_path, monkeypatch):
+    from gpuformers.device import resolve_device
+
+    return lambda: resolve_device("cuda", cuda=types.SimpleNamespace(is_available=lambda: False))
+
+
+def _bad_device(tmp_path, monkeypatch):
+    from gpuformers.device import resolve_device
+
+    return lambda: resolve_device("gpu0")
+
+
+def _bad_checkpoint_dtype(tmp_path, monkeypatch):
+    from gpuformers.device import resolve_dtype
+
+    return lambda: resolve_dtype("auto", checkpoint_dtype="int3")
+
+
+def _spread_model_served(tmp_path, monkeypatch):
+    from gpuformers.engine.config import check_one_device
+
+    return lambda: check_one_device(types.SimpleNamespace(hf_device_map={"model": 0, "lm_head": "cpu"}))
+
+
+def _odd_int4_layer(tmp_path, monkeypatch):
+    import torch
+
+    from gpuformers.quantization.weight_only import _check_settings
+
+    return lambda: _check_settings(5, 4, None, torch.float32)
+
+
+def _gguf_split_served(tmp_path, monkeypatch):
+    from gpuformers.models.auto import _tensor_parallel_device
+
+    return lambda: _tensor_parallel_device("auto", None, "m.gguf")
+
+
+def _gguf_spread(tmp_path, monkeypatch):
+    import torch
+
+    from tests.fixtures.checkpoints import TINY
+
+    from gpuformers.models.auto import _gguf_device
+    from gpuformers.models.config import ModelConfig
+    from gpuformers.models.modeling import skip_init
+    from gpuformers.models.registry import model_class_for
+
+    config = ModelConfig.from_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINY})
+    with torch.device("meta"), skip_init():
+        model = model_class_for(config)(config)
+    return lambda: _gguf_device(model, "auto", {"cpu": 1000}, torch.float32)
+
+
+def _engine_setting(tmp_path, monkeypatch):
+    from gpuformers.engine.config import ContinuousBatchingConfig
+
+    return lambda: ContinuousBatchingConfig(max_memory_percent=1.5)
+
+
+@pytest.mark.parametrize("verb, error, python, flag", [
+    ("fit", _offline_miss, "(HF_HUB_OFFLINE=1 or local_files_only=True) forbids", "(HF_HUB_OFFLINE=1) forbids"),
+    ("generate", _a_file, "(or gguf_file= for a GGUF file)", "(or a path ending in .gguf for a GGUF file)"),
+    ("train", _a_file, "(or gguf_file= for a GGUF file)", "pass the folder that holds config.json"),
+    ("generate", _no_gpu, 'or run on the CPU with device_map="cpu"', "or run on the CPU with --device cpu"),
+    ("train", _no_gpu, 'or run on the CPU with device_map="cpu"', "or run on the CPU with --cpu"),
+    ("serve", _bad_device, "a torch.device", "accepted: cpu, cuda, cuda:N or auto"),
+    ("chat", _bad_checkpoint_dtype, "pass dtype= one of: float32", "pass --dtype one of: float32"),
+    ("serve", _spread_model_served, 'device_map="cuda" (one GPU), or over several GPUs with tp_plan="auto"',
+     "--device cuda (one GPU), or over several GPUs with --tensor-parallel-size N under torchrun"),
+    ("generate", _odd_int4_layer, "use bits=8 for this layer", "use --quantization int8 for this layer"),
+    ("serve", _engine_setting, "max_memory_percent=1.5 must be", "--gpu-memory-utilization 1.5 must be in (0, 1]"),
+    ("serve", _gguf_split_served, "tp_plan='auto' with a GGUF file", "--tensor-parallel-size N with a GGUF file"),
+    ("chat", _gguf_spread, """device_map='auto' places this GGUF model on disk""",
+     "--device auto places this GGUF model on disk, but a GGUF file loads whole onto one GPU or the CPU for now: "
+     "pass one device (e.g. --device cuda:0), and --quantization if the model does not fit there"),
+])
+def test_cli_errors_name_the_verbs_flags_where_python_errors_name_arguments(tmp_path, monkeypatch, verb, error,
+                                                                             python, flag):
+    message = _error_of(error(tmp_path, monkeypatch))
+    assert python in message  # the Python API keeps its own words
+    shown = cli.for_cli(message, cli.VERBS[verb].flags)
+    assert flag in shown and not PYTHON_ARGUMENT.search(shown), shown
+    if verb == "train":
+        assert "gguf" not in shown.lower()  # train takes no GGUF file: nothing offers one
+
+
+def test_a_cli_user_is_told_the_flag(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("gguf")
+    import torch
+
+    from tests.test_gguf import write_tiny_llama
+
+    from gpuformers import AutoModelForCausalLM
+
+    write_tiny_llama(tmp_path / "m.gguf", layers=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match='or run on the CPU with device_map="cpu"'):
+        AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", device_map="cuda")
+    assert cli.main(["generate", "hi", "--model", str(tmp_path / "m.gguf"), "--device", "cuda"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gpuformers generate: error: device 'cuda' was asked for, but no CUDA GPU is visible")
+    assert "or run on the CPU with --device cpu." in error and "device_map" not in error
+
+
+def test_train_names_the_flag_for_a_gguf_file(tmp_path, capsys):
+    assert cli.main(["train", "--model", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "d.jsonl")]) == 2
+    error = capsys.readouterr().err
+    assert f"--model {tmp_path / 'm.gguf'}: `gpuformers train` fine-tunes a safetensors checkpoint, not a GGUF" in error

@@ -149,3 +149,75 @@ def test_one_gpu_option_uses_the_gpu_with_room_not_cuda_0():
     devices["cuda:5"] = 80 * GiB
     report = fit_report(config, devices, dtype=torch.bfloat16, context=4096)
     assert report.recommended.name == "1 GPU" and report.recommended.device_map == '"cuda:5"'
+
+
+def _cache_holding(cache, repo: str, files: dict) -> None:
+    """An HF cache (HF_HUB_CACHE) holding `files` of `repo` at main, laid out as `hf download` writes it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    (root / "snapshots" / commit).mkdir(parents=True)
+    for name, text in files.items():
+        (root / "snapshots" / commit / name).write_text(text)
+
+
+def test_fit_offline_says_config_json_is_all_it_needs_and_how_to_get_it(tmp_path, monkeypatch, capsys):
+    from gpuformers.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert main(["fit", "acme/tiny-qwen3"]) == 2
+    error = capsys.readouterr().err
+    assert "is not in the local HF cache" in error and "offline mode (HF_HUB_OFFLINE=1) forbids a download." in error
+    assert "reads only the model's config.json" in error and "`hf download acme/tiny-qwen3 config.json`" in error
+    assert "stops a download" not in error and "local_files_only" not in error  # a sentence, in the CLI's words
+    # Doing what it says (config.json alone in the cache, no weights) is enough, still offline
+    _cache_holding(tmp_path / "cache", "acme/tiny-qwen3", {"config.json": json.dumps(QWEN3_0_6B)})
+    assert main(["fit", "acme/tiny-qwen3", "--max-memory", "cpu=32GiB"]) == 0
+    assert "weights            1.11 GiB" in capsys.readouterr().out
+
+
+def test_fit_reads_a_gguf_file_as_from_pretrained_loads_it(tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    from tests.test_gguf import write_tiny_llama
+
+    from gpuformers.cli import main
+
+    write_tiny_llama(tmp_path / "m.gguf", types=(gguf.GGMLQuantizationType.Q8_0,), tied=False)
+    assert main(["fit", str(tmp_path / "m.gguf"), "--max-memory", "cpu=8GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", progress=False)
+    assert data["dtype"] == "float32" == str(model.dtype).removeprefix("torch.")  # dequantized as loaded
+    assert data["weights_bytes"] == loaded_bytes(model) and data["gguf_file"] == "m.gguf"
+    assert data["kv_bytes_per_token"] == measured_kv_per_token(model)
+    # On two GPUs a GGUF file is offered one of them, never a map over both or an offload it cannot load
+    assert main(["fit", str(tmp_path / "m.gguf"), "--max-memory", "0=1GiB,1=1GiB,cpu=8GiB", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert [o["device_map"] for o in options if o["fits"]] == ['"cuda:0"'] * 3  # as it is, int8, nf4
+    assert all("a GGUF file loads onto one device" in o["note"] for o in options if not o["fits"])
+    assert main(["fit", str(tmp_path / "m.gguf"), "--max-memory", "0=1GiB,1=1GiB,cpu=8GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "Use: from_pretrained(..., gguf_file='m.gguf', dtype='float32', device_map=\"cuda:0\")" in text
+    assert f" or: gpuformers chat --model {tmp_path / 'm.gguf'} --device cuda:0 --dtype float32" in text
+
+
+def test_fit_on_a_folder_holding_only_a_gguf_file_names_the_file(tmp_path, capsys):
+    from gpuformers.cli import main
+
+    (tmp_path / "model.Q8_0.gguf").write_bytes(b"GGUF")
+    assert main(["fit", str(tmp_path)]) == 2
+    assert f"pass the GGUF file itself, e.g. `gpuformers fit {tmp_path / 'model.Q8_0.gguf'}`" in capsys.readouterr().err
+
+
+def test_a_gguf_file_is_quantized_after_loading_so_its_whole_weights_must_fit_first():
+    config = ModelConfig.from_dict(QWEN3_0_6B)  # 1.11 GiB in bfloat16, about 0.75 GiB in int8
+    gpu = {"cuda:0": int(1.6 * GiB)}  # 1.09 GiB usable
+    safetensors = {o.name: o for o in fit_report(config, gpu, dtype=torch.bfloat16).options}
+    assert not safetensors["1 GPU"].fits and safetensors["1 GPU, int8"].fits  # quantized tensor by tensor
+    gguf = {o.name: o for o in fit_report(config, gpu, dtype=torch.bfloat16, gguf_file="q.gguf").options}
+    assert not gguf["1 GPU"].fits and not gguf["1 GPU, int8"].fits
+    assert "a GGUF file is quantized after loading: its 1.11 GiB must fit first" == gguf["1 GPU, int8"].note
+    two = {o.name for o in fit_report(config, {**gpu, "cuda:1": gpu["cuda:0"]}, dtype=torch.bfloat16,
+                                      gguf_file="q.gguf").options}
+    assert two == {"1 GPU", "1 GPU, int8", "1 GPU, nf4", "GPUs + CPU offload"}  # no map over both GPUs

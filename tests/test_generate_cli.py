@@ -71,3 +71,22 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     out = _run(["generate", "hi", "--model", str(tmp_path / "absent")])
     assert out.returncode != 0
     assert "absent" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_device_auto_on_a_cpu_only_machine_runs_a_gguf_file_as_device_cpu(tmp_path, monkeypatch, capsys):
+    # It was refused ("a device_map over several devices is not supported for GGUF files") with only a CPU here
+    pytest.importorskip("gguf")
+    import torch
+
+    from tests.test_gguf import write_tiny_llama
+
+    from gpuformers.cli import main
+
+    write_tiny_llama(tmp_path / "m.gguf", layers=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    replies = []
+    for device in ("auto", "cpu"):
+        assert main(["generate", "The quick brown fox", "--raw", "--model", str(tmp_path / "m.gguf"), "--device",
+                     device, "--max-new-tokens", "6"]) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1] and replies[0].strip()

@@ -504,6 +504,39 @@ def test_missing_and_non_gguf_files(tmp_path):
         read_gguf(fake)
 
 
+def test_device_map_auto_on_a_cpu_only_machine_loads_like_transformers(tmp_path, monkeypatch):
+    # A new user's first try: device_map="auto" where the CPU is the only device (it was refused for GGUF files)
+    from transformers import AutoModelForCausalLM as HFAutoModel
+
+    from gpuformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU-only machine, on any machine
+    write_tiny_llama(tmp_path / "m.gguf", types=(Q.Q8_0, Q.F16), tied=False)
+    theirs = HFAutoModel.from_pretrained(str(tmp_path), gguf_file="m.gguf", device_map="auto").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", device_map="auto", progress=False)
+    assert ours.hf_device_map == {"": "cpu"} and ours.device == theirs.device == torch.device("cpu")
+    assert ours.dtype == theirs.dtype == torch.float32
+    ids = torch.tensor([[5, 17, 300, 42, 99, 7]])
+    with torch.no_grad():
+        assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+    # a per-module map naming one device is that device too
+    one = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", device_map={"model": "cpu",
+                                                                                          "lm_head": "cpu"},
+                                               progress=False)
+    with torch.no_grad():
+        assert torch.equal(one(ids).logits, ours(ids).logits)
+
+
+def test_device_map_spreading_a_gguf_file_is_refused_by_name(tmp_path):
+    from gpuformers import AutoModelForCausalLM
+
+    write_tiny_llama(tmp_path / "m.gguf")  # 0.3 MiB in float32: 250 kB of CPU leaves the rest to the disk
+    with pytest.raises(NotImplementedError, match=r"device_map='auto' places this GGUF model on cpu, disk, but a "
+                                                  r"GGUF file loads whole onto one GPU or the CPU"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", device_map="auto",
+                                             max_memory={"cpu": 250_000}, progress=False)
+
+
 def test_unknown_pre_tokenizer_is_named(tmp_path):
     write_tiny_llama(tmp_path / "p.gguf", pre="made-up-pre", layers=1)
     with pytest.raises(ValueError, match=r"'made-up-pre'.*supported pre-tokenizers: .*smollm"):

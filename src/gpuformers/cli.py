@@ -10,7 +10,12 @@ A verb's module is imported only when that verb runs, so `gpuformers env` starts
 `add_arguments(parser)` adds the verb's own flags. Common flags (`--gpus`) go before or after the verb and are
 applied before the verb's module is imported, hence before CUDA can start.
 
-Offers: `Verb`, `VERBS`, `main(argv)`, and the two verbs that live here: `run_env` and `run_doctor`.
+The library's errors name its Python arguments (`device_map="cpu"`), but a verb's user typed flags: a verb's
+`flags` say how its flags spell those arguments, and `main` prints an error with them (`for_cli`):
+
+    or run on the CPU with device_map="cpu"   --generate-->   or run on the CPU with --device cpu
+
+Offers: `Verb`, `VERBS`, `for_cli`, `main(argv)`, and the two verbs that live here: `run_env` and `run_doctor`.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 from typing import Any, Callable, NamedTuple
 
+from gpuformers.device import _DEVICE_FORMS
 from gpuformers.sizes import format_size
+
+Flags = tuple[tuple[str, str], ...]  # (regular expression of a Python spelling, re.sub replacement naming the flag)
 
 
 class Verb(NamedTuple):
@@ -30,6 +39,37 @@ class Verb(NamedTuple):
     example: str  # shown under the verb's --help
     run: str  # "module:function" taking the parsed args
     arguments: str | None = None  # "module:function" adding the verb's flags to its parser
+    flags: Flags = ()  # the Python arguments its errors may name, as its flags spell them (for_cli)
+
+
+# Python spellings of from_pretrained's arguments in the library's errors -> the flags that set them. Only whole
+# spellings are matched (dtype=torch.float32, device_map="cpu"), so a sentence keeps its grammar.
+_OFFLINE: Flags = ((r" or local_files_only=True", ""),)  # HF_HUB_OFFLINE=1, named beside it, is the CLI's switch
+_DTYPE: Flags = ((r"\bdtype=torch\.(\w+)", r"--dtype \1"), (r"""\bdtype=(["'])(\w+)\1""", r"--dtype \2"),
+                 (r"\bdtype=(?=[\s,;])", "--dtype"))
+_GGUF_PATH: Flags = ((r"\bgguf_file=(?=[\s)])", "a path ending in .gguf"),)  # MODEL / --model takes the file itself
+_DEVICE: Flags = ((r"""\bdevice_map=(["'])(cpu|cuda(?::\d+)?|auto)\1""", r"--device \2"),
+                  (re.escape(_DEVICE_FORMS), "cpu, cuda, cuda:N or auto"))
+_QUANTIZATION: Flags = ((r"\bbits=8\b", "--quantization int8"), (r"\bbits=4\b", "--quantization int4"),
+                        (r"\bquantization_config=(?=[\s,;)])", "--quantization"))
+_LOCAL_MODEL: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + _DEVICE + _QUANTIZATION  # generation/cli.py's model flags
+_ENGINE: Flags = tuple((rf"\b{name}=", f"{flag} ") for name, flag in (  # ContinuousBatchingConfig's fields
+    ("max_memory_percent", "--gpu-memory-utilization"), ("block_size", "--block-size"), ("num_blocks", "--num-blocks"),
+    ("max_batch_tokens", "--max-batch-tokens"), ("max_requests_per_batch", "--max-num-seqs")))
+_SERVE: Flags = _LOCAL_MODEL + _ENGINE + ((r"""\btp_plan=(["'])auto\1""", "--tensor-parallel-size N"),
+                                          (r"""\battn_implementation=(["'])(\w+)\1""", r"--attn-implementation \2"))
+_FIT: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + ((r"\bmax_memory\b", "--max-memory"),)
+_TRAIN: Flags = _OFFLINE + _DTYPE + (
+    (r"""\bdevice_map=(["'])cpu\1""", "--cpu"), (r"\bbf16=True\b", "--bf16 true"),
+    (r"\bfp16=True\b", "fp16 (what --bf16 auto picks on a GPU without bfloat16)"),
+    (r" \(or gguf_file=[^)]*\)", ""))  # train takes no GGUF file
+
+
+def for_cli(message: str, flags: Flags) -> str:
+    """`message` with the Python arguments it names spelled as the flags that set them."""
+    for pattern, flag in flags:
+        message = re.sub(pattern, flag, message)
+    return message
 
 
 VERBS: dict[str, Verb] = {
@@ -39,19 +79,21 @@ VERBS: dict[str, Verb] = {
                    "gpuformers.cli:run_doctor", "gpuformers.cli:add_json_argument"),
     "generate": Verb("answer one prompt with a local model, streaming the reply",
                      'gpuformers generate "What is the capital of France?"',
-                     "gpuformers.generation.cli:run_generate", "gpuformers.generation.cli:add_generate_arguments"),
+                     "gpuformers.generation.cli:run_generate", "gpuformers.generation.cli:add_generate_arguments",
+                     _LOCAL_MODEL),
     "chat": Verb("chat with a local model in the terminal (/clear, /exit)", "gpuformers chat --temperature 0.7",
-                 "gpuformers.generation.cli:run_chat", "gpuformers.generation.cli:add_chat_arguments"),
+                 "gpuformers.generation.cli:run_chat", "gpuformers.generation.cli:add_chat_arguments", _LOCAL_MODEL),
     "fit": Verb("will a model fit these GPUs? weights, KV cache, best device_map",
-                "gpuformers --gpus 0,1 fit Qwen/Qwen3-8B --context 32768 --batch 4",
-                "gpuformers.fit:run_fit", "gpuformers.fit:add_fit_arguments"),
+                "gpuformers --gpus 0,1 fit Qwen/Qwen3-8B --context 32768 --batch 4\n"
+                "  gpuformers fit ./SmolLM2-135M-Instruct.Q4_1.gguf --max-memory 0=8GiB,cpu=16GiB",
+                "gpuformers.fit:run_fit", "gpuformers.fit:add_fit_arguments", _FIT),
     "train": Verb("fine-tune a model on a JSONL of text or chat rows (loss on assistant turns only)",
                   "gpuformers train --model Qwen/Qwen3-0.6B --data chats.jsonl --epochs 1 --lr 2e-5",
-                  "gpuformers.training.cli:run_train", "gpuformers.training.cli:add_train_arguments"),
+                  "gpuformers.training.cli:run_train", "gpuformers.training.cli:add_train_arguments", _TRAIN),
     "serve": Verb("serve a model over the OpenAI API (completions, chat, responses, streaming; embeddings with "
                   "--task embed) on the batching engine",
                   "gpuformers serve Qwen/Qwen3-0.6B --port 8000 --api-key secret",
-                  "gpuformers.serving.cli:run_serve", "gpuformers.serving.cli:add_serve_arguments"),
+                  "gpuformers.serving.cli:run_serve", "gpuformers.serving.cli:add_serve_arguments", _SERVE),
 }
 
 
@@ -113,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         # Errors a user can act on get one line, not a traceback (GPUFORMERS_DEBUG=1 shows the traceback).
         if os.environ.get("GPUFORMERS_DEBUG"):
             raise
-        print(f"gpuformers {args.verb}: error: {error}", file=sys.stderr)
+        print(f"gpuformers {args.verb}: error: {for_cli(str(error), VERBS[args.verb].flags)}", file=sys.stderr)
         return 2
     return 0 if result is None else int(result)
 

@@ -1,4 +1,4 @@
-"""`gpuformers fit MODEL`: will a model fit on these GPUs, and how: from config.json (and the weight index) only,
+"""`gpuformers fit MODEL`: will a model fit on these GPUs, and how: from config.json only (or a GGUF file's header),
 before any weight is downloaded.
 
     config --meta-device model--> weights (exact: the tensors our loader allocates, tied ones once)
@@ -12,9 +12,11 @@ The KV cache and the activations share what the weights leave free: a prompt of 
 B x N x (KV per token + activations per token). Activations assume an attention backend that does not build the
 (seq x seq) score matrix (sdpa's flash / memory-efficient kernels on a GPU); "eager" needs B x heads x N^2 more.
 A GPU keeps 5% of its free memory (and 512 MiB at least) for the CUDA context, the allocator and kernels' workspace.
+A GGUF file is sized as from_pretrained(gguf_file=) loads it: dequantized (float32 unless --dtype says otherwise) onto
+one device, and quantized after that, so its unquantized weights must fit there first; nothing is offloaded.
 
 Offers: FitOption, FitReport, weight_bytes, kv_bytes_per_token, activation_bytes_per_token, fit_report,
-add_fit_arguments, run_fit.
+read_model_config, add_fit_arguments, run_fit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +38,7 @@ MIN_HEADROOM = 512 * 2**20
 QUANTIZATIONS = {"int8": (1.0, None), "nf4": (0.5, 64)}
 _QUANTIZATION_CONFIGS = {"int8": "BitsAndBytesConfig(load_in_8bit=True)",
                          "nf4": 'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")'}
+_QUANTIZATION_FLAGS = {"int8": "bnb-8bit", "nf4": "bnb-4bit"}  # the same configs as --quantization of chat / serve
 
 
 @dataclass
@@ -62,6 +66,7 @@ class FitReport:
     batch: int
     devices: dict[str, int]  # device -> usable bytes
     options: list[FitOption] = field(default_factory=list)
+    gguf_file: str | None = None  # the file's name when `model` is the path of a GGUF file
 
     @property
     def recommended(self) -> FitOption | None:
@@ -148,8 +153,9 @@ def _capacity(budget: int, per_token: int, context: int, batch: int, limit: int)
 
 
 def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: int = 4096, batch: int = 1,
-               model_name: str = "") -> FitReport:
-    """Size the model from `config` and try each placement on `devices` (usable bytes per device)."""
+               model_name: str = "", gguf_file: str | None = None) -> FitReport:
+    """Size the model from `config` and try each placement on `devices` (usable bytes per device). With `gguf_file`,
+    only the placements a GGUF file loads into: one device, quantized after loading."""
     model = _meta_model(config)
     weights = weight_bytes(model, dtype)
     kv = kv_bytes_per_token(config, dtype)
@@ -162,26 +168,38 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
     roomiest = max((k for k in devices if k.startswith("cuda")), key=lambda k: devices[k], default=None)
     cpu = devices.get("cpu", 0)
     report = FitReport(model_name, sum(p.numel() for p in model.parameters()), str(dtype).removeprefix("torch."),
-                       weights, kv, act, context, batch, dict(devices))
+                       weights, kv, act, context, batch, dict(devices), gguf_file=gguf_file)
     name = str(dtype).removeprefix("torch.")
+    one_device = "a GGUF file loads onto one device, without offload"
 
     def add(label, device_map, quantization, weights_here, room, note=""):
         budget = room - weights_here - logits
         longest, largest = _capacity(budget, per_token, context, batch, limit)
         if budget > 0 and largest < batch:
             note = f"holds the weights, not {context} tokens x batch {batch}" + (f"; {note}" if note else "")
-        report.options.append(FitOption(label, device_map, name, quantization, weights_here,
-                                        budget > 0 and longest > 0, longest, largest, note))
+        fits = budget > 0 and longest > 0
+        if gguf_file and quantization and weights + logits > room:  # dequantized whole before it is quantized
+            fits, note = False, f"a GGUF file is quantized after loading: its {format_size(weights)} must fit first"
+        report.options.append(FitOption(label, device_map, name, quantization, weights_here, fits, longest, largest,
+                                        note))
+
+    def refuse_for_gguf(label, device_map):
+        report.options.append(FitOption(label, device_map, name, None, weights, False, note=one_device))
 
     if gpus:
-        many = len(gpus) > 1
+        many = len(gpus) > 1 and not gguf_file
         add("1 GPU", f'"{roomiest}"', None, weights, _usable(devices[roomiest], True))
         if many:
             add(f"{len(gpus)} GPUs", '"auto"', None, weights, sum(gpus))
         for quantization in QUANTIZATIONS:
             quantized = weight_bytes(model, dtype, quantization)
-            add(f"{len(gpus)} GPU{'s' if many else ''}, {quantization}", '"auto"' if many else f'"{roomiest}"',
-                quantization, quantized, sum(gpus), f"quantization_config={_QUANTIZATION_CONFIGS[quantization]}")
+            add(f"{len(gpus) if many else 1} GPU{'s' if many else ''}, {quantization}",
+                '"auto"' if many else f'"{roomiest}"', quantization, quantized,
+                sum(gpus) if many else _usable(devices[roomiest], True),
+                f"quantization_config={_QUANTIZATION_CONFIGS[quantization]}")
+        if gguf_file:
+            refuse_for_gguf(f"GPU{'s' if len(gpus) > 1 else ''} + CPU offload", '"auto"')
+            return report
         # Offload: the weights that do not fit on the GPUs wait on the CPU and stream in per layer; the GPUs keep
         # room for the KV cache and activations of the requested context and batch.
         on_gpus = max(0, sum(gpus) - per_token * context * batch - logits)
@@ -198,8 +216,11 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
                                         "very slow: weights are read from disk in every forward"))
     else:
         add("CPU", '"cpu"', None, weights, cpu, "no GPU is visible: runs on the CPU (slow)")
-        add("CPU + disk offload", '"auto" with offload_folder=', None, weights, cpu + weights,
-            "very slow: weights are read from disk in every forward")
+        if gguf_file:
+            refuse_for_gguf("CPU + disk offload", '"auto" with offload_folder=')
+        else:
+            add("CPU + disk offload", '"auto" with offload_folder=', None, weights, cpu + weights,
+                "very slow: weights are read from disk in every forward")
     return report
 
 
@@ -229,12 +250,19 @@ def format_report(report: FitReport) -> str:
         lines.append("Nothing here holds this model with the requested context: add GPUs, or use a smaller model.")
     else:
         extra = f", quantization_config={_QUANTIZATION_CONFIGS[best.quantization]}" if best.quantization else ""
-        lines.append(f"Use: from_pretrained(..., dtype={best.dtype!r}, device_map={best.device_map}{extra})")
+        source = f"..., gguf_file={report.gguf_file!r}" if report.gguf_file else "..."
+        lines.append(f"Use: from_pretrained({source}, dtype={best.dtype!r}, device_map={best.device_map}{extra})")
+        if "offload_folder" not in best.device_map:  # the CLI has no flag for an offload folder
+            device = best.device_map.strip('"')
+            flags = f"--device {device} --dtype {best.dtype}"
+            flags += f" --quantization {_QUANTIZATION_FLAGS[best.quantization]}" if best.quantization else ""
+            lines.append(f" or: gpuformers chat --model {report.model} {flags}")
     return "\n".join(lines)
 
 
 def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hub id or a local folder; only config.json is read (no weights)")
+    parser.add_argument("model", help="a Hub id, a local folder or a .gguf file; only config.json (or the GGUF "
+                                      "file's header) is read, no weights")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's, bfloat16 on a GPU), float16, ...")
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence to plan for (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences at once to plan for (default 1)")
@@ -243,22 +271,60 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for machines instead of text")
 
 
-def run_fit(args: argparse.Namespace) -> int:
-    from gpuformers.device import parse_dtype, resolve_dtype
-    from gpuformers.hub import CONFIG_PATTERNS, resolve_model_dir
+def _is_gguf(path: Path) -> bool:
+    """A .gguf path (which read_gguf checks), or a file that starts as GGUF files do whatever its name."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def read_model_config(model: str):
+    """(ModelConfig, the dtype "auto" loads in, GGUF file name or None) from config.json alone, or a GGUF file's
+    metadata; a Hub id missing from the cache says how to get just config.json."""
+    from gpuformers.hub import resolve_model_dir
     from gpuformers.models.config import ModelConfig
 
-    folder = resolve_model_dir(args.model, CONFIG_PATTERNS + ["*.safetensors.index.json"])
+    path = Path(model).expanduser()
+    if _is_gguf(path):
+        from gpuformers.loading.gguf import read_gguf
+
+        # from_pretrained(gguf_file=) dequantizes into float32 when dtype is "auto" (models/auto.py)
+        return ModelConfig.from_dict(read_gguf(path).config), "float32", path.name
+    try:
+        folder = resolve_model_dir(model, ["config.json"])
+    except FileNotFoundError as error:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        if not isinstance(error.__cause__, LocalEntryNotFoundError):
+            raise
+        raise FileNotFoundError(
+            f"{error} `gpuformers fit` reads only the model's config.json (a few KB, no weights): "
+            f"`hf download {model} config.json` fetches just that file into the HF cache, after which this command "
+            f"runs offline; or put that one file in a folder and run `gpuformers fit FOLDER`.") from error
+    if not (folder / "config.json").is_file() and (ggufs := sorted(folder.glob("*.gguf"))):
+        raise FileNotFoundError(f"{folder} has no config.json but holds {', '.join(p.name for p in ggufs)}: pass "
+                                f"the GGUF file itself, e.g. `gpuformers fit {ggufs[0]}`")
     config = ModelConfig.from_file(folder / "config.json")
+    return config, config.dtype, None
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from gpuformers.device import parse_dtype, resolve_dtype
+
+    config, checkpoint_dtype, gguf_file = read_model_config(args.model)
     devices = parse_devices(args.max_memory) if args.max_memory else measured_devices()
     on_gpu = any(k.startswith("cuda") for k in devices)
     if args.max_memory is None:  # these GPUs: the one dtype rule of gpuformers
-        dtype = resolve_dtype(args.dtype, checkpoint_dtype=config.dtype, device="auto" if on_gpu else "cpu")
+        dtype = resolve_dtype(args.dtype, checkpoint_dtype=checkpoint_dtype, device="auto" if on_gpu else "cpu")
     else:  # GPUs that may not be here: the checkpoint's dtype, else bfloat16 on GPUs
         chosen = parse_dtype(args.dtype)
-        stored = parse_dtype(config.dtype) if config.dtype else "auto"
+        stored = parse_dtype(checkpoint_dtype) if checkpoint_dtype else "auto"
         dtype = chosen if chosen != "auto" else stored if stored != "auto" else torch.bfloat16 if on_gpu else torch.float32
-    report = fit_report(config, devices, dtype=dtype, context=args.context, batch=args.batch, model_name=args.model)
+    report = fit_report(config, devices, dtype=dtype, context=args.context, batch=args.batch, model_name=args.model,
+                        gguf_file=gguf_file)
     if args.json:
         print(json.dumps({**asdict(report), "recommended": report.recommended and asdict(report.recommended)},
                          indent=2))

@@ -82,10 +82,11 @@ def resolve_model_dir(
         )
     except LocalEntryNotFoundError as err:
         where = hub.cache_dir or os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        why = ("offline mode (HF_HUB_OFFLINE=1 or local_files_only=True) forbids a download" if offline else
+               "the Hub could not be reached to download it")
         raise FileNotFoundError(
-            f"{name!r} (revision {hub.revision or 'main'}) is not in the local HF cache at {where}, and "
-            f"{'offline mode (HF_HUB_OFFLINE=1 or local_files_only=True)' if offline else 'the Hub could not be reached'} "
-            f"stops a download. Download it once with network access, or pass a local folder."
+            f"{name!r} (revision {hub.revision or 'main'}) is not in the local HF cache at {where}, and {why}. "
+            f"Download it once with network access, or pass a local folder."
         ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise FileNotFoundError(f"{name!r} (revision {hub.revision or 'main'}) was not found on the Hub: {err}") from err

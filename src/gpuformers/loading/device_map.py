@@ -9,7 +9,7 @@
 when the plan uses "disk", the DiskOffload folder the loader writes those weights to. The planning names
 (plan_device_map, module_tree, ...) are re-exported here, where callers have always imported them.
 
-Offers: DiskOffload, prepare_device_map, main_device, execution_device, dispatch_model, and device_plan.py's
+Offers: DiskOffload, plan_for, prepare_device_map, main_device, execution_device, dispatch_model, and device_plan.py's
 ModuleNode, module_tree, tied_groups, parse_max_memory, available_memory, balanced_memory, plan_device_map,
 device_for, STRATEGIES.
 """
@@ -76,18 +76,23 @@ def _plan_value(value: Any) -> Device:
     return "cpu" if device.type == "cpu" else device.index
 
 
+def plan_for(model: nn.Module, device_map: str | dict, *, max_memory: dict | None = None,
+             dtype: torch.dtype | None = None, cuda: Any = None) -> dict[str, Device]:
+    """The plan of device_map="auto" | "balanced" | ... | {module: device} for `model` (on the meta device)."""
+    if isinstance(device_map, str):
+        limits = max_memory if max_memory is not None else available_memory(cuda)
+        tree = module_tree(model, dtype, getattr(model, "no_split_modules", ()))
+        return plan_device_map(tree, limits, strategy=device_map, tied=tied_groups(model),
+                               user_limits=max_memory is not None)
+    return {name: _plan_value(value) for name, value in device_map.items()}
+
+
 def prepare_device_map(model: nn.Module, device_map: str | dict, *, max_memory: dict | None = None,
                        dtype: torch.dtype | None = None, offload_folder: str | Path | None = None,
                        cuda: Any = None) -> tuple[dict[str, Device], DiskOffload | None]:
     """What from_pretrained does with device_map="auto" | "balanced" | ... | {module: device}: the plan for `model`
     (on the meta device), and the offload folder when the plan uses "disk"."""
-    if isinstance(device_map, str):
-        limits = max_memory if max_memory is not None else available_memory(cuda)
-        tree = module_tree(model, dtype, getattr(model, "no_split_modules", ()))
-        plan = plan_device_map(tree, limits, strategy=device_map, tied=tied_groups(model),
-                               user_limits=max_memory is not None)
-    else:
-        plan = {name: _plan_value(value) for name, value in device_map.items()}
+    plan = plan_for(model, device_map, max_memory=max_memory, dtype=dtype, cuda=cuda)
     offload = None
     if "disk" in plan.values():
         if offload_folder is None:

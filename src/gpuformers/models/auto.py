@@ -217,11 +217,8 @@ def load_pretrained(
         if task:
             raise NotImplementedError("a GGUF file loads into a causal LM only (AutoModelForCausalLM); load a "
                                       "safetensors checkpoint for AutoModel or AutoModelForSequenceClassification")
-        if not isinstance(device, torch.device):
-            raise NotImplementedError("a device_map over several devices is not supported for GGUF files yet; "
-                                      'pass one device, e.g. device_map="cuda"')
         model = _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
-                           progress)
+                           progress, max_memory)
         if quantization_config is not None:  # GGUF weights are dequantized on load: quantize them after
             model.quantization_config = _quantize(model, model.config, quantization_config, model.dtype, loaded=True)
         return _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
@@ -309,7 +306,8 @@ def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
         raise ValueError("tp_plan and device_map cannot be combined: with tp_plan each process loads on its own "
                          "device (cuda:LOCAL_RANK, or the CPU); drop device_map")
     if gguf_file is not None:
-        raise NotImplementedError("tp_plan with a GGUF file is not supported; load a safetensors checkpoint")
+        raise NotImplementedError(f"tp_plan={tp_plan!r} with a GGUF file is not supported; load a safetensors "
+                                  "checkpoint")
     device = distributed.process_device()
     distributed.init_distributed(device, single=True)
     return device
@@ -404,7 +402,22 @@ def _generation_config(path: Path, config: ModelConfig):
     return GenerationConfig.from_model_config(config)
 
 
-def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, progress):
+def _gguf_device(model, device_map, max_memory, dtype) -> torch.device:
+    """The one device a GGUF file is dequantized onto for a device_map: where the map's plan puts the whole model
+    (device_map="auto" on a machine whose only device is the CPU, or with a GPU that holds it all)."""
+    from gpuformers.loading.device_map import main_device, plan_for
+
+    plan = plan_for(model, device_map, max_memory=max_memory, dtype=dtype)
+    places = sorted({f"cuda:{where}" if isinstance(where, int) else where for where in plan.values()})
+    if len(places) > 1 or places == ["disk"]:
+        raise NotImplementedError(
+            f"device_map={device_map!r} places this GGUF model on {', '.join(places)}, but a GGUF file loads whole "
+            f'onto one GPU or the CPU for now: pass one device (e.g. device_map="cuda:0"), and quantization_config= '
+            f"if the model does not fit there")
+    return main_device(plan)
+
+
+def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, progress, max_memory=None):
     from tqdm.auto import tqdm
 
     from gpuformers.device import resolve_dtype
@@ -418,6 +431,8 @@ def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, prog
     dtype = resolve_dtype(dtype, checkpoint_dtype=torch.float32, device=device)
     with torch.device("meta"), skip_init():
         model = cls(config)
+    if not isinstance(device, torch.device):  # a strategy or a per-module map: its plan must name one device
+        device = _gguf_device(model, device, max_memory, dtype)
     tied = model.tied_weights
     names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in tied]
     available = set(checkpoint.tensor_names())

@@ -62,6 +62,9 @@ def run_train(args: argparse.Namespace) -> int:
     from gpuformers.training.packing import PackedCollator
     from gpuformers.training.trainer import Trainer
 
+    if str(args.model).lower().endswith(".gguf"):  # before the Hub lookup, whose error would only say "a file"
+        raise ValueError(f"--model {args.model}: `gpuformers train` fine-tunes a safetensors checkpoint, not a GGUF "
+                         "file; pass the folder or Hub id of the checkpoint it was converted from")
     training_args = TrainingArguments(
         output_dir=args.output_dir, num_train_epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
