@@ -1,9 +1,10 @@
 """Chat templates rendered the way transformers renders them, so that a prompt is byte for byte the one the
 model was trained on: sandboxed Jinja (templates come from the Hub: untrusted code) with trim_blocks and
 lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, and
-`{% generation %}` blocks that mark assistant tokens for training masks.
+`{% generation %}` blocks that mark assistant tokens for training masks. The sandbox also bounds how much a
+template may make (chat_sandbox.py), and a syntax error names the file the template was read from.
 
-Offers: render_chats, assistant_mask.
+Offers: render_chats, assistant_mask, note_template_source.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _GENERATION_TRACK: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
     "chat_generation_track", default=None
 )
+# template text -> the file it was read from, so that a syntax error found when it is first rendered can say
+# where to fix it; the most recent few, keyed by the text so that an edited template is no longer attributed.
+_TEMPLATE_SOURCES: dict[str, str] = {}
+_MAX_SOURCES = 64
+
+
+def note_template_source(template: str, source: str) -> None:
+    """Remember that `template` was read from `source` (a path, or "path (its chat_template)")."""
+    _TEMPLATE_SOURCES.pop(template, None)
+    _TEMPLATE_SOURCES[template] = source
+    while len(_TEMPLATE_SOURCES) > _MAX_SOURCES:
+        del _TEMPLATE_SOURCES[next(iter(_TEMPLATE_SOURCES))]
 
 
 @lru_cache(maxsize=1)
@@ -45,6 +58,8 @@ def _chat_environment():
             f"chat templates need jinja2>=3.1.6 (older versions have known sandbox escapes); found "
             f"{jinja2.__version__}. Upgrade it with: pip install 'jinja2>=3.1.6'"
         )
+    from gpuformers import chat_sandbox  # imports jinja2.sandbox: after the check
+    from gpuformers.chat_sandbox import BoundedSandbox, bounded_join, text_size
 
     class GenerationBlock(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text; its character span is recorded."""
@@ -100,15 +115,20 @@ def _chat_environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes <, >, & and ' for HTML and sorts keys; chat templates want plain JSON.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        # Jinja's own tojson escapes <, >, & and ' for HTML and sorts keys; chat templates want plain JSON, as
+        # json.dumps writes it. Unindented JSON is at most ~6 characters per character of the value (\uXXXX
+        # escapes): made at once when that is within bounds; else (and with an indent, which repeats per line
+        # and level) piece by piece, so that a list repeating a long string is refused before it is in memory.
+        encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                   sort_keys=sort_keys)
+        if indent is None and separators is None and 12 * text_size(value) <= chat_sandbox.MAX_LENGTH:
+            return encoder.encode(value)
+        return bounded_join(encoder.iterencode(value), "the tojson filter")
 
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
@@ -118,7 +138,18 @@ def _chat_environment():
 
 @lru_cache(maxsize=32)
 def _compile_chat_template(template: str):
-    return _chat_environment().from_string(template)
+    import jinja2
+
+    try:
+        return _chat_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        # jinja's error names neither the file nor, once it has rewritten the traceback, the line
+        source = _TEMPLATE_SOURCES.get(template, "<chat_template string>")
+        error = jinja2.TemplateSyntaxError(
+            f"the chat template has a syntax error: {err.message}. Fix the template in {source}, or pass "
+            f"chat_template= a working one", err.lineno, name=source, filename=source)
+        error.source = template  # str(error) then quotes the line
+        raise error from None
 
 
 def _template_data(value: Any) -> Any:
@@ -242,11 +273,10 @@ def render_chats(
             blocks: list[str] = []
             token = _GENERATION_TRACK.set((blocks, spans))
             try:
-                for block in compiled.generate(**context):
-                    blocks.append(block)
+                # environment.concat: the sandbox's bounded join, which render() also uses
+                rendered = compiled.environment.concat(_appended(compiled.generate(**context), blocks))
             finally:
                 _GENERATION_TRACK.reset(token)
-            rendered = "".join(blocks)
         else:
             rendered = compiled.render(**context)
         if final is not None:
@@ -254,6 +284,13 @@ def render_chats(
         rendered_chats.append(rendered)
         all_spans.append(spans)
     return rendered_chats, all_spans
+
+
+def _appended(parts, blocks: list[str]):
+    """Yield each part after adding it to blocks, where a {% generation %} block reads how much came before it."""
+    for part in parts:
+        blocks.append(part)
+        yield part
 
 
 def assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

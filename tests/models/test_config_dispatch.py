@@ -48,11 +48,12 @@ def _modules_after(code: str) -> list[str]:
 
 def test_config_module_is_light_and_a_family_is_imported_when_read():
     assert _modules_after("import gpuformers.models.config") == ["gpuformers.models.config",
+                                                                 "gpuformers.models.config_checks",
                                                                  "gpuformers.models.registry"]
     sizes = json.dumps(SIZES)
     llama = _modules_after(f"from gpuformers.models.config import ModelConfig\n"
                            f"ModelConfig.from_dict(dict(model_type='llama', **{sizes}))")
-    assert llama == ["gpuformers.models.config", "gpuformers.models.registry"]
+    assert llama == ["gpuformers.models.config", "gpuformers.models.config_checks", "gpuformers.models.registry"]
     gemma = _modules_after(f"from gpuformers.models.config import ModelConfig\n"
                            f"ModelConfig.from_dict(dict(model_type='gemma2', **{sizes}))")
     assert "gpuformers.models.gemma" in gemma and "gpuformers.models.phi3" not in gemma

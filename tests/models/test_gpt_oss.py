@@ -123,7 +123,7 @@ def test_config_defaults_and_layer_types(checkpoints):
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
     assert (bare.extra["num_local_experts"], bare.extra["num_experts_per_tok"]) == (128, 4)
     assert (bare.extra["swiglu_alpha"], bare.extra["swiglu_limit"]) == (1.702, 7.0)
-    with pytest.raises(ValueError, match="swiglu_limit must be a positive number"):
+    with pytest.raises(ValueError, match="swiglu_limit is 0; it must be a positive number"):
         ModelConfig.from_dict(dict(model_type="gpt_oss", swiglu_limit=0))
 
 

@@ -111,7 +111,7 @@ def test_modules_config_defaults_and_refusals(checkpoints):
     assert ModelConfig.from_dict(dict(renamed, num_local_experts=6)).extra["num_experts"] == 6
     with pytest.raises(ValueError, match="head_dim must be hidden_size / num_attention_heads = 16, got 32"):
         ModelConfig.from_dict(dict(bare.to_dict(), head_dim=32))
-    with pytest.raises(ValueError, match="clip_qkv must be a positive number or null"):
+    with pytest.raises(ValueError, match="clip_qkv is -1; it must be a positive number or null"):
         ModelConfig.from_dict(dict(bare.to_dict(), clip_qkv=-1))
 
     from gpuformers.tensor_parallel import _resolve_plan

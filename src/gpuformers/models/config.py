@@ -10,8 +10,12 @@ Old and new spellings are both accepted and normalised:
     old: "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2}, "torch_dtype": "bfloat16"
     new: "rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2}, "dtype": "bfloat16"
 
+Every numeric field a model reads is type- and range-checked when the config is read (the table is in
+config_checks.py); a bad one raises ConfigFieldError naming the file, the field, the value and the fix.
+
 Offers: ModelConfig (from_dict, from_pretrained, to_dict, save_pretrained; the hooks family_defaults, _prepare_dict,
-_check_family, _fill_layer_types, _normalise_rope, partial_rotary), SUPPORTED_MODEL_TYPES, ROPE_TYPES.
+_check_family, _fill_layer_types, _normalise_rope, partial_rotary, field_spelling), SUPPORTED_MODEL_TYPES,
+ROPE_TYPES, ConfigFieldError.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from gpuformers.models.config_checks import ROPE_KEYS, TOP_LEVEL_FIELDS, ConfigFieldError, check_fields
 from gpuformers.models.registry import MODEL_TYPES, config_class_for, default_architecture
 
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
@@ -57,6 +62,9 @@ class ModelConfig:
     partial_rotary: ClassVar[bool] = False
     # Fields of this dataclass that the family's transformers config class does not have: to_dict leaves them out.
     absent_fields: ClassVar[tuple[str, ...]] = ()
+    # Our field name -> the family's config.json name, where they differ (GPT-2's n_positions): errors name the key
+    # the user has to fix.
+    field_spelling: ClassVar[dict[str, str]] = {}
 
     model_type: str
     vocab_size: int
@@ -98,10 +106,9 @@ class ModelConfig:
         if not isinstance(self, family):  # the family's defaults and checks would be skipped
             raise TypeError(f"a {self.model_type!r} config is a {family.__name__}, not a {type(self).__name__}; "
                             f"build it with ModelConfig.from_dict(config_dict), which also fills in its defaults")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"config field {name} must be a positive integer, got {value!r}")
+        # Before anything computes with them: a bad number fails here, not in the first forward.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        self._check_numbers({**self.extra, **fields}, TOP_LEVEL_FIELDS)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -225,8 +232,9 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ValueError(f"layer_types {bad} not supported; use full_attention or sliding_attention")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.sliding_window == 0:  # read, but a window of 0 tokens cannot be applied
+            raise ConfigFieldError("sliding_window is 0; it must be a positive integer, or null for no window: fix "
+                                   "the file")
 
     def _check_rope(self):
         rope = dict(self.rope_parameters)
@@ -245,6 +253,7 @@ class ModelConfig:
             missing = []
         if missing:
             raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters (or rope_scaling)")
+        self._check_numbers(rope, ROPE_KEYS, prefix="rope_parameters.")
         if rope.get("partial_rotary_factor", 1.0) != 1.0 and not self.partial_rotary:
             raise NotImplementedError(
                 f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported by the llama-family decoder"
@@ -256,6 +265,15 @@ class ModelConfig:
                     raise ValueError(f"rope_parameters.{key} must have rotary_dim/2 = {half} entries, got "
                                      f"{len(rope[key])}")
         self.rope_parameters = rope
+
+    def _check_numbers(self, values: dict[str, Any], names, prefix: str = "") -> None:
+        """config_checks.check_fields with this family's defaults (quoted as the fix) and spelling."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        defaults["rope_theta"] = 10000.0  # _check_rope's default
+        family = self.family_defaults.get(self.model_type, {})
+        defaults.update(family)
+        defaults.update({name: family[spelled] for name, spelled in self.field_spelling.items() if spelled in family})
+        check_fields(values, names, defaults=defaults, spelling=self.field_spelling, prefix=prefix)
 
     # --- reading and writing --------------------------------------------------------------------------------
 
@@ -288,8 +306,13 @@ class ModelConfig:
         # Old spellings -> new.
         if "torch_dtype" in data:
             data.setdefault("dtype", data.pop("torch_dtype"))
+        spelling = "rope_parameters" if data.get("rope_parameters") else "rope_scaling"
         rope = data.pop("rope_parameters", None) or data.pop("rope_scaling", None) or {}
         data.pop("rope_scaling", None)
+        if not isinstance(rope, dict):
+            raise ConfigFieldError(f"{spelling} is {json.dumps(rope)}; it must be an object such as "
+                                   f'{{"rope_type": "linear", "factor": 2.0}}, or null for the default rope: fix '
+                                   f"the file")
         rope = dict(rope)
         if "rope_theta" in data:
             rope.setdefault("rope_theta", data.pop("rope_theta"))
@@ -324,7 +347,11 @@ class ModelConfig:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}); re-download or fix the file") from err
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigFieldError as err:
+            err.source = str(path)  # say which config.json, not just "config.json"
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json dict in the current (transformers 5) spelling, readable by transformers 4.5x too.

@@ -80,6 +80,7 @@ class GPT2Config(ModelConfig):
     absent_fields = ("intermediate_size", "num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias",
                      "mlp_bias", "attention_dropout", "rope_parameters", "sliding_window", "use_sliding_window",
                      "max_window_layers", "layer_types")
+    field_spelling = {name: gpt2_name for gpt2_name, name in _RENAMES.items()} | {"intermediate_size": "n_inner"}
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -95,13 +95,6 @@ class GptOssConfig(ModelConfig):
             data["mxfp4_experts"] = True
         return data
 
-    def _check_family(self) -> None:
-        # hidden_act is not read (the experts' activation is the clamped SwiGLU below), as in transformers.
-        for name in ("swiglu_alpha", "swiglu_limit"):
-            value = self.extra[name]
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"config field {name} must be a positive number, got {value!r}")
-
     def _fill_layer_types(self) -> None:
         if self.layer_types is None:  # sliding first, then every other layer
             self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"

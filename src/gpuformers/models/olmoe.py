@@ -57,9 +57,6 @@ class OlmoeConfig(ModelConfig):
             raise ValueError(f"OLMoE's q_norm spans hidden_size ({self.hidden_size}), so head_dim must be "
                              f"hidden_size / num_attention_heads = {self.hidden_size // self.num_attention_heads}, "
                              f"got {self.head_dim}: remove head_dim from config.json")
-        clip = self.extra["clip_qkv"]
-        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-            raise ValueError(f"clip_qkv must be a positive number or null (no clipping), got {clip!r}")
 
 
 class OlmoeAttention(Olmo2Attention):

@@ -57,6 +57,7 @@ class Starcoder2Config(ModelConfig):
                                       "residual_dropout": 0.0, "embedding_dropout": 0.0}}
     absent_fields = ("use_sliding_window", "max_window_layers", "layer_types", "rms_norm_eps", "attention_bias",
                      "mlp_bias")
+    field_spelling = {"rms_norm_eps": "norm_epsilon"}
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import tokenizers
 
+from gpuformers.chat_template import note_template_source
 from gpuformers.hub import TOKENIZER_PATTERNS, HubKwargs, resolve_model_dir
 from gpuformers.tokenization.encoding import VERY_LARGE_INTEGER
 from gpuformers.tokenization.vocabulary import _added_token_state, _as_added_token
@@ -72,6 +73,7 @@ class PretrainedMixin:
         # With a tokenizer.json, its post-processor decides BOS/EOS (transformers 5 ignores these flags too).
         config.pop("add_bos_token", None)
         config.pop("add_eos_token", None)
+        _note_template_sources(config.get("chat_template"), folder / "tokenizer_config.json")
 
         templates = _read_chat_template_files(folder)
         if templates:
@@ -152,19 +154,35 @@ def _read_json(path: Path) -> Any:
         ) from err
 
 
+def _note_template_sources(templates: Any, path: Path) -> None:
+    """Tell chat_template.py which file each template came from: its syntax errors, found when it is first
+    rendered, name the file to fix."""
+    if isinstance(templates, str):
+        note_template_source(templates, str(path))
+    elif isinstance(templates, Mapping):
+        for template in templates.values():
+            _note_template_sources(template, path)
+    elif isinstance(templates, (list, tuple)):  # [{"name": ..., "template": ...}]
+        for entry in templates:
+            _note_template_sources(entry.get("template") if isinstance(entry, Mapping) else None, path)
+
+
 def _read_chat_template_files(folder: Path) -> str | dict | None:
     """chat_template.jinja (newer saves), chat_templates/*.jinja (named ones), or chat_template.json (older)."""
     templates: dict[str, str] = {}
     if (folder / "chat_template.jinja").is_file():
         templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        _note_template_sources(templates["default"], folder / "chat_template.jinja")
     elif (folder / "chat_template.json").is_file():
         stored = _read_json(folder / "chat_template.json")
         template = stored.get("chat_template") if isinstance(stored, dict) else None
         if isinstance(template, str):
             templates["default"] = template
+            _note_template_sources(template, folder / "chat_template.json")
     if (folder / "chat_templates").is_dir():
         for path in sorted((folder / "chat_templates").glob("*.jinja")):
             templates[path.stem] = path.read_text(encoding="utf-8")
+            _note_template_sources(templates[path.stem], path)
     if not templates:
         return None
     return templates["default"] if list(templates) == ["default"] else templates
