@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import _COMMON, CompletionRequest, _common
-from gpuformers.serving.request_fields import _bool, _int, _type_name
+from gpuformers.serving.request_fields import _bool, _int, _shown, _type_name
 from gpuformers.serving.structured_request import STRUCTURED_FIELDS, response_format, structured_output
 
 MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
@@ -40,7 +40,7 @@ def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple
         raise APIError(400, f"{where} must be an object, got {_type_name(message)}", where)
     role = message.get("role")
     if role not in roles:
-        raise APIError(400, f"{where}.role {role!r} is not one of: {', '.join(roles)}", f"{where}.role")
+        raise APIError(400, f"{where}.role {_shown(role)} is not one of: {', '.join(roles)}", f"{where}.role")
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
         if not all(isinstance(p, dict) and p.get("type") in part_types and isinstance(p.get("text"), str)
@@ -115,7 +115,7 @@ def parse_chat(body: Any) -> CompletionRequest:
     if effort is not None:
         # OpenAI's field; the chat template reads it under the same name (gpt-oss's does; others ignore it)
         if effort not in REASONING_EFFORTS:
-            raise APIError(400, f"reasoning_effort {effort!r} is not one of: {', '.join(REASONING_EFFORTS)}",
+            raise APIError(400, f"reasoning_effort {_shown(effort)} is not one of: {', '.join(REASONING_EFFORTS)}",
                            "reasoning_effort")
         request.chat_template_kwargs = {"reasoning_effort": effort, **request.chat_template_kwargs}
     return request
@@ -157,8 +157,8 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(tool, dict):
             raise APIError(400, f"{where} must be an object, got {_type_name(tool)}", where)
         if tool.get("type") != "function":
-            raise APIError(400, f"{where}.type {tool.get('type')!r} is not supported: only \"function\" tools are",
-                           f"{where}.type")
+            raise APIError(400, f"{where}.type {_shown(tool.get('type'))} is not supported: only \"function\" tools "
+                                "are", f"{where}.type")
         unknown = sorted(set(tool) - {"type", "function"})
         if unknown:
             raise APIError(400, f"{where} has unknown field(s): {', '.join(unknown)}; known: function, type",

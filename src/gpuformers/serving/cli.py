@@ -10,9 +10,10 @@ torchrun, uses its processes): each loads its slices of the model (tp_plan="auto
 engines of all the processes step in lockstep (engine/lockstep.py). The others ignore SIGTERM and Ctrl-C: they end
 when process 0's engine stops, after its graceful shutdown.
 
-The checkpoint's generation_config.json gives the requests' defaults (temperature, top_p, ...); a field in it that
-the engine does not implement (no_repeat_ngram_size, say) is dropped with a warning rather than failing every
-request, since no request can set it anyway.
+The checkpoint's generation_config.json gives what a request that leaves out temperature, top_p, top_k, max_tokens,
+repetition_penalty or min_p gets, else OpenAI's defaults (serving/sampling_defaults.py); a field in it that the
+engine does not implement (no_repeat_ngram_size, say) is dropped with a warning rather than failing every request,
+since no request can set it anyway.
 
 With --task embed the model is loaded as a bare decoder (AutoModel) and serves only /v1/embeddings, pooled as its
 sentence-transformers files say (serving/pooling.py); the engine flags do not apply.
@@ -78,6 +79,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine requests in flight before new ones get 429 at once (default: 512)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM / Ctrl-C (default: 30)")
+    parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a connection whose request headers are not all in within this many seconds (of its "
+                             "accept, or of the request's first byte) is closed: half-open and slow-loris "
+                             "connections (default: 10)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=75.0, metavar="SECONDS",
+                        help="an idle kept-alive connection is closed after this many seconds; keep it above the "
+                             "idle timeout of the clients' or the proxy's connection pool, e.g. --timeout-keep-alive "
+                             "90 behind a proxy that keeps upstream connections 60 s (default: 75)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open connections at most; past it an idle kept-alive one is closed to make room, else "
+                             "the new one gets a 503 (default: 3/4 of the open-file limit, ulimit -n, which the "
+                             "server raises to its hard limit; at most 16384)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=FOLDER",
                         help="LoRA adapters served beside the base model (vLLM's flag): a request whose \"model\" is "
                              "NAME runs with the peft adapter in FOLDER (or Hub id), e.g. --lora-modules "
@@ -118,6 +131,10 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    from gpuformers.serving.http import check_api_key_setting
+
+    check_api_key_setting(args.api_key)  # before the minutes a model can take to load
+    limits = _connection_limits(args)  # its errors before the minutes a model can take to load
     from gpuformers import distributed
 
     processes = distributed.world_size()
@@ -155,13 +172,18 @@ def run_serve(args: argparse.Namespace) -> int:
             _follow(manager)  # does not return
     print(f"gpuformers serve: {name} on {model.device} ({manager.memory_summary()}); listening on "
           f"http://{args.host}:{args.port}/v1", flush=True)
+    from gpuformers.serving.sampling_defaults import SamplingDefaults
+
+    # what a request without temperature gets, as vLLM warns when the model's file overrides its defaults
+    print(f"gpuformers serve: {SamplingDefaults.from_generation_config(manager.generation_config).describe()}",
+          flush=True)
     code = 1
     try:
         run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
                    max_model_len=args.max_model_len, max_pending=args.max_pending, log_level=args.log_level,
                    shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                    reasoning_parser=args.reasoning_parser,
-                   allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                   allow_runtime_lora_updating=args.allow_runtime_lora_updating, limits=limits)
         code = 0
     except SystemExit as stop:  # the graceful shutdown on SIGTERM / Ctrl-C ends with sys.exit(0)
         code = stop.code if isinstance(stop.code, int) else 0
@@ -194,8 +216,17 @@ def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
           f"{embedder.pooling.source}; {embedder.hidden_size} dimensions, inputs up to {embedder.max_model_len} "
           f"tokens); listening on http://{args.host}:{args.port}/v1", flush=True)
     serve_app(build_embedding_app(embedder, name, args.api_key), args.host, args.port, args.log_level,
-              args.shutdown_timeout)
+              args.shutdown_timeout, _connection_limits(args))
     return 0
+
+
+def _connection_limits(args: argparse.Namespace):
+    """--header-timeout, --timeout-keep-alive and --max-connections as a connections.ConnectionLimits, checked
+    against the open-file limit the server will have."""
+    from gpuformers.serving.connections import ConnectionLimits, raise_open_file_limit
+
+    raise_open_file_limit()
+    return ConnectionLimits(args.header_timeout, args.timeout_keep_alive, args.max_connections).resolved()
 
 
 def _lora_modules(values: list[str] | None) -> dict[str, str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.request_fields import _bool, _float, _int, _model, _stop, _type_name
+from gpuformers.serving.request_fields import _bool, _float, _int, _model, _shown, _stop, _type_name
 from gpuformers.serving.structured_request import STRUCTURED_FIELDS, structured_output
 
 MAX_N = 16  # choices per request: each is a full engine request
@@ -39,9 +39,11 @@ class CompletionRequest:
     # the grammar's spec (structured_request.py): response_format / text.format, structured_outputs / guided_*
     structured_output: dict | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # None: not sent; the server fills them in from the model's generation config, else OpenAI's defaults
+    # (sampling_defaults.py)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     n: int = 1
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
@@ -90,8 +92,8 @@ def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-            raise APIError(400, f"stream_options must be an object with only include_usage, got {stream_options!r}",
-                           "stream_options")
+            raise APIError(400, f"stream_options must be an object with only include_usage, got "
+                                f"{_shown(stream_options)}", "stream_options")
         if not body.get("stream"):
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         include_usage = _bool(stream_options, "include_usage")
@@ -102,9 +104,9 @@ def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
 
 def _sampling(body: dict) -> dict:
     """The sampling fields of every endpoint (top_k, seed and ignore_eos are extensions to OpenAI's)."""
-    return dict(temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
-                top_p=_float(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
-                top_k=_int(body, "top_k", -1, None, 0) if body.get("top_k") != -1 else 0,
+    return dict(temperature=_float(body, "temperature", 0.0, 2.0, None),
+                top_p=_float(body, "top_p", 0.0, 1.0, None, low_open=True),
+                top_k=_int(body, "top_k", -1, None, None) if body.get("top_k") != -1 else 0,
                 seed=_int(body, "seed", SEED_MIN, SEED_MAX, None), ignore_eos=_bool(body, "ignore_eos"))
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.request_fields import _int, _model, _type_name
+from gpuformers.serving.request_fields import _int, _model, _shown, _type_name
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 ENCODING_FORMATS = ("float", "base64")
@@ -44,7 +44,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     model = _model(body, _FIELDS, ignored={"user"})
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
-        raise APIError(400, f"encoding_format {encoding_format!r} is not one of: {', '.join(ENCODING_FORMATS)}",
+        raise APIError(400, f"encoding_format {_shown(encoding_format)} is not one of: {', '.join(ENCODING_FORMATS)}",
                        "encoding_format")
     dimensions = _int(body, "dimensions", low=1)
     truncate = _int(body, "truncate_prompt_tokens", low=-1)
@@ -71,8 +71,8 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     if isinstance(value[0], str):
         for index, item in enumerate(value):
             if not isinstance(item, str):
-                raise APIError(400, f"input[{index}] is {_type_name(item)} {item!r} among strings: the inputs must "
-                                    "all be strings or all be token id lists", "input")
+                raise APIError(400, f"input[{index}] is {_type_name(item)} {_shown(item)} among strings: the inputs "
+                                    "must all be strings or all be token id lists", "input")
             if not item:
                 raise APIError(400, f"input[{index}] is an empty string; every input needs at least one token",
                                "input")

@@ -3,7 +3,7 @@ besides its route's own work: the API key check, the JSON body read with a size 
 Content-Length, or once the bytes read pass it, never buffered whole) and without lone UTF-16 surrogates, and the
 OpenAI-shaped 500 (counted in /metrics) for an error nothing else caught.
 
-Offers: MAX_BODY_BYTES, check_api_key, read_json, add_unexpected_error_handler.
+Offers: MAX_BODY_BYTES, check_api_key_setting, check_api_key, read_json, add_unexpected_error_handler.
 """
 
 from __future__ import annotations
@@ -16,21 +16,40 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from gpuformers.serving.api_error import APIError, error_body
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before parsing
+# The status of a request whose client left before it was whole or answered (nginx's and vLLM's number for it)
+CLIENT_CLOSED_REQUEST = 499
+
+
+def check_api_key_setting(api_key: str | None) -> None:
+    """A ValueError for a key no client could send or that anyone could guess: empty, or with spaces around it
+    (HTTP strips those from a header). None: no key, every request is let in."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError(f"the API key (--api-key, or $GPUFORMERS_API_KEY) is {api_key!r}: an empty key would let in "
+                         "'Authorization: Bearer ' with no token; give a non-empty key, or leave both unset to serve "
+                         "without a key")
+    if api_key != api_key.strip():
+        raise ValueError("the API key (--api-key, or $GPUFORMERS_API_KEY) has spaces around it, which no client can "
+                         "send (HTTP strips them from the Authorization header); remove them")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries `Authorization: Bearer <api_key>` (nothing to check without a key)."""
+    """401 unless the request carries `Authorization: Bearer <api_key>` (nothing to check without a key). An empty
+    token is refused whatever the key (check_api_key_setting refuses an empty key before the server starts)."""
     if api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
     # compare_digest: the time taken must not tell an attacker how much of a guessed key was right
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(), api_key.encode()):
         raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
                             "the server was started with (--api-key)", code="invalid_api_key")
 
@@ -44,16 +63,23 @@ def _too_large(size: str) -> APIError:
 async def read_json(request: Request) -> Any:
     """The request body as JSON; a 413 for a body over MAX_BODY_BYTES (read no further than that: a client
     streaming gigabytes must not fill the server's memory), a 400 for one that is not JSON or holds a lone
-    surrogate."""
+    surrogate, a 499 (CLIENT_CLOSED_REQUEST) when the client leaves before the body's end."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(declared)
     chunks, size = [], 0
-    async for chunk in request.stream():  # a chunked body declares no length: count as it comes
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large(f"more than {MAX_BODY_BYTES}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # a chunked body declares no length: count as it comes
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _too_large(f"more than {MAX_BODY_BYTES}")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left before its body was whole, or sent a malformed chunked body (uvicorn then answers 400
+        # itself and closes the connection): the client's doing, counted as 499 with no traceback, not as a 500
+        raise APIError(CLIENT_CLOSED_REQUEST, f"the connection closed after {size} bytes of the request body, before "
+                                              "its end", type="invalid_request_error",
+                       code="client_closed_request") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)

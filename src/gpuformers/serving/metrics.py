@@ -2,7 +2,9 @@
 
 Counters (requests by endpoint and status, prompt and generated tokens), gauges read from the engine when scraped
 (waiting and running sequences, KV blocks used and total, engine steps, requests in flight) and two latency
-histograms (time to first token, time between tokens), all under the `gpuformers_` prefix.
+histograms (time to first token, time between tokens), all under the `gpuformers_` prefix; with `connections` set
+(a connections.ConnectionStats, by serve_app), the connections too: open, accepted, refused past --max-connections,
+closed by the server (by reason), invalid HTTP and failed accept() calls.
 
 Offers: Histogram, Metrics.
 """
@@ -58,6 +60,7 @@ class Metrics:
                               "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS)
         self.itl = Histogram("gpuformers_inter_token_latency_seconds",
                              "Seconds between consecutive generated tokens of a request.", ITL_BUCKETS)
+        self.connections = None  # a connections.ConnectionStats, set by the server that serves the app
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -104,4 +107,28 @@ class Metrics:
                 lines += [f"# HELP gpuformers_{name} {help}", f"# TYPE gpuformers_{name} gauge",
                           f"gpuformers_{name} {value}"]
             lines += self.ttft.lines() + self.itl.lines()
+            if self.connections is not None:
+                lines += _connection_lines(self.connections)
         return "\n".join(lines) + "\n"
+
+
+def _connection_lines(stats) -> list[str]:
+    """The connection-level samples (connections.ConnectionStats): what never reaches the app's request counts."""
+    counters = {
+        "connections_accepted_total": ("TCP connections accepted.", stats.accepted),
+        "connections_refused_total": ("Connections answered 503 and closed: past --max-connections.", stats.refused),
+        "http_invalid_requests_total": ("Requests that were not valid HTTP/1.1 (answered 400, closed).",
+                                        stats.invalid_http),
+        "accept_errors_total": ("accept() calls that failed: out of file descriptors or memory.",
+                                stats.accept_errors),
+    }
+    lines = ["# HELP gpuformers_connections_open Connections open now.", "# TYPE gpuformers_connections_open gauge",
+             f"gpuformers_connections_open {stats.open}"]
+    for name, (help, value) in counters.items():
+        lines += [f"# HELP gpuformers_{name} {help}", f"# TYPE gpuformers_{name} counter", f"gpuformers_{name} {value}"]
+    lines += ["# HELP gpuformers_connections_closed_total Connections the server closed, by reason: header_timeout "
+              "(--header-timeout), idle (--timeout-keep-alive), evicted (idle, to make room under --max-connections).",
+              "# TYPE gpuformers_connections_closed_total counter"]
+    lines += [f'gpuformers_connections_closed_total{{reason="{reason}"}} {count}'
+              for reason, count in sorted(stats.closed.items())]
+    return lines

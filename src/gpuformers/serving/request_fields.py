@@ -3,7 +3,7 @@ range, stop strings, the model name and the set of known fields, and "text only"
 
 Each failure is an APIError naming the field, its value and what is allowed.
 
-Offers: MAX_STOP, _type_name, _int, _float, _bool, _stop, _model (private to serving's request
+Offers: MAX_STOP, MAX_SHOWN, _shown, _type_name, _int, _float, _bool, _stop, _model (private to serving's request
 modules).
 """
 
@@ -15,6 +15,17 @@ from typing import Any
 from gpuformers.serving.api_error import APIError
 
 MAX_STOP = 4  # stop strings, as OpenAI allows
+# The most characters of a client's value an error message repeats: a body may hold megabytes in one string
+MAX_SHOWN = 100
+
+
+def _shown(value: Any) -> str:
+    """repr(value), cut to MAX_SHOWN characters with its full length said (an error repeats what the client sent,
+    and its fix stays readable after it)."""
+    text = repr(value)
+    if len(text) <= MAX_SHOWN:
+        return text
+    return f"{text[:MAX_SHOWN]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
 def _type_name(value: Any) -> str:
@@ -26,7 +37,7 @@ def _int(body: dict, name: str, low: int | None = None, high: int | None = None,
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"{name} must be an integer, got {_type_name(value)} {value!r}", name)
+        raise APIError(400, f"{name} must be an integer, got {_type_name(value)} {_shown(value)}", name)
     if low is not None and value < low or high is not None and value > high:
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         raise APIError(400, f"{name}={value} must be {bounds}", name)
@@ -39,7 +50,7 @@ def _float(body: dict, name: str, low: float, high: float, default: float | None
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise APIError(400, f"{name} must be a finite number, got {_type_name(value)} {value!r}", name)
+        raise APIError(400, f"{name} must be a finite number, got {_type_name(value)} {_shown(value)}", name)
     if value > high or value < low or (low_open and value == low):
         raise APIError(400, f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}]", name)
     return float(value)
@@ -50,7 +61,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be true or false, got {_type_name(value)} {value!r}", name)
+        raise APIError(400, f"{name} must be true or false, got {_type_name(value)} {_shown(value)}", name)
     return value
 
 
@@ -60,7 +71,7 @@ def _stop(body: dict) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, f"stop must be a string or a list of strings, got {value!r}", "stop")
+        raise APIError(400, f"stop must be a string or a list of strings, got {_shown(value)}", "stop")
     if len(stops) > MAX_STOP:
         raise APIError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP} are allowed", "stop")
     if any(s == "" for s in stops):
@@ -74,11 +85,13 @@ def _model(body: Any, allowed: set[str], ignored: set[str]) -> str:
         raise APIError(400, f"the request body must be a JSON object, got {_type_name(body)}")
     unknown = sorted(set(body) - allowed - ignored)
     if unknown:
-        raise APIError(400, f"unknown field(s): {', '.join(unknown)}; known: {', '.join(sorted(allowed))}",
-                       unknown[0])
+        shown = ", ".join(name if len(name) <= MAX_SHOWN else _shown(name) for name in unknown[:10])
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise APIError(400, f"unknown field(s): {shown}{more}; known: {', '.join(sorted(allowed))}",
+                       unknown[0][:MAX_SHOWN])
     model = body.get("model")
     if model is None:
         raise APIError(400, "model is required: give the name /v1/models lists", "model")
     if not isinstance(model, str) or not model:
-        raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {model!r}", "model")
+        raise APIError(400, f"model must be a non-empty string, got {_type_name(model)} {_shown(model)}", "model")
     return model

@@ -14,7 +14,7 @@ from typing import Any
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.chat_request import MAX_TOP_LOGPROBS, _message, response_format
 from gpuformers.serving.completion_request import CompletionRequest, _sampling
-from gpuformers.serving.request_fields import _bool, _int, _model, _type_name
+from gpuformers.serving.request_fields import _bool, _int, _model, _shown, _type_name
 
 RESPONSE_ROLES = ("system", "user", "assistant", "developer")  # the Responses API's messages have no tool role
 
@@ -55,7 +55,7 @@ def parse_response(body: Any) -> CompletionRequest:
     _no_tools(body)
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice {tool_choice!r} needs tools, which this server does not support; leave "
+        raise APIError(400, f"tool_choice {_shown(tool_choice)} needs tools, which this server does not support; leave "
                             "tool_choice out", "tool_choice")
     text = body.get("text")
     structured_output = None
@@ -116,7 +116,8 @@ def _input_messages(value: Any) -> list[dict]:
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else "message"
         if kind != "message":
-            raise APIError(400, f"input[{i}].type {kind!r} is not supported: this server takes text messages only "
-                                "(no tool calls or outputs, reasoning items or item references)", f"input[{i}].type")
+            raise APIError(400, f"input[{i}].type {_shown(kind)} is not supported: this server takes text messages "
+                                "only (no tool calls or outputs, reasoning items or item references)",
+                           f"input[{i}].type")
         messages.append(_message(item, f"input[{i}]", RESPONSE_ROLES, ("input_text", "output_text")))
     return messages

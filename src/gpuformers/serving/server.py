@@ -2,7 +2,8 @@
 /v1/responses on the continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with
 uvicorn. A request whose "model" names one of the engine's LoRA adapters (--lora-modules) runs with it.
 
-    HTTP body -> protocol.parse_* -> token ids (chat template, length checks) -> job.Job (n engine requests)
+    HTTP body -> protocol.parse_* -> sampling defaults (sampling_defaults.py) -> character bound (prompt_chars.py)
+              -> token ids (chat template, length checks) -> job.Job (n engine requests)
               -> JSON or SSE; a /v1/responses request -> responses.ResponseJob (one choice, typed events)
 
 Offers: build_app, run_server, serve_app.
@@ -22,14 +23,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuformers.serving.completion_request import SEED_MIN
-from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, read_json
+from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, check_api_key_setting, read_json
 from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.lora_routes import add_lora_routes
 from gpuformers.serving.metrics import Metrics
+from gpuformers.serving.prompt_chars import PromptChars
 from gpuformers.serving.protocol import (APIError, CompletionRequest, error_body, parse_chat, parse_completion,
                                          parse_response)
 from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_parser
+from gpuformers.serving.request_fields import _shown
 from gpuformers.serving.responses import ResponseJob
+from gpuformers.serving.sampling_defaults import SamplingDefaults
 from gpuformers.serving.token_texts import TokenTexts
 from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_parser, get_tool_call_parser,
                                            template_renders_tools)
@@ -53,6 +57,9 @@ class _State:
         self.token_texts = TokenTexts(tokenizer)  # each token's text alone, for logprobs: decoded once per id
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.prompt_chars = PromptChars(tokenizer, max_model_len)  # a prompt longer than this cannot fit
+        # What an omitted temperature, top_p, top_k, max_tokens means: the model's generation_config.json, else OpenAI
+        self.sampling_defaults = SamplingDefaults.from_generation_config(manager.generation_config)
         self.api_key = api_key
         self.metrics = Metrics()
         self.created = now()
@@ -115,7 +122,9 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     """The FastAPI app serving `manager` (a ContinuousBatchingManager, started by the app's lifespan).
     `tool_call_parser` names the format of the model's tool calls, `reasoning_parser` that of its think block
     ("none": the text as generated); None: detected from the chat template. `allow_runtime_lora_updating` adds
-    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py)."""
+    POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py). A request that leaves out temperature,
+    top_p, top_k or max_tokens gets the model's generation config's values, else OpenAI's (sampling_defaults.py)."""
+    check_api_key_setting(api_key)
     config = manager.model.config
     context = getattr(config, "max_position_embeddings", None) or 2048
     state = _State(manager, tokenizer, model_name, min(max_model_len or context, context), api_key, max_pending,
@@ -199,7 +208,10 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         return await serve(request, parsed, "/v1/responses")
 
     def prompt_ids_of(parsed: CompletionRequest) -> list[int]:
+        """The prompt's token ids; a prompt of more characters than can fit is refused before any tokenizing."""
         if parsed.chat:
+            state.prompt_chars.check(sum(len(m["content"]) for m in parsed.messages), parsed.prompt_field,
+                                     f"text of the {parsed.prompt_field}")
             if not getattr(tokenizer, "chat_template", None):
                 raise APIError(400, f"model {state.model_name!r} has no chat template; use /v1/completions")
             tools = tools_of(parsed)
@@ -216,6 +228,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
                                "prompt")
             return parsed.prompt_ids
+        state.prompt_chars.check(len(parsed.prompt_text), "prompt")
         return tokenizer.encode(parsed.prompt_text, add_special_tokens=True)
 
     def tools_of(parsed: CompletionRequest) -> list[dict] | None:
@@ -238,6 +251,8 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         max_tokens = parsed.max_tokens
         if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat, responses
             max_tokens = 16 if not parsed.chat else state.max_model_len - prompt_len
+            if state.sampling_defaults.max_tokens is not None:  # generation_config.json's max_new_tokens, as vLLM
+                max_tokens = min(max_tokens, state.sampling_defaults.max_tokens)
             max_tokens = max(1, min(max_tokens, state.max_model_len - prompt_len))
         if prompt_len + max_tokens > state.max_model_len:
             raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but the "
@@ -277,8 +292,9 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
         adapter = None if parsed.model == state.model_name else parsed.model  # a LoRA adapter's name, or unknown
         if adapter is not None and adapter not in manager.adapters:
             served = ", ".join(map(repr, [state.model_name, *manager.adapters]))
-            raise APIError(404, f"model {parsed.model!r} does not exist here; this server serves {served}", "model",
-                           code="model_not_found")
+            raise APIError(404, f"model {_shown(parsed.model)} does not exist here; this server serves {served}",
+                           "model", code="model_not_found")
+        state.sampling_defaults.fill(parsed)  # before the Job: a Response object repeats the values used
         # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
         # that other clients' streams keep flowing meanwhile
         prompt_ids = await asyncio.to_thread(prompt_ids_of, parsed)
@@ -316,25 +332,39 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
 def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, max_model_len: int | None = None, max_pending: int = 256,
                log_level: str = "info", shutdown_timeout: float = 30.0, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None, allow_runtime_lora_updating: bool = False) -> None:
+               reasoning_parser: str | None = None, allow_runtime_lora_updating: bool = False,
+               limits=None) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn then stops accepting connections, lets running requests finish for
-    up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine."""
+    up to `shutdown_timeout` seconds (cancelling the rest), and the app's lifespan stops the engine. `limits`:
+    the connections' timeouts and limit, a connections.ConnectionLimits (None: the defaults)."""
     app = build_app(manager, tokenizer, model_name, max_model_len, api_key, max_pending, tool_call_parser,
                     reasoning_parser, allow_runtime_lora_updating)
-    serve_app(app, host, port, log_level, shutdown_timeout)
+    serve_app(app, host, port, log_level, shutdown_timeout, limits)
 
 
-def serve_app(app, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0) -> None:
-    """Serve `app` with uvicorn until Ctrl-C or SIGTERM (also the embedding app of --task embed)."""
+def serve_app(app, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0,
+              limits=None) -> None:
+    """Serve `app` with uvicorn until Ctrl-C or SIGTERM (also the embedding app of --task embed), on the guarded
+    h11 protocol of connections.py: half-open and idle connections closed in bounded time, a connection limit."""
     import signal
     import sys
-
-    import uvicorn
 
     # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers that ends the process
     # with a plain exit (0) instead of a death by signal or a KeyboardInterrupt traceback.
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: sys.exit(0))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    from gpuformers.serving.connections import (ConnectionLimits, ConnectionStats, GuardedServer, guarded_config,
+                                                raise_open_file_limit)
+
+    raise_open_file_limit()  # first: the default connection limit is read from it
+    limits = (limits or ConnectionLimits()).resolved()
+    stats = ConnectionStats()
+    metrics = getattr(getattr(app.state, "serving", None), "metrics", None) or getattr(app.state, "metrics", None)
+    if metrics is not None:
+        metrics.connections = stats  # /metrics shows them
+    print(f"gpuformers serve: at most {limits.max_connections} connections (--max-connections), request headers "
+          f"within {limits.header_timeout:g} s (--header-timeout), idle connections kept "
+          f"{limits.keep_alive_timeout:g} s (--timeout-keep-alive)", flush=True)
+    config = guarded_config(app, host, port, limits, stats, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
-    uvicorn.Server(config).run()
+    GuardedServer(config, stats).run()
