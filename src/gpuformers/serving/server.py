@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuformers.serving.completion_request import SEED_MIN
-from gpuformers.serving.http import add_unexpected_error_handler, check_api_key, check_api_key_setting, read_json
+from gpuformers.serving.http import (CLIENT_CLOSED_REQUEST, add_unexpected_error_handler, check_api_key,
+                                     check_api_key_setting, read_json)
 from gpuformers.serving.job import Engine, Job, now
 from gpuformers.serving.lora_routes import add_lora_routes
 from gpuformers.serving.metrics import Metrics
@@ -42,8 +43,6 @@ from gpuformers.serving.tool_calls import (TOOL_CALL_PARSERS, detect_tool_call_p
 # keeps the top token only all the same): in float32 a tinier temperature divides the logits into inf and a tinier
 # top_p rounds to 0, and either makes the sampler's probabilities nan, which fails every request in the engine step
 SAMPLING_EPS = 1e-5
-# The status of a request whose client left before its answer was whole (nginx's name and number for it)
-CLIENT_CLOSED_REQUEST = 499
 
 
 class _State:
