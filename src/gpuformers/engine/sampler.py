@@ -9,6 +9,9 @@ transformers lacks), all on the device:
     -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial
        (on a GPU the sampled rows all at once, each with its own params and generator; on the CPU row by row)
 
+The penalties, the temperature and the filters are generation/sampling_ops.py's functions, the ones generate()'s
+logits processors call, given a tensor of each row's values: the same numbers as generate() for the same logits.
+
 A step in which no request adjusts its logits skips the first two lines entirely (host checks on the params).
 Logprobs, greedy or sampled, are those of the adjusted logits (before temperature and the filters).
 The penalties count tokens in TokenCounts: a row per request on the device, to which each step adds the tokens
@@ -26,6 +29,7 @@ import torch
 
 from gpuformers.engine.sequence import SamplingParams, Sequence
 from gpuformers.engine.structured import mask_logits
+from gpuformers.generation import sampling_ops
 from gpuformers.generation.generate import greedy_tokens
 
 
@@ -157,12 +161,9 @@ def _penalise_dense(logits, index, output, in_prompt, penalty, frequency, presen
     output token counts; in_prompt (rows, vocab) or None (no repetition penalty); penalty, frequency, presence
     (rows, 1). On a GPU: no nonzero(), which would wait for the device."""
     scores = logits.index_select(0, index)  # (rows, vocab)
-    count = output.float()  # exact below 2**24
-    present = count > 0
     if in_prompt is not None:
-        seen = in_prompt | present
-        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
-    scores = scores - frequency * count - presence * present
+        scores = sampling_ops.penalize_repetition(scores, in_prompt | (output > 0), penalty)
+    scores = sampling_ops.penalize_frequency_presence(scores, output, frequency, presence)
     return logits.index_copy(0, index, scores)
 
 
@@ -174,97 +175,77 @@ def _penalise_sparse(logits, index, output, in_prompt, penalty, frequency, prese
     if in_prompt is not None:
         seen |= in_prompt
     row, token = seen.nonzero(as_tuple=True)
-    values = logits[index[row], token]
+    values = logits[index[row], token]  # (seen,): one entry per (row, token) seen
     if in_prompt is not None:
-        values = torch.where(values < 0, values * penalty[row, 0], values / penalty[row, 0])
-    count = output[row, token].float()
-    values = values - frequency[row, 0] * count - presence[row, 0] * (count > 0)
+        values = sampling_ops.repetition_penalty_rule(values, penalty[row, 0])
+    values = sampling_ops.penalize_frequency_presence(values, output[row, token], frequency[row, 0],
+                                                      presence[row, 0])
     logits = logits.clone()
     logits[index[row], token] = values
     return logits
 
 
 def _filter_row(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """logits (vocab,) with the tokens outside top-k, outside the top-p mass and below min_p times the top
-    token's probability set to -inf, in that order (transformers'). The one-row reference of _filter_rows, which the
+    """logits (vocab,) through transformers' TopK -> TopP -> MinP warpers as generate() builds them (each only when
+    set), called with this row's numbers as generate() calls them. The one-row reference of _filter_rows, which the
     engine runs and the tests compare with this."""
+    row = logits[None]  # (1, vocab)
     if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        row = sampling_ops.top_k_filter(row, top_k)
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False  # also when top_p is below float32's smallest step (it rounds to 0 and 0 >= 0)
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        row = sampling_ops.top_p_filter(row, top_p)
     if min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+        row = sampling_ops.min_p_filter(row, min_p)
+    return row[0]
 
 
 def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """_filter_row for every row at once, each with its own params: logits (rows, vocab) -> the same with the
-    filtered tokens at -inf. The rows with a top_k alone share one topk (to their largest k), those with a top_p
-    one sort, those with a min_p one softmax; a row skips the filters it does not use (a neutral value would not be
-    neutral: a cumulative mass rounding to 1.0 would drop the tail under top_p=1)."""
+    filtered tokens at -inf. The rows with a top_k share one topk (to their largest k), those with a top_p one
+    sort, those with a min_p one softmax; a row skips the filters it does not use, as generate() leaves out a warper
+    it does not use (a neutral value is not always neutral: top_p=1 would still drop the tokens whose probability
+    rounds to 0)."""
     vocab_size = logits.shape[-1]
     device = logits.device
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0: off
-    only_k = [r for r, p in enumerate(params) if top_k[r] and p.top_p >= 1.0]
-    if only_k:
-        values = logits.index_select(0, device_tensor(only_k, device)).topk(max(top_k[r] for r in only_k)).values
-        kth = values.gather(1, device_tensor([top_k[r] - 1 for r in only_k], device)[:, None])  # (only_k, 1)
-        logits = _masked_rows(logits, only_k, lambda rows: rows < kth)
-    sort = [r for r, p in enumerate(params) if p.top_p < 1.0]
-    if sort:
-        def drop(rows: torch.Tensor) -> torch.Tensor:  # rows (sort, vocab) -> what top_k and top_p drop
-            sorted_logits, order = rows.sort(dim=-1, descending=True)
-            # (sort, 1): where the k-th largest logit sorts, the last (nothing below it) in rows without a top_k
-            kth = device_tensor([(top_k[r] or vocab_size) - 1 for r in sort], device)[:, None]
-            dropped = sorted_logits < sorted_logits.gather(1, kth)  # (sort, vocab) in sorted order
-            # The sorted top-k survivors are what _filter_row sorts for top_p: the dropped ones sort last, at -inf.
-            probs = sorted_logits.masked_fill(dropped, float("-inf")).softmax(-1)
-            top_p = device_tensor([params[r].top_p for r in sort], device, torch.float32)[:, None]
-            dropped |= (probs.cumsum(-1) - probs) >= top_p
-            dropped[:, 0] = False  # the top token always stays (_filter_row)
-            return dropped.scatter(1, order, dropped)
-        logits = _masked_rows(logits, sort, drop)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # 0: off (k >= vocab keeps everything)
+    k_rows = [r for r in range(len(params)) if top_k[r]]
+    if k_rows:
+        k = device_tensor([top_k[r] for r in k_rows], device)
+        logits = _on_rows(logits, k_rows, lambda rows: sampling_ops.top_k_filter(
+            rows, k, max_top_k=max(top_k[r] for r in k_rows)))
+    p_rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        # float64: the threshold 1 - top_p is taken in double, as from generate()'s Python number
+        top_p = device_tensor([params[r].top_p for r in p_rows], device, torch.float64)
+        logits = _on_rows(logits, p_rows, lambda rows: sampling_ops.top_p_filter(rows, top_p))
     floor = [r for r, p in enumerate(params) if p.min_p]
     if floor:
-        def below(rows: torch.Tensor) -> torch.Tensor:  # rows (floor, vocab)
-            probs = rows.softmax(-1)
-            min_p = device_tensor([params[r].min_p for r in floor], device, torch.float32)[:, None]
-            return probs < min_p * probs.amax(-1, keepdim=True)
-        logits = _masked_rows(logits, floor, below)
+        min_p = device_tensor([params[r].min_p for r in floor], device, torch.float32)
+        logits = _on_rows(logits, floor, lambda rows: sampling_ops.min_p_filter(rows, min_p))
     return logits
 
 
-def _masked_rows(logits: torch.Tensor, picked: list[int], mask) -> torch.Tensor:
-    """logits (rows, vocab) with, in the rows `picked`, the tokens mask(those rows) says at -inf; out of place."""
+def _on_rows(logits: torch.Tensor, picked: list[int], apply) -> torch.Tensor:
+    """logits (rows, vocab) with the rows `picked` replaced by apply(those rows); out of place."""
     if len(picked) == logits.shape[0]:
-        return logits.masked_fill(mask(logits), float("-inf"))
+        return apply(logits)
     index = device_tensor(picked, logits.device)
-    rows = logits.index_select(0, index)
-    return logits.index_copy(0, index, rows.masked_fill(mask(rows), float("-inf")))
+    return logits.index_copy(0, index, apply(logits.index_select(0, index)))
+
+
+def _warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What generate()'s sampling warpers make of each row's logits, each row with its own params: logits
+    (rows, vocab) -> temperature, then top_k -> top_p -> min_p (filtered tokens at -inf), before the softmax."""
+    temperature = device_tensor([p.temperature for p in params], logits.device, torch.float32)
+    return _filter_rows(sampling_ops.scale_by_temperature(logits, temperature), params)
 
 
 def _sample_rows(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """The sampled rows' tokens: logits (rows, vocab) of sequences that all sample -> (rows,) int64, each row
     through its temperature, filters and draw (its own generator when it has a seed), in a fixed number of kernels
     whatever the number of rows (a few more per seeded row: its noise)."""
-    device = logits.device
-    generators = _generators(sequences, device)
-    params = [seq.params for seq in sequences]
-    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    if device.type == "cuda":
-        # What `row / temperature` computes there: CUDA divides by a host number as a product with its float32
-        # reciprocal, and so the tokens stay those of one row at a time (a seeded request's, bit for bit).
-        scaled = logits * device_tensor(temperatures.reciprocal().tolist(), device, torch.float32)[:, None]
-    else:
-        scaled = logits / temperatures[:, None]
-    probs = _filter_rows(scaled, params).softmax(-1)
+    generators = _generators(sequences, logits.device)
+    probs = _warp_rows(logits, [seq.params for seq in sequences]).softmax(-1)
     return _draw_rows(probs, generators)
 
 
@@ -274,7 +255,8 @@ def _sample_each_row(logits: torch.Tensor, sequences: list[Sequence]) -> torch.T
     tokens = []
     for row, seq, generator in zip(logits, sequences, _generators(sequences, logits.device)):
         params = seq.params
-        probs = _filter_row(row / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+        scaled = sampling_ops.scale_by_temperature(row, params.temperature)
+        probs = _filter_row(scaled, params.top_k, params.top_p, params.min_p).softmax(-1)
         tokens.append(torch.multinomial(probs, 1, generator=generator))
     return torch.cat(tokens)
 

@@ -12,6 +12,7 @@ import torch
 
 from gpuformers.generation.config import sequence_bias_as_dict
 from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor, _as_list, _TokenMask
+from gpuformers.generation.sampling_ops import repetition_penalty_rule
 
 
 class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
@@ -37,8 +38,8 @@ class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
         # ids beyond the lm head (embedding larger than the head) also land in the spare column
         ids = input_ids.clamp(max=vocab_size)  # (batch, seq)
         padded = torch.nn.functional.pad(scores, (0, 1))  # (batch, vocab + 1)
-        seen = padded.gather(1, ids)
-        penalised = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        # only the seen tokens' scores, through the rule the engine's penalties use too (generation/sampling_ops.py)
+        penalised = repetition_penalty_rule(padded.gather(1, ids), self.penalty)
         return padded.scatter(1, ids, penalised)[:, :vocab_size]
 
 

@@ -4,9 +4,10 @@ constraints of generation/logits.py, in transformers' order:
     temperature -> top_h -> top_k -> top_p -> min_p -> typical_p -> epsilon -> eta
 
 Each has the name and behaviour of the transformers class of the same name, so the warped scores match
-transformers' on the same input. A removed token gets `filter_value` (-inf); every choice that depends on data
-stays on the device (sort, topk, scatter, masks), so no warper waits on the GPU. generation/logits.py re-exports
-them all and builds the list (build_logits_processors).
+transformers' on the same input. Temperature, top-k, top-p and min-p are thin wrappers over the batched functions
+of generation/sampling_ops.py, which the engine's sampler calls too (one implementation for both). A removed token
+gets `filter_value` (-inf); every choice that depends on data stays on the device (sort, topk, scatter, masks), so
+no warper waits on the GPU. generation/logits.py re-exports them all and builds the list (build_logits_processors).
 
 Offers: TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
 TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from gpuformers.generation import sampling_ops
 from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor
 
 
@@ -29,7 +31,7 @@ class TemperatureLogitsWarper(LogitsProcessor):
         self.temperature = float(temperature)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores / self.temperature
+        return sampling_ops.scale_by_temperature(scores, self.temperature)
 
 
 class TopHLogitsWarper(LogitsProcessor):
@@ -75,9 +77,7 @@ class TopKLogitsWarper(LogitsProcessor):
         self.filter_value = filter_value
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        k = min(self.top_k, scores.shape[-1])
-        kth_best = torch.topk(scores, k).values[..., -1:]  # (batch, 1)
-        return scores.masked_fill(scores < kth_best, self.filter_value)
+        return sampling_ops.top_k_filter(scores, self.top_k, filter_value=self.filter_value)
 
 
 class TopPLogitsWarper(LogitsProcessor):
@@ -94,14 +94,7 @@ class TopPLogitsWarper(LogitsProcessor):
         self.min_tokens_to_keep = min_tokens_to_keep
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        # Ascending order: the mass of the least likely tokens accumulates first, and a token is dropped while
-        # everything up to and including it stays within the 1 - top_p tail.
-        ascending, order = torch.sort(scores, dim=-1)  # (batch, vocab)
-        tail_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = tail_mass <= 1.0 - self.top_p
-        drop_sorted[:, -self.min_tokens_to_keep:] = False  # the most likely tokens sit at the end
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        return scores.masked_fill(drop, self.filter_value)
+        return sampling_ops.top_p_filter(scores, self.top_p, self.min_tokens_to_keep, self.filter_value)
 
 
 class MinPLogitsWarper(LogitsProcessor):
@@ -116,12 +109,7 @@ class MinPLogitsWarper(LogitsProcessor):
         self.min_tokens_to_keep = min_tokens_to_keep
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.softmax(dim=-1)
-        threshold = self.min_p * probs.amax(dim=-1, keepdim=True)  # (batch, 1)
-        drop = probs < threshold
-        k = min(self.min_tokens_to_keep, probs.shape[-1])
-        drop = drop.scatter(1, torch.topk(probs, k).indices, False)
-        return scores.masked_fill(drop, self.filter_value)
+        return sampling_ops.min_p_filter(scores, self.min_p, self.min_tokens_to_keep, self.filter_value)
 
 
 class TypicalLogitsWarper(LogitsProcessor):
