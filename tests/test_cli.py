@@ -225,7 +225,7 @@ def _odd_int4_layer(tmp_path, monkeypatch):
 
 
 def _gguf_split_served(tmp_path, monkeypatch):
-    from gpuformers.models.auto import _tensor_parallel_device
+    from gpuformers.models.load_steps import _tensor_parallel_device
 
     return lambda: _tensor_parallel_device("auto", None, "m.gguf")
 
@@ -235,7 +235,7 @@ def _gguf_spread(tmp_path, monkeypatch):
 
     from tests.fixtures.checkpoints import TINY
 
-    from gpuformers.models.auto import _gguf_device
+    from gpuformers.models.load_steps import _gguf_device
     from gpuformers.models.config import ModelConfig
     from gpuformers.models.modeling import skip_init
     from gpuformers.models.registry import model_class_for

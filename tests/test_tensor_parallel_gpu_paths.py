@@ -51,13 +51,14 @@ def test_each_process_selects_its_gpu_before_the_mesh(device, tmp_path, monkeypa
 def test_the_dtype_is_decided_by_the_gpu_not_the_cpu_it_loads_on(tmp_path, monkeypatch):
     # A bfloat16 checkpoint on GPUs without bfloat16 (2x T4): float16, as device_map="cuda" loads it
     import gpuformers.loading.weights
-    import gpuformers.models.auto
+    import gpuformers.models.load_steps
     from gpuformers import AutoModelForCausalLM
 
     make_checkpoint(tmp_path, "llama")
     rewrite_config(tmp_path, dtype="bfloat16", torch_dtype="bfloat16")
     _fake_gpus(monkeypatch, 2, capability=(7, 5))
-    monkeypatch.setattr(gpuformers.models.auto, "_tensor_parallel_device", lambda *args: torch.device("cuda", 1))
+    monkeypatch.setattr(gpuformers.models.load_steps, "_tensor_parallel_device",
+                        lambda *args: torch.device("cuda", 1))
     loaded = {}
 
     def load_weights(model, files, dtype, device, **kwargs):

@@ -1,37 +1,54 @@
 """Entry points users call: AutoConfig, AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification,
-AutoTokenizer.
+AutoTokenizer, and load_pretrained, which every `from_pretrained` runs.
 
-`from_pretrained` follows transformers' order: resolve files -> config -> model class -> dtype -> build on the
-meta device (no memory, no random init) -> stream each tensor from disk straight into its final dtype and
-device -> tie weights -> rotary buffers -> attention backend -> eval() -> generation config -> Triton kernels
-(use_kernels=True, kernels/mapping.py). A LoRA adapter folder (adapter_config.json) loads the base model it names,
-then the adapter onto it (model.load_adapter), as transformers does. AutoModel and
-AutoModelForSequenceClassification load the same way into the family's bare model or classifier (models/heads.py:
-either key layout, a classifier's fresh score).
+load_pretrained builds one LoadOptions from the call's keywords (checked once, in __post_init__), then runs
+named steps in a fixed order over one LoadState (the steps, and why this order: models/load_steps.py):
+
+    CHECKPOINT_STEPS (a folder or Hub id)                GGUF_STEPS (gguf_file=)
+     1 choose_devices     tp_plan: join; device_map       1 choose_devices
+     2 resolve_files      the folder; an adapter's base   2 read_gguf         config + tensor table
+     3 read_config        config.json (unless config=)    |
+     4 pick_class         the class; a head's settings    3 pick_class
+     5 find_weights       the weight files                |
+     6 choose_dtype       dtype="auto" -> checkpoint's    4 choose_dtype      float32 unless told
+     7 build_on_meta      no memory, no random init       5 build_on_meta
+     8 quantize           before any weight is read       |
+     9 plan_devices       device_map over devices         6 place_gguf        one device from a map
+    10 load_weights       each tensor to its place        7 load_gguf_weights dequantized on load
+    11 finish             tie, rotary, attention, eval    8 finish
+    12 dispatch           device_map hooks                |
+    13 add_generation_config                              9 add_generation_config
+    |                                                    10 quantize_loaded   after the load
+    14 split_tensor_parallel                              |
+    15 apply_kernels      use_kernels=True               11 apply_kernels
+    16 load_adapter       an adapter folder, last         |
+
+This is transformers' order. A LoRA adapter folder (adapter_config.json) loads the base model it names, then the
+adapter onto it (model.load_adapter), as transformers does. AutoModel and AutoModelForSequenceClassification load
+the same way into the family's bare model or classifier (models/heads.py: either key layout, a classifier's fresh
+score).
 
 Offers: AutoConfig, AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
-load_pretrained.
+load_pretrained, LoadOptions, CHECKPOINT_STEPS, GGUF_STEPS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
-from gpuformers.lora.config import CONFIG_NAME as ADAPTER_CONFIG_NAME, LoraConfig
+from gpuformers.models import load_steps as steps
 from gpuformers.models.config import ModelConfig
-from gpuformers.models.heads import (BaseModelHead, TaskModel, base_model_class, causal_lm_class, checkpoint_view,
-                                     sequence_classification_class)
-from gpuformers.models.modeling import skip_init
+from gpuformers.models.heads import TaskModel, base_model_class, causal_lm_class, sequence_classification_class
+from gpuformers.models.load_steps import LoadState, gguf_path
 from gpuformers.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
-
-_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 class AutoConfig:
@@ -109,7 +126,7 @@ class AutoTokenizer:
         if gguf_file is not None:
             from gpuformers.loading.gguf import read_gguf
 
-            tokenizer_object, fields = read_gguf(_gguf_path(name_or_path, gguf_file)).tokenizer_parts()
+            tokenizer_object, fields = read_gguf(gguf_path(name_or_path, gguf_file)).tokenizer_parts()
             return PreTrainedTokenizerFast(tokenizer_object, **fields, name_or_path=str(name_or_path), **kwargs)
         return PreTrainedTokenizerFast.from_pretrained(name_or_path, **kwargs)
 
@@ -139,310 +156,84 @@ def _init_weights(std: float):
     return init
 
 
-def _gguf_path(name_or_path, gguf_file) -> Path:
-    path = Path(gguf_file)
-    if not path.is_absolute() and name_or_path not in (None, ""):
-        folder = Path(name_or_path)
-        if not folder.is_dir():
-            folder = resolve_model_dir(name_or_path, [str(gguf_file)])
-        path = folder / gguf_file
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    return path
 
 
-def _resolve_device_map(device_map) -> torch.device | str | dict:
-    """One device -> torch.device; a strategy ("auto", ...) or a per-module dict is kept for the planner."""
-    from gpuformers.device import resolve_device
+@dataclass
+class LoadOptions:
+    """The keywords of one from_pretrained call (transformers' names and defaults), checked once; steps only read
+    them. Keywords that are none of these are a head's settings (num_labels, ...), which its class checks."""
 
-    if isinstance(device_map, str) and device_map in _DEVICE_MAP_STRATEGIES:
-        return device_map
-    if isinstance(device_map, dict) and set(device_map) != {""}:
-        return device_map
-    if device_map == {"": "disk"}:
-        raise ValueError('device_map={"": "disk"} leaves nothing to run the model on; put some modules on "cpu"')
-    return resolve_device(device_map)
+    model_class: type | None = None  # Qwen3ForCausalLM.from_pretrained: the class asked for
+    head: Any = None  # AutoModel / AutoModelForSequenceClassification: builds the head class on the family's class
+    config: ModelConfig | None = None  # used instead of config.json
+    dtype: Any = "auto"  # as users write it; __post_init__ makes it a torch.dtype or "auto"
+    torch_dtype: Any = None  # the old name of dtype; wins when given
+    device_map: Any = None
+    attn_implementation: str | None = None
+    gguf_file: str | os.PathLike | None = None
+    revision: str | None = None
+    cache_dir: str | os.PathLike | None = None
+    local_files_only: bool = False
+    token: str | bool | None = None
+    trust_remote_code: bool = False
+    output_loading_info: bool = False
+    progress: bool = True
+    low_cpu_mem_usage: bool | None = None  # always true here; accepted for transformers compatibility
+    use_kernels: bool = False
+    kernel_config: Any = None
+    max_memory: dict | None = None
+    offload_folder: str | os.PathLike | None = None
+    quantization_config: Any = None
+    tp_plan: Any = None
+    tp_size: int | None = None
+    adapter_name: str = "default"
+    head_settings: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_keywords(cls, keywords: dict) -> LoadOptions:
+        names = {f.name for f in dataclasses.fields(cls)} - {"head_settings"}
+        known = {k: v for k, v in keywords.items() if k in names}
+        return cls(**known, head_settings={k: v for k, v in keywords.items() if k not in names})
 
-def load_pretrained(
-    name_or_path: str | os.PathLike,
-    *,
-    model_class=None,
-    head=None,
-    config: ModelConfig | None = None,
-    dtype="auto",
-    torch_dtype=None,
-    device_map=None,
-    attn_implementation: str | None = None,
-    gguf_file: str | os.PathLike | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    trust_remote_code: bool = False,
-    output_loading_info: bool = False,
-    progress: bool = True,
-    low_cpu_mem_usage: bool | None = None,  # always true here; accepted for transformers compatibility
-    use_kernels: bool = False,
-    kernel_config=None,
-    max_memory: dict | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    quantization_config=None,
-    tp_plan=None,
-    tp_size: int | None = None,
-    adapter_name: str = "default",
-    **kwargs,
-):
-    """Load a checkpoint into `model_class` (or the class its config.json names), or into the head built on the
-    family's causal LM class by `head` (models/heads.py: base_model_class, sequence_classification_class), whose
-    settings (num_labels, ...) come in `kwargs`."""
-    from gpuformers.device import parse_dtype, resolve_dtype
+    def __post_init__(self):
+        from gpuformers.device import parse_dtype
 
-    task = head is not None or (model_class is not None and issubclass(model_class, TaskModel))
-    if kwargs and not task:  # a head checks its own settings (TaskModel.configure)
-        raise TypeError(f"from_pretrained() got unexpected arguments: {', '.join(sorted(kwargs))}")
-    if trust_remote_code:
-        logger.warning("trust_remote_code=True is ignored: gpuformers never runs code from a checkpoint")
-    if torch_dtype is not None:  # the old name
-        dtype = torch_dtype
-    dtype = parse_dtype(dtype)
-    tp_device = None
-    if tp_plan is not None or tp_size is not None:
-        # Loaded on the CPU, then each process's slices go to its device (tensor_parallel.py)
-        tp_device, device_map = _tensor_parallel_device(tp_plan, device_map, gguf_file), "cpu"
-    device = _resolve_device_map(device_map)
-    hub = HubKwargs(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
-
-    if gguf_file is not None:
-        if task:
+        if self.head_settings and not self.task:  # a head checks its own settings (TaskModel.configure)
+            raise TypeError(f"from_pretrained() got unexpected arguments: {', '.join(sorted(self.head_settings))}")
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code=True is ignored: gpuformers never runs code from a checkpoint")
+        self.dtype = parse_dtype(self.dtype if self.torch_dtype is None else self.torch_dtype)
+        if self.gguf_file is not None and self.task:
             raise NotImplementedError("a GGUF file loads into a causal LM only (AutoModelForCausalLM); load a "
                                       "safetensors checkpoint for AutoModel or AutoModelForSequenceClassification")
-        model = _load_gguf(_gguf_path(name_or_path, gguf_file), model_class, dtype, device, attn_implementation,
-                           progress, max_memory)
-        if quantization_config is not None:  # GGUF weights are dequantized on load: quantize them after
-            model.quantization_config = _quantize(model, model.config, quantization_config, model.dtype, loaded=True)
-        return _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
+        if self.kernel_config is not None and not self.use_kernels:  # (said before the load, not after it)
+            raise ValueError("kernel_config is only used with use_kernels=True; pass both")
 
-    folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS + [ADAPTER_CONFIG_NAME], hub)
-    adapter_folder = None
-    if (folder / ADAPTER_CONFIG_NAME).is_file():  # a LoRA adapter: load its base model, then the adapter onto it
-        adapter_folder = folder
-        if not (folder / "config.json").is_file():  # else the folder holds its base model too (transformers' rule)
-            name_or_path = _adapter_base_model(folder)
-            folder = resolve_model_dir(name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS, hub)
-    if config is None:
-        config = ModelConfig.from_file(folder / "config.json")
-    cls = _pick_class(model_class, config, head)
-    if task:
-        config = cls.configure(config, **kwargs)
-
-    from gpuformers.loading.weights import CheckpointFiles, load_weights
-    from gpuformers.quantization.config import finish_loading
-
-    files = CheckpointFiles.find(folder)
-    checkpoint_dtype = parse_dtype(config.dtype) if config.dtype else files.first_floating_dtype()
-    if checkpoint_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 weights compute in bfloat16
-        checkpoint_dtype = torch.bfloat16
-    # (under tp_plan the weights are read on the CPU but computed on tp_device: its GPU decides, as with device_map)
-    dtype = resolve_dtype(dtype, checkpoint_dtype=checkpoint_dtype, device=tp_device or device)
-
-    with torch.device("meta"), skip_init():
-        model = cls(config)
-    quantization = _quantize(model, config, quantization_config, dtype)
-    if task:
-        model.unquantize_head()
-    plan = offload = None
-    if not isinstance(device, torch.device):  # several devices: plan, load each tensor where planned, then hook
-        from gpuformers.loading.device_map import dispatch_model, main_device, prepare_device_map
-
-        plan, offload = prepare_device_map(model, device, max_memory=max_memory, dtype=dtype,
-                                           offload_folder=offload_folder)
-        device = main_device(plan)
-    target, place = model, plan
-    if task:  # the checkpoint's keys may be a causal LM's, a classifier's or a bare model's (models/heads.py)
-        target, rename_plan = checkpoint_view(model, files.keys())
-        if plan is not None and rename_plan is not None:
-            place = rename_plan(plan)
-    info = load_weights(target, files, dtype=dtype, device=place or device, offload=offload, tied=model.tied_weights,
-                        ignore_missing=model.allowed_missing if task else (), progress=progress)
-    if task:
-        _report_head_load(model, info, folder)
-    quantization = finish_loading(model, quantization, info.unexpected)  # FP8: plain dequantized Linear layers
-    model = _finish(model, device, attn_implementation, str(name_or_path))
-    model.quantization_config = quantization
-    if plan is not None:
-        dispatch_model(model, plan, offload)
-        model.hf_device_map = plan
-    if not task:  # a head does not generate (transformers gives it no generation config either)
-        model.generation_config = _generation_config(folder / "generation_config.json", config)
-    if tp_device is not None:
-        from gpuformers.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, tp_plan, tp_size, device=tp_device)
-        model.hf_device_map = {"": str(tp_device)}
-    _apply_kernels(model, use_kernels, kernel_config, attn_implementation)
-    if adapter_folder is not None:
-        model.load_adapter(adapter_folder, adapter_name=adapter_name)
-    return (model, info) if output_loading_info else model
+    @property
+    def task(self) -> bool:
+        """A head (bare model or classifier) rather than a causal LM: its own settings, key layouts and no
+        generation config."""
+        return self.head is not None or (self.model_class is not None and issubclass(self.model_class, TaskModel))
 
 
-def _adapter_base_model(adapter_folder: Path) -> str:
-    """The base model an adapter folder names: adapter_config.json's base_model_name_or_path."""
-    base = LoraConfig.from_pretrained(adapter_folder).base_model_name_or_path
-    if not base:
-        raise ValueError(f"{adapter_folder / ADAPTER_CONFIG_NAME} names no base model (base_model_name_or_path is "
-                         f"{base!r}); load the base model with from_pretrained(base), then call "
-                         f"model.load_adapter({str(adapter_folder)!r})")
-    return base
+CHECKPOINT_STEPS = (
+    steps.choose_devices, steps.resolve_files, steps.read_config, steps.pick_class, steps.find_weights,
+    steps.choose_dtype, steps.build_on_meta, steps.quantize, steps.plan_devices, steps.load_weights, steps.finish,
+    steps.dispatch, steps.add_generation_config, steps.split_tensor_parallel, steps.apply_kernels, steps.load_adapter,
+)
+GGUF_STEPS = (
+    steps.choose_devices, steps.read_gguf, steps.pick_class, steps.choose_dtype, steps.build_on_meta,
+    steps.place_gguf, steps.load_gguf_weights, steps.finish, steps.add_generation_config, steps.quantize_loaded,
+    steps.apply_kernels,
+)
 
 
-def _tensor_parallel_device(tp_plan, device_map, gguf_file) -> torch.device:
-    """The device a tensor-parallel process loads on (its own GPU, else the CPU), with the process group joined."""
-    from gpuformers import distributed
-
-    if tp_plan is None:
-        raise ValueError('tp_size is only used with tp_plan; pass tp_plan="auto" too')
-    if device_map is not None:
-        raise ValueError("tp_plan and device_map cannot be combined: with tp_plan each process loads on its own "
-                         "device (cuda:LOCAL_RANK, or the CPU); drop device_map")
-    if gguf_file is not None:
-        raise NotImplementedError(f"tp_plan={tp_plan!r} with a GGUF file is not supported; load a safetensors "
-                                  "checkpoint")
-    device = distributed.process_device()
-    distributed.init_distributed(device, single=True)
-    return device
-
-
-def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded: bool = False):
-    """Swap the model's linear layers for quantized ones before loading, when asked by the caller or by the
-    checkpoint's config.json (a pre-quantized checkpoint, whose settings then win, as in transformers)."""
-    from gpuformers.quantization.config import checkpoint_quantization, quantize_linear_layers
-
-    quantization = checkpoint_quantization(config.extra.get("quantization_config"), requested)
-    if quantization is None:
-        return None
-    swapped = quantize_linear_layers(model, quantization, dtype, loaded=loaded)
-    logger.info("quantizing %d linear layers with %s", len(swapped), quantization.quant_method)
-    config.extra["quantization_config"] = quantization.to_dict()  # save_pretrained writes it back
-    return quantization
-
-
-def _pick_class(model_class, config: ModelConfig, head=None):
-    from gpuformers.models.modeling import PreTrainedModel
-
-    if head is not None:
-        return head(causal_lm_class(config.model_type))
-    if model_class is not None and issubclass(model_class, TaskModel):
-        return _pick_head_class(model_class, config)
-    if model_class is None or model_class is PreTrainedModel:
-        return model_class_for(config)
-    expected = model_class_for(config)
-    if not issubclass(model_class, expected) and not issubclass(expected, model_class):
-        raise ValueError(
-            f"{model_class.__name__}.from_pretrained was given a {config.architecture} checkpoint; "
-            f"use AutoModelForCausalLM.from_pretrained or {expected.__name__}"
-        )
-    return model_class
-
-
-def _pick_head_class(model_class, config: ModelConfig):
-    """A head class asked to load a config (Qwen3ForSequenceClassification.from_pretrained): itself, or the same
-    head on the config's family when that one subclasses its own (a Qwen3-MoE checkpoint)."""
-    family = causal_lm_class(config.model_type)
-    build = base_model_class if issubclass(model_class, BaseModelHead) else sequence_classification_class
-    if issubclass(model_class.family, family):
-        return model_class
-    if issubclass(family, model_class.family):
-        return build(family)
-    auto = "AutoModel" if build is base_model_class else "AutoModelForSequenceClassification"
-    raise ValueError(f"{model_class.__name__}.from_pretrained was given a {config.model_type!r} checkpoint; use "
-                     f"{auto}.from_pretrained or {build(family).__name__}")
-
-
-def _report_head_load(model, info, folder: Path) -> None:
-    """Initialise the head's weights the checkpoint lacked (allowed_missing) and say so, as transformers does."""
-    if info.missing:
-        model.init_missing(info.missing)
-        logger.warning("%s: %s not in the checkpoint %s: drawn at random (normal, std=%s); train the model before "
-                       "using its outputs", type(model).__name__, ", ".join(info.missing), folder,
-                       model.config.initializer_range)
-    if info.unexpected:
-        logger.info("%s: checkpoint tensors not used: %s", type(model).__name__, ", ".join(info.unexpected[:10]))
-
-
-def _finish(model, device, attn_implementation, name_or_path):
-    model.tie_weights()
-    model.reset_buffers(device)
-    model.set_attn_implementation(attn_implementation or "sdpa")
-    model.name_or_path = name_or_path
-    model.hf_device_map = {"": str(device)}
-    return model.eval()
-
-
-def _apply_kernels(model, use_kernels: bool, kernel_config, attn_implementation: str | None):
-    """Check the attention backend can run where the model is, then swap in Triton kernels for use_kernels=True."""
-    if attn_implementation in ("flash_attention_2", "flash_attention_3"):
-        from gpuformers.layers.flash_attention import check_backend_device
-
-        check_backend_device(attn_implementation, model.device)
-    if kernel_config is not None and not use_kernels:
-        raise ValueError("kernel_config is only used with use_kernels=True; pass both")
-    if use_kernels:
-        from gpuformers.kernels.mapping import Mode, kernelize
-
-        kernelize(model, mode=Mode.TRAINING if model.training else Mode.INFERENCE, kernel_config=kernel_config)
-    return model
-
-
-def _generation_config(path: Path, config: ModelConfig):
-    from gpuformers.generation.config import GenerationConfig
-
-    if path.is_file():
-        return GenerationConfig.from_pretrained(path)
-    return GenerationConfig.from_model_config(config)
-
-
-def _gguf_device(model, device_map, max_memory, dtype) -> torch.device:
-    """The one device a GGUF file is dequantized onto for a device_map: where the map's plan puts the whole model
-    (device_map="auto" on a machine whose only device is the CPU, or with a GPU that holds it all)."""
-    from gpuformers.loading.device_map import main_device, plan_for
-
-    plan = plan_for(model, device_map, max_memory=max_memory, dtype=dtype)
-    places = sorted({f"cuda:{where}" if isinstance(where, int) else where for where in plan.values()})
-    if len(places) > 1 or places == ["disk"]:
-        raise NotImplementedError(
-            f"device_map={device_map!r} places this GGUF model on {', '.join(places)}, but a GGUF file loads whole "
-            f'onto one GPU or the CPU for now: pass one device (e.g. device_map="cuda:0"), and quantization_config= '
-            f"if the model does not fit there")
-    return main_device(plan)
-
-
-def _load_gguf(path: Path, model_class, dtype, device, attn_implementation, progress, max_memory=None):
-    from tqdm.auto import tqdm
-
-    from gpuformers.device import resolve_dtype
-    from gpuformers.loading.gguf import read_gguf
-    from gpuformers.loading.weights import assign_tensor
-
-    checkpoint = read_gguf(path)
-    config = ModelConfig.from_dict(checkpoint.config)
-    cls = _pick_class(model_class, config)
-    # GGUF holds quantized or half weights; dequantize into float32 on the CPU unless told otherwise.
-    dtype = resolve_dtype(dtype, checkpoint_dtype=torch.float32, device=device)
-    with torch.device("meta"), skip_init():
-        model = cls(config)
-    if not isinstance(device, torch.device):  # a strategy or a per-module map: its plan must name one device
-        device = _gguf_device(model, device, max_memory, dtype)
-    tied = model.tied_weights
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in tied]
-    available = set(checkpoint.tensor_names())
-    missing = [n for n in names if n not in available]
-    if missing:
-        raise ValueError(f"GGUF file {path} lacks tensors for: {', '.join(missing[:10])}")
-    for name in tqdm(names, desc="Dequantizing GGUF tensors", disable=not progress):
-        assign_tensor(model, name, checkpoint.load_tensor(name, dtype=dtype, device=device))
-    model = _finish(model, device, attn_implementation, str(path))
-    from gpuformers.generation.config import GenerationConfig
-
-    model.generation_config = GenerationConfig.from_dict(checkpoint.generation_config)
-    return model
+def load_pretrained(name_or_path: str | os.PathLike, **keywords):
+    """Load a checkpoint into `model_class` (or the class its config.json names), or into the head built on the
+    family's causal LM class by `head` (models/heads.py: base_model_class, sequence_classification_class), whose
+    settings (num_labels, ...) come in the other keywords. The keywords are LoadOptions' fields."""
+    options = LoadOptions.from_keywords(keywords)
+    state = LoadState(name_or_path, config=options.config)
+    for step in GGUF_STEPS if options.gguf_file is not None else CHECKPOINT_STEPS:
+        step(options, state)
+    return state.result(options.output_loading_info)
