@@ -153,7 +153,10 @@ def run_generate(args) -> int:
             {"role": "user", "content": args.prompt}
         ]
         input_ids = _prompt_ids(tokenizer, messages)
-    _reply(model, tokenizer, input_ids, args)
+    from gpuformers.kernels.cpu_linear import one_shot
+
+    with one_shot():  # one answer: CPU weight copies would not pay for themselves (kernels/cpu_linear.py)
+        _reply(model, tokenizer, input_ids, args)
     return 0
 
 

@@ -9,7 +9,8 @@ Elsewhere it runs eagerly and attends over the written slots only, which makes i
 
 CPU matmuls: an eager generate() on the CPU runs its float32 linear layers on oneDNN-packed copies of their weights
 where this machine runs those faster than F.linear (kernels/cpu_linear.py: measured once per process, kept with
-the model while they take at most a quarter of the free RAM; GPUFORMERS_CPU_PACKED_ROWS=none turns them off).
+the model while they take at most a quarter of the free RAM, at batch 1 half the weights; none in one_shot(), the
+CLI's one answer; GPUFORMERS_CPU_PACKED_ROWS=none turns them off).
 
 Offers: GenerationPreparation (_prepare_generation_config, _prepare_prompt, _infer_attention_mask,
 _prepare_max_length, _refuse_cache_rebuild, _prepare_cache, _compiles_decode, _decode_forward, _cpu_matmuls).

@@ -5,29 +5,37 @@ A group is one layer, or sibling layers fed the same input (q/k/v, gate/up) stac
 one wider matmul serves them (4-8% of a step's matmul time). Its copy takes one form, chosen for the row count
 the use expects:
 - an engine, an embedding server, generate() at several rows per step: PACKED (oneDNN's layout) wherever it
-  wins at some row count; a call takes it at the row counts where it wins (packed_faster), else F.linear;
+  wins at some row count; a call takes it at the row counts where it wins (packed_faster), else F.linear. Its
+  input is padded to one of a few row counts (row_bucket: at most 25% more rows), since oneDNN keeps state per
+  row count it meets, which grew a server by ~1 MB per count without end;
 - generate() at one row per step (batch-1 decoding), unless GPUFORMERS_CPU_PACKED_ROWS is set: the fastest of
-  the three forms for the group's shape at one row (one_row_form); a single layer whose fastest form is its own
-  weight gets no copy. COLUMNS and concatenated ROWS copies serve a call at any row count (the prompt's too):
-  where COLUMNS wins at one row it also beat ROWS at 2-256 rows on the machine measured (the table in
-  cpu_matmul_probe.py), and a concatenated weight saves calls.
+  the three forms for the group's shape at one row (one_row_times) where it saves at least _ONE_ROW_MIN_GAIN (10%),
+  the groups that save the largest share first, while the copies take at most _ONE_ROW_COPY_SHARE (half) of the
+  linear weights; every other group is ROWS, which copies nothing: siblings move into one buffer whose row slices
+  become their weights (the same values, shapes and contiguity), a lone layer keeps its weight. COLUMNS and ROWS
+  serve a call at any row count (the prompt's too): where COLUMNS wins at one row it also beat ROWS at 2-256 rows
+  on the machine measured (the table in cpu_matmul_probe.py), and a concatenated weight saves calls. A one-shot
+  answer (`one_shot()`, what `gpuformers generate` runs in) makes no copy at all: the main job peaked at 1.5 GB
+  with the copies (the weights twice) against 0.96 GB without.
 Calls that record a backward (training), and inputs that are not float32 on the CPU, always take F.linear.
 
-The model is untouched outside a use: `PackedLinears.active()` sets the copies' forward on each layer instance
-while the block runs (one engine step, one generate() call) and takes it away after, so training and saving
-never see it. A weight changed since it was copied (its version counter or storage moved: load_state_dict, an
-optimizer step) is copied again when the next use begins. The cost is up to the linear weights' size again in
-memory: the engine weighs it (engine/config.py) and generate() keeps copies only while they take at most a
-quarter of the available RAM (`packed_for`). One set of copies per model (`packed_linears`), kept with it for its
-next calls and shared by generate() and an engine on it while they want the same forms.
+The model is untouched outside a use, but for the ROWS groups' shared buffers (the same values and shapes):
+`PackedLinears.active()` sets the copies' forward on each layer instance while the block runs (one engine step,
+one generate() call) and takes it away after, so training and saving never see it. A weight changed since it was
+copied (its version counter or storage moved: load_state_dict, an optimizer step) is copied again when the next
+use begins. The cost is up to the linear weights' size again in memory where PACKED serves: the engine weighs it
+(engine/config.py) and generate() keeps copies only while they take at most a quarter of the available RAM
+(`packed_for`). One set of copies per model (`packed_linears`), kept with it for its next calls and shared by
+generate() and an engine on it while they want the same forms.
 
-Offers: PackedLinears, cpu_matmuls, packed_linears, packed_for, release, packable_linears, available_ram,
-copies_fit, sibling_outputs, SIBLINGS.
+Offers: PackedLinears, cpu_matmuls, one_shot, packed_linears, packed_for, release, packable_linears, available_ram,
+copies_fit, row_bucket, sibling_outputs, SIBLINGS.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.kernels.cpu_matmul_probe import (COLUMNS, ENV, PACK_HINT_ROWS, PACKED, ROWS, current_rule, decide,
-                                                 one_row_form, packs_some_rows, prepack_available)
+                                                 one_row_times, packs_some_rows, prepack_available)
 
 _rule = [None, 1]  # current_rule() as the latest PackedLinears.active() read it
 
@@ -73,6 +81,8 @@ class _PackedGroup:
     that output. The last input and its outputs are kept per thread: two threads may run the same model at once."""
 
     __slots__ = ("layers", "widths", "form", "copy", "weight", "bias", "versions", "_last", "matmul")
+    # ROWS copies nothing: a lone layer keeps its weight, siblings move into one (sum of widths, in) buffer whose
+    # row slices become their weights (the same values, shapes and contiguity; no second copy in memory)
 
     def __init__(self, layers: list[nn.Linear], form: str):
         self.matmul = torch.ops.mkldnn._linear_pointwise.default if form == PACKED else None  # no look-up per call
@@ -81,22 +91,46 @@ class _PackedGroup:
         self._last = threading.local()
         self.repack()
 
-    @torch.inference_mode()  # the copies are constants: no autograd record of the concatenation
     def repack(self) -> None:
-        weights = [layer.weight for layer in self.layers]
-        weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of widths, in)
-        if self.form == PACKED:
-            self.copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
-        elif self.form == COLUMNS:
-            self.copy = weight.t().contiguous()  # (in, sum of widths)
+        if self.form == ROWS:
+            self.copy = self._relay_rows()
         else:
-            self.copy = weight.clone() if len(weights) == 1 else weight  # (a lone layer gets ROWS only if asked)
+            with torch.inference_mode():  # the copies are constants: no autograd record of the concatenation
+                weights = [layer.weight for layer in self.layers]
+                weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of widths, in)
+                if self.form == PACKED:
+                    self.copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
+                else:
+                    self.copy = weight.t().contiguous()  # COLUMNS: (in, sum of widths)
         self.weight = self.copy.t() if self.form == COLUMNS else self.copy  # what F.linear takes
         biases = [layer.bias for layer in self.layers]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else layer.weight.new_zeros(layer.out_features)
              for b, layer in zip(biases, self.layers)])
         self.versions = self._versions()
+
+    def _relay_rows(self) -> torch.Tensor:
+        """The layers' weights as row slices of one (sum of widths, in) buffer, which is returned: the siblings'
+        old storages go, so the concatenation costs no memory beyond one group while it is made. A lone layer,
+        or siblings already so laid, stay as they are."""
+        weights = [layer.weight for layer in self.layers]
+        if len(weights) == 1:
+            return weights[0]
+        laid = getattr(self, "copy", None)  # this group's buffer from before, if the weights are still its slices
+        if laid is not None and all(w.data_ptr() == r.data_ptr() and w.shape == r.shape and w.is_contiguous()
+                                    for w, r in zip(weights, laid.split_with_sizes(self.widths))):
+            return laid  # (edited in place since, say: the buffer has the new values)
+        # (not an inference tensor, even inside generate()'s inference mode: the model may train after it)
+        with torch.inference_mode(False), torch.no_grad():
+            buffer = torch.cat([w.detach() for w in weights])  # (sum of widths, in)
+            for layer, rows in zip(self.layers, buffer.split_with_sizes(self.widths)):
+                layer.weight.data = rows
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the group keeps beyond the layers' own weights: none for ROWS (module docstring)."""
+        return 0 if self.form == ROWS else self.copy.numel() * self.copy.element_size()
 
     def _versions(self) -> list[tuple[torch.Tensor, int, int]]:
         """What identifies the weights and biases copied: each tensor, its version counter and its storage."""
@@ -121,9 +155,18 @@ class _PackedGroup:
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., sum of widths) through the copy."""
-        if self.matmul is not None:  # oneDNN takes any leading dimensions, so no reshape around it
-            return self.matmul(x if x.is_contiguous() else x.contiguous(), self.copy, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.matmul is None:
+            return F.linear(x, self.weight, self.bias)
+        x = x if x.is_contiguous() else x.contiguous()
+        rows = x.numel() // x.shape[-1]
+        bucket = row_bucket(rows)
+        if bucket == rows:  # oneDNN takes any leading dimensions, so no reshape around it
+            return self.matmul(x, self.copy, self.bias, "none", [], "")
+        padded = x.new_empty(bucket, x.shape[-1])  # (bucket, in): the rows, then zeros
+        padded[:rows] = x.view(rows, -1)
+        padded[rows:].zero_()
+        out = self.matmul(padded, self.copy, self.bias, "none", [], "")[:rows]  # (rows, sum of widths)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Sibling `index`'s output for x: its columns of the group's matmul, run by the first sibling called."""
@@ -156,6 +199,18 @@ class _PackedGroup:
 
     def forget_input(self) -> None:
         self._last.input = self._last.outputs = None
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a PACKED matmul of `rows` rows runs at, its input padded with zero rows: up to 8 as they are,
+    above that rounded up to a multiple of a quarter of the power of two below (10, 12, 14, 16, 20, 24, 28, 32, 40,
+    ...): at most 25% more rows, 4 counts per doubling (32 up to 512 rows). oneDNN builds and keeps a primitive,
+    with its own buffers, per row count it meets, which a server meets by the hundred: its memory grew ~1 MB per
+    count without levelling off (benchmarks/bench_main_job_memory.py), and stays flat at these few."""
+    if rows <= 8:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
 
 
 def sibling_outputs(calls: list):
@@ -193,23 +248,41 @@ def _groups(model: nn.Module) -> list[list[nn.Linear]]:
     return groups + [[layer] for layer in linears if id(layer) not in grouped]
 
 
+# Batch-1 decoding keeps copies (COLUMNS, PACKED) of at most this share of the linear weights' bytes: the groups whose
+# copy saves the largest share of their matmul's time first, and only where it saves at least _ONE_ROW_MIN_GAIN
+# (less is within the measurement's noise). The rest run on their weights, ROWS groups concatenated in place.
+_ONE_ROW_COPY_SHARE = 1 / 2
+_ONE_ROW_MIN_GAIN = 0.1
+
+
 def _plan(groups: list[list[nn.Linear]], rows: int | None) -> list[tuple[list[nn.Linear], str]]:
     """[(group's layers, form of its copy)] for _groups' `groups` in a use at `rows` rows per step (None: many
-    counts). At one row each group takes its shape's fastest form, and a lone layer whose fastest form is its own
-    weight is left out; otherwise (and under GPUFORMERS_CPU_PACKED_ROWS) every group is PACKED (none without
-    oneDNN)."""
+    counts). At one row a group takes its shape's fastest form (one_row_times) while the copies stay within
+    _ONE_ROW_COPY_SHARE of the weights, else ROWS (siblings concatenated in place; a lone layer is left out);
+    otherwise (and under GPUFORMERS_CPU_PACKED_ROWS) every group is PACKED (none without oneDNN)."""
     if not _by_shape(rows):
         return [(layers, PACKED) for layers in groups] if prepack_available() else []
-    plan = []
-    for layers in groups:
-        form = one_row_form(layers[0].in_features, sum(layer.out_features for layer in layers))
-        if form != ROWS or len(layers) > 1:
-            plan.append((layers, form))
-    return plan
+    forms, gains = {}, []
+    for index, layers in enumerate(groups):
+        times = one_row_times(layers[0].in_features, sum(layer.out_features for layer in layers))
+        best = min(times, key=times.get)
+        forms[index] = ROWS
+        if best != ROWS and times[best] <= (1 - _ONE_ROW_MIN_GAIN) * times[ROWS]:
+            gains.append((1 - times[best] / times[ROWS], index, best))
+    budget = _ONE_ROW_COPY_SHARE * sum(_weight_bytes(layers) for layers in groups)
+    for _, index, form in sorted(gains, key=lambda gain: -gain[0]):  # (a stable sort: the model's order on ties)
+        if _weight_bytes(groups[index]) <= budget:
+            budget -= _weight_bytes(groups[index])
+            forms[index] = form
+    return [(layers, forms[index]) for index, layers in enumerate(groups) if forms[index] != ROWS or len(layers) > 1]
+
+
+def _weight_bytes(layers: list[nn.Linear]) -> int:
+    return sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
 
 
 def _by_shape(rows: int | None) -> bool:
-    """Whether a use at `rows` rows per step takes each group's fastest form at one row: batch-1 decoding, unless
+    """Whether a use at `rows` rows per step takes the in-place ROWS groups: batch-1 decoding, unless
     GPUFORMERS_CPU_PACKED_ROWS says where PACKED serves (then nothing else is copied)."""
     return rows == 1 and not os.environ.get(ENV)
 
@@ -241,8 +314,8 @@ class PackedLinears:
 
     @property
     def nbytes(self) -> int:
-        """Memory the copies take (about their layers' weights' own size)."""
-        return sum(g.copy.numel() * g.copy.element_size() for g in self.groups)
+        """Memory the copies take beyond the layers' own weights (a ROWS group takes none)."""
+        return sum(group.nbytes for group in self.groups)
 
     @contextlib.contextmanager
     def active(self):
@@ -301,16 +374,16 @@ def release(model: nn.Module) -> None:
 
 def packed_for(model: nn.Module, rows: int | None = None) -> PackedLinears | None:
     """The copies generate() uses for `model` at `rows` rows per decode step (packed_linears), or None when they
-    would not pay or not fit: no float32 linear layer on the CPU, no form faster than the layers' own weights
-    (at several rows: no oneDNN, or no row count where it wins), or copies that would take more than a quarter of
-    the available RAM (unless they are made already)."""
+    would not pay or not fit: no float32 linear layer on the CPU, at one row no sibling layers to concatenate, at
+    several rows no oneDNN or no row count where it wins, or copies that would take more than a quarter of the
+    available RAM (unless they are made already)."""
     groups = _groups(model)
     plan = _plan(groups, rows) if groups and (_by_shape(rows) or packs_some_rows()) else []
     if not plan:
         release(model)  # moved to a GPU or to bfloat16, say: the old copies are dead weight
         return None
     if _kept_for(model, plan) is None:
-        copies = sum(layer.weight.numel() * layer.weight.element_size() for layers, _ in plan for layer in layers)
+        copies = sum(_weight_bytes(layers) for layers, form in plan if form != ROWS)  # (ROWS copies nothing)
         if not copies_fit(copies):
             return None
     return packed_linears(model, plan=plan)
@@ -323,13 +396,31 @@ def copies_fit(nbytes: int) -> bool:
     return ram is None or nbytes <= ram // 4
 
 
+_ONE_SHOT = contextvars.ContextVar("gpuformers_cpu_one_shot", default=False)
+
+
+@contextlib.contextmanager
+def one_shot():
+    """A block that answers once and ends (`gpuformers generate`): generate() in it makes no copy and measures
+    nothing, unless GPUFORMERS_CPU_PACKED_ROWS is set. The measurement (~50-80 ms a shape) and the copies cost more
+    than the few dozen tokens of one answer save, and the copies' memory stays to the end (the main job's peak RSS,
+    benchmarks/bench_main_job_memory.py)."""
+    token = _ONE_SHOT.set(True)
+    try:
+        yield
+    finally:
+        _ONE_SHOT.reset(token)
+
+
 def cpu_matmuls(model: nn.Module, rows: int | None = None):
     """The block a model's inference forwards run in (generate(), an assistant model, the embedding server): its
     packed_for copies for `rows` rows per step (None: many counts) active while the model is on the CPU; on a GPU
     (its layers offloaded to the CPU run there too, their weights copied in) nothing, and copies made while it was
-    on the CPU go."""
+    on the CPU go. Inside one_shot(), nothing (unless GPUFORMERS_CPU_PACKED_ROWS is set)."""
     if model.get_input_embeddings().weight.device.type != "cpu":
         release(model)
+        return contextlib.nullcontext()
+    if _ONE_SHOT.get() and not os.environ.get(ENV):
         return contextlib.nullcontext()
     packed = packed_for(model, rows)  # None without float32 linear layers, and copies made before go
     return packed.active() if packed is not None else contextlib.nullcontext()
