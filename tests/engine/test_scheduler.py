@@ -233,20 +233,3 @@ def test_full_cache_still_allocates_scattered_blocks():
     assert sorted(s.block_table) == [0, 2, 4]
     manager.allocate(s, 16)
     assert sorted(s.block_table) == [0, 2, 4, 6] and manager.num_free_blocks == 0
-
-
-def test_rounds_of_requests_reuse_the_blocks_the_first_round_touched():
-    """Placement starts over when the cache is empty: rounds of the same requests, each ending before the next
-    begins (a server between bursts), use the same blocks, so on the CPU the cache's pages that rounds touch (its
-    RSS) stop growing after the first round instead of sweeping the whole cache."""
-    manager = BlockManager(64, 4, allow_block_sharing=False)
-    touched = []
-    for _ in range(5):
-        round_ = [seq(f"r{i}", range(6), max_new_tokens=3) for i in range(3)]
-        for s in round_:
-            manager.allocate(s, 6)
-        touched.append({b for s in round_ for b in s.block_table})
-        for s in round_:
-            manager.free_sequence(s)
-        assert manager.num_free_blocks == 64
-    assert all(blocks == touched[0] for blocks in touched), touched

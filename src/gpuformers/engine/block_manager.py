@@ -165,11 +165,6 @@ class BlockManager:
         """Next-fit from the cursor: the start of the first run of `wanted` free blocks (or of the longest run of at
         least `needed`), and move the cursor past the `wanted` blocks. None when no run of `needed` exists."""
         n = self.num_blocks
-        if len(self.free) == n:
-            # An empty cache starts over at its first block: on the CPU the cache's pages are mapped by the OS as
-            # they are first written, so a cursor that kept moving through idle periods would touch the whole cache
-            # over time (RSS growing round after round) where the busiest moment needed only part of it.
-            self._cursor = 0
         wanted = min(wanted, n)
         best_start, best_len = None, needed - 1
         position, scanned = self._cursor, 0
