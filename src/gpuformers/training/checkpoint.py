@@ -194,8 +194,7 @@ def _weights_missing(folder: Path) -> str | None:
 
 def incomplete_reason(folder: str | os.PathLike) -> str | None:
     """Why checkpoint folder `folder` is not whole (None when it is): trainer_state.json, the model's weights (every
-    shard an index names), and, unless it was saved without its training state (save_only_model), optimizer.pt and
-    scheduler.pt together, as both Trainers write them. (A missing RNG file is no sign: both Trainers resume without
+    shard an index names), and optimizer.pt and scheduler.pt both or neither, as both Trainers write them. (A missing RNG file is no sign: both Trainers resume without
     one, from another number of processes say, with a warning here.) Our rotation never leaves an incomplete folder;
     a rotation of an earlier gpuformers or of transformers' Trainer killed while it deleted files one by one does."""
     folder = Path(folder)
@@ -207,9 +206,10 @@ def incomplete_reason(folder: str | os.PathLike) -> str | None:
         return None
     if (missing := _weights_missing(folder)) is not None:
         return missing
+    # The optimizer's and the scheduler's states are written together or not at all (save_training_checkpoint
+    # without an optimizer writes neither, and save_only_model neither), so one without the other is a half delete.
     training = {name: (folder / name).is_file() for name in (OPTIMIZER_NAME, SCHEDULER_NAME)}
-    has_rng = (folder / RNG_NAME).is_file() or any(folder.glob("rng_state_*.pth"))
-    if (any(training.values()) or has_rng or (folder / SCALER_NAME).is_file()) and not all(training.values()):
+    if any(training.values()) and not all(training.values()):
         return f"no {' or '.join(name for name, there in training.items() if not there)}"
     return None
 
