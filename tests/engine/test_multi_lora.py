@@ -308,3 +308,23 @@ def test_multi_lora_on_cuda_turns_cuda_graphs_off_and_back_on(setup):
     for name in folders:
         manager.delete_adapter(name)
     assert manager.runner.graphs is not None
+
+
+def test_cuda_graph_setting_follows_the_adapters_without_a_gpu(setup):
+    """What the GPU test above checks of the CUDA graphs, on the CPU: the manager's AdapterService turns them off with
+    the first adapter and back to what the config decided with the last one deleted (a CPU model decides "off", so
+    "on" is what is decided here; DecodeGraphs captures lazily, so making one needs no GPU)."""
+    from gpuformers.engine.cuda_graphs import DecodeGraphs
+
+    folders, _, _ = setup
+    manager = tiny_model().init_continuous_batching(block_size=8, num_blocks=32)
+    assert manager.runner.graphs is None and not manager.config.use_cuda_graph  # decided on a CPU model: off
+    manager.adapter_service.cuda_graphs_decided = True
+    manager.adapter_service.use_cuda_graphs(True)
+    manager.load_adapter(folders["a"], "a")
+    assert manager.runner.graphs is None and manager.config.use_cuda_graph is False
+    manager.load_adapter(folders["b"], "b")
+    manager.delete_adapter("a")
+    assert manager.runner.graphs is None  # "b" is still loaded
+    manager.delete_adapter("b")
+    assert isinstance(manager.runner.graphs, DecodeGraphs) and manager.config.use_cuda_graph is True

@@ -100,6 +100,32 @@ def test_evaluate_gives_token_weighted_loss_and_perplexity(tiny_checkpoint, tmp_
     assert prediction.metrics["test_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
 
 
+
+def test_methods_a_subclass_overrides_reach_evaluation_and_checkpoints(tiny_checkpoint, tmp_path):
+    """evaluate() and the loop's saves run through the Trainer's own compute_loss and _save_checkpoint (its Evaluator
+    and Checkpointer are given them), so a subclass's overrides, as transformers users write them, are honoured; so
+    is a preprocess_logits_for_metrics set after the Trainer was made."""
+    saves = []
+
+    class Doubled(Trainer):
+        def compute_loss(self, model, inputs, num_items_in_batch=None, return_outputs=False):
+            loss, outputs = super().compute_loss(model, inputs, num_items_in_batch, return_outputs=True)
+            return (2 * loss, outputs) if return_outputs else 2 * loss
+
+        def _save_checkpoint(self):
+            saves.append(self.state.global_step)
+            return super()._save_checkpoint()
+
+    rows = make_rows(5, seed=7)
+    args = tiny_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, per_device_eval_batch_size=2)
+    plain = Trainer(_model(tiny_checkpoint), args, eval_dataset=rows).evaluate()["eval_loss"]
+    trainer = Doubled(_model(tiny_checkpoint), args, train_dataset=make_rows(8), eval_dataset=rows)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(2 * plain, rel=1e-6)
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
+    assert trainer.predict(rows).predictions.ndim == 2  # (rows, seq) token ids, not (rows, seq, vocab) logits
+    trainer.train()
+    assert saves == [1, 2] and (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+
 def test_callbacks_see_the_hooks_in_order_and_can_stop_training(tiny_checkpoint, tmp_path):
     class Recorder(TrainerCallback):
         def __init__(self):

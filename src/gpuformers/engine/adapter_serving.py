@@ -1,17 +1,24 @@
 """The continuous batching manager's LoRA adapter commands (multi-LoRA serving): load and delete adapters while the
 engine runs, each change applied between two steps, and CUDA graphs turned off while adapters are loaded.
 
-The adapters themselves, and the layers that apply them, are lora.py's (AdapterBank, MultiLoraLinear); this mixin
-is what ContinuousBatchingManager (manager.py) offers users on top.
+The adapters themselves, and the layers that apply them, are lora.py's (AdapterBank, MultiLoraLinear); the
+AdapterService here is what ContinuousBatchingManager (manager.py) owns and offers users on top, as
+manager.load_adapter / delete_adapter / adapters. It is given, when the manager makes it, everything it touches:
 
-Offers: AdapterServingMixin, cuda_graphs_with_adapters.
+    AdapterService(bank, scheduler, runner, config, cuda_graph_asked, between_steps)
+        bank            the adapters (read in the caller's thread, added and deleted between steps)
+        scheduler       its queued and running requests: an adapter in use is not deleted
+        runner, config  the CUDA graphs: off while adapters are loaded, back as decided after the last one
+        between_steps   the manager's way to run a change in its engine thread between two steps
+
+Offers: AdapterService, cuda_graphs_with_adapters.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
+from typing import Callable
 
 logger = logging.getLogger("gpuformers.engine.manager")
 
@@ -23,33 +30,36 @@ def cuda_graphs_with_adapters() -> NotImplementedError:
         "adapters are loaded)")
 
 
-class AdapterServingMixin:
-    """load_adapter / delete_adapter / adapters for ContinuousBatchingManager, which provides adapter_bank,
-    scheduler, runner, config, model, _inbox, _cuda_graph_asked, _cuda_graphs_decided and is_running()."""
+class AdapterService:
+    """Loads and deletes a manager's LoRA adapters, keeping its CUDA graphs off while any is loaded."""
+
+    def __init__(self, bank, scheduler, runner, config, cuda_graph_asked: bool | None,
+                 between_steps: Callable[[Callable[[], object]], object]):
+        self.bank, self.scheduler, self.runner, self.config = bank, scheduler, runner, config
+        self.cuda_graph_asked = cuda_graph_asked  # the user's use_cuda_graph; None: automatic
+        # What the resolved config decided (automatic or asked), adapters aside: back on when the last adapter is
+        # deleted. Read now, before any adapter turns config.use_cuda_graph off.
+        self.cuda_graphs_decided = config.use_cuda_graph
+        self.between_steps = between_steps
 
     @property
-    def adapters(self) -> list[str]:
-        """The names of the loaded adapters, which requests pass as adapter_name."""
-        return self.adapter_bank.names
+    def names(self) -> list[str]:
+        return self.bank.names
 
-    def load_adapter(self, peft_model_id: str | os.PathLike, adapter_name: str | None = None, **hub_kwargs) -> None:
-        """Serve a LoRA adapter (a peft folder or Hub id; revision=, token=, ... for the Hub) beside the others
-        under `adapter_name` (default: "default"). CUDA graphs left automatic are off while adapters are loaded."""
+    def load(self, peft_model_id: str | os.PathLike, adapter_name: str | None = None, **hub_kwargs) -> None:
         adapter_name = adapter_name or "default"
-        if self._cuda_graph_asked:
+        if self.cuda_graph_asked:
             raise cuda_graphs_with_adapters()
-        adapter = self.adapter_bank.read(peft_model_id, adapter_name, **hub_kwargs)  # the slow part: here
+        adapter = self.bank.read(peft_model_id, adapter_name, **hub_kwargs)  # the slow part: in the caller's thread
 
         def add() -> None:
-            self.adapter_bank.add(adapter)
-            self._use_cuda_graphs(False)
+            self.bank.add(adapter)
+            self.use_cuda_graphs(False)
 
-        self._between_steps(add)
+        self.between_steps(add)
 
-    def delete_adapter(self, adapter_name: str) -> None:
-        """Stop serving an adapter; its layers' wrappers leave the model with the last adapter. Refused while a
-        queued or running request uses it (cancel those, or wait for them)."""
-        self.adapter_bank.check_name(adapter_name)
+    def delete(self, adapter_name: str) -> None:
+        self.bank.check_name(adapter_name)
 
         def delete() -> None:
             users = [s.request_id for s in self.scheduler.waiting + self.scheduler.running
@@ -57,27 +67,14 @@ class AdapterServingMixin:
             if users:
                 raise ValueError(f"adapter {adapter_name!r} is in use by {len(users)} request(s) "
                                  f"({', '.join(users[:4])}); cancel them or wait for them to finish before deleting it")
-            self.adapter_bank.delete(adapter_name)
-            if not self.adapter_bank.adapters:
-                self._use_cuda_graphs(self._cuda_graphs_decided)
+            self.bank.delete(adapter_name)
+            if not self.bank.adapters:
+                self.use_cuda_graphs(self.cuda_graphs_decided)
 
-        self._between_steps(delete)
+        self.between_steps(delete)
 
-    def _between_steps(self, change):
-        """Run `change` in the engine's thread between two steps (at once when no loop runs) and return what it
-        returns: a step never sees the adapters change under it."""
-        if not self.is_running():
-            return change()
-        done = concurrent.futures.Future()
-        self._inbox.put(("call", (change, done)))
-        while True:
-            try:
-                return done.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                if not self.is_running() and done.cancel():  # the loop ended without taking it
-                    return change()
-
-    def _use_cuda_graphs(self, on: bool) -> None:
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Capture decode steps in CUDA graphs (on) or run them eagerly (off), recording it in the config."""
         self.config.use_cuda_graph = on
         if on == (self.runner.graphs is not None):
             return

@@ -25,8 +25,10 @@ Offers: ContinuousBatchingManager, and GenerationOutput (from outputs.py, where 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import operator
+import os
 import queue
 import random
 import threading
@@ -35,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from gpuformers.engine.adapter_serving import AdapterServingMixin, cuda_graphs_with_adapters
+from gpuformers.engine.adapter_serving import AdapterService, cuda_graphs_with_adapters
 from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.config import ContinuousBatchingConfig, check_honoured, free_memory, sampling_params_from
 from gpuformers.engine.lora import AdapterBank
@@ -49,7 +51,7 @@ from gpuformers.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
-class ContinuousBatchingManager(AdapterServingMixin):
+class ContinuousBatchingManager:
     def __init__(self, model, generation_config=None, continuous_batching_config=None,
                  adapters: dict[str, str] | None = None):
         from gpuformers.generation.config import GenerationConfig
@@ -58,12 +60,9 @@ class ContinuousBatchingManager(AdapterServingMixin):
         self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
         check_honoured(self.generation_config)  # here, not at the first request
         asked = continuous_batching_config or ContinuousBatchingConfig()
-        self._cuda_graph_asked = asked.use_cuda_graph  # None: automatic (off while LoRA adapters are loaded)
         if adapters and asked.use_cuda_graph:
             raise cuda_graphs_with_adapters()
         self.config = asked.resolve(model)
-        # What the config decided (automatic or asked), adapters aside: back on when the last adapter is deleted
-        self._cuda_graphs_decided = self.config.use_cuda_graph
         self.model = model.eval()
         if not model.attn_implementation.startswith("paged|"):
             # The paged backends fall back to the plain ones outside engine steps, so generate() keeps working.
@@ -81,9 +80,12 @@ class ContinuousBatchingManager(AdapterServingMixin):
         if cfg.prepack_weights:  # which row counts take the packed weights: measured now, not in the first steps
             measure_up_to(cfg.max_batch_tokens)
         self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)
+        # load_adapter / delete_adapter; asked.use_cuda_graph None: automatic (off while LoRA adapters are loaded)
+        self.adapter_service = AdapterService(self.adapter_bank, self.scheduler, self.runner, cfg,
+                                              asked.use_cuda_graph, self._between_steps)
         logger.info("continuous batching: %s", self.memory_summary())
         if cfg.use_cuda_graph and not adapters:
-            self._use_cuda_graphs(True)
+            self.adapter_service.use_cuda_graphs(True)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox = Outbox(self.is_running)  # outputs until their callers take them (outputs.py)
         self._stop = threading.Event()
@@ -280,6 +282,37 @@ class ContinuousBatchingManager(AdapterServingMixin):
                 _, done = item
                 if done.set_running_or_notify_cancel():
                     done.set_exception(RuntimeError(message))
+
+    # --- LoRA adapters (adapter_serving.py) --------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded adapters, which requests pass as adapter_name."""
+        return self.adapter_service.names
+
+    def load_adapter(self, peft_model_id: str | os.PathLike, adapter_name: str | None = None, **hub_kwargs) -> None:
+        """Serve a LoRA adapter (a peft folder or Hub id; revision=, token=, ... for the Hub) beside the others
+        under `adapter_name` (default: "default"). CUDA graphs left automatic are off while adapters are loaded."""
+        self.adapter_service.load(peft_model_id, adapter_name, **hub_kwargs)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Stop serving an adapter; its layers' wrappers leave the model with the last adapter. Refused while a
+        queued or running request uses it (cancel those, or wait for them)."""
+        self.adapter_service.delete(adapter_name)
+
+    def _between_steps(self, change):
+        """Run `change` in the engine's thread between two steps (at once when no loop runs) and return what it
+        returns: a step never sees the adapters change under it."""
+        if not self.is_running():
+            return change()
+        done = concurrent.futures.Future()
+        self._inbox.put(("call", (change, done)))
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self.is_running() and done.cancel():  # the loop ended without taking it
+                    return change()
 
     # --- tensor parallelism: the processes' engines in lockstep -----------------------------------------------
 

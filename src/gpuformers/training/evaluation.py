@@ -15,18 +15,19 @@ A stream (an iterable evaluation set, streaming.py) is shared out as in training
 each group of world_size batches, the last group completed with repeats of the first rows; a row's index is its
 position in the stream.
 
-EvaluationMixin gives the Trainer evaluate() and predict() over that: the token-weighted mean loss of the set
-(each batch's summed token losses over all target tokens, in every process), its perplexity, and compute_metrics'
-results.
+The Evaluator, which the Trainer owns, gives its evaluate() and predict() over that: the token-weighted mean loss of
+the set (each batch's summed token losses over all target tokens, in every process), its perplexity, and
+compute_metrics' results. The Trainer gives it its batches and the forward of one batch (its compute_loss) as
+callables, and keeps the logging and callbacks around it.
 
-Offers: EvalPrediction, PredictionOutput, eval_batches, RowCollector, EvaluationMixin.
+Offers: EvalPrediction, PredictionOutput, eval_batches, evaluation_batches, RowCollector, Evaluator.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -59,6 +60,24 @@ def eval_batches(num_rows: int, batch_size: int, world: int, rank: int) -> tuple
         if extra:
             repeats[len(batches) - 1] = extra
     return batches, repeats
+
+
+def evaluation_batches(dataset, args, data_collator, loader, world: int, rank: int):
+    """This process's evaluation batches of `dataset` as (row indices, positions in the batch of repeated rows,
+    collated batch): a stream's as streaming.py numbers them, else eval_batches' through `loader` (dataset, index
+    batches -> DataLoader)."""
+    if is_stream(dataset):
+        stream = StreamBatches(dataset, args.eval_batch_size, data_collator, world, rank,
+                               args.dataloader_drop_last, args.dataloader_num_workers, device=args.device)
+        return ((positions, [i for i, position in enumerate(positions) if position is None], batch)
+                for positions, batch in stream.numbered())
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing, or "
+                        "be iterable")
+    batches, repeats = eval_batches(len(dataset), args.eval_batch_size, world, rank)
+    if args.dataloader_drop_last and batches and len(batches[-1]) < args.eval_batch_size:
+        batches.pop()  # (every process has as many batches, of the same sizes)
+    return ((batches[index], repeats.get(index, []), batch) for index, batch in enumerate(loader(dataset, batches)))
 
 
 class RowCollector:
@@ -102,91 +121,72 @@ class RowCollector:
         return _pad_rows(logits), None if any(l is None for l in labels) else _pad_rows(labels)
 
 
-class EvaluationMixin:
-    """The Trainer's evaluate() and predict(); they run its compute_loss, batching and callbacks."""
+class Evaluator:
+    """The Trainer's evaluate() and predict() over the callables the Trainer gives it (see the module docstring):
+
+        batches(dataset)          -> this process's (row indices, positions of repeated rows, collated batch)
+        step(batch, keep_logits)  -> (its target tokens' summed loss, None without targets; their number; its
+                                     logits or None): the Trainer's compute_loss (and preprocess_logits_for_metrics)
+        on_prediction_step()      the Trainer's callbacks, after each batch
+        shard()                   FSDP2: shards the model onto the device before it first runs (None: already there)
+    """
+
+    def __init__(self, model, device, world: int, batches: Callable, step: Callable,
+                 on_prediction_step: Callable[[], None], shard: Callable[[], object] | None = None):
+        self.model, self.device, self.world = model, device, world
+        self.batches, self.step = batches, step
+        self.on_prediction_step, self.shard = on_prediction_step, shard
 
     @torch.no_grad()
-    def _eval_loop(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
+    def loss_and_rows(self, dataset, keep_logits: bool) -> tuple[float, RowCollector]:
         """Token-weighted mean loss over `dataset`, and every row's logits and labels (in dataset order, from every
         process: see the module docstring) when asked for."""
-        if self._sharded_later:  # FSDP2: the model reaches the device only as shards (before the first train())
-            self._wrap_model()
-        batches = self._eval_batches(dataset)
+        if self.shard is not None:  # FSDP2: the model reaches the device only as shards (before the first train())
+            self.shard()
+        batches = self.batches(dataset)
         was_training = self.model.training
         self.model.eval()
         # the summed loss stays on the device (float64: the sums a Python float would give), read once at the end
-        loss_sum, count, rows = torch.zeros((), dtype=torch.float64, device=self.args.device), 0, RowCollector()
-        world = self._data_parallel[0]
+        loss_sum, count, rows = torch.zeros((), dtype=torch.float64, device=self.device), 0, RowCollector()
         for indices, repeats, batch in batches:
             if repeats:  # rows repeated only to give every process as many batches: no targets
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][repeats] = IGNORE_INDEX
-            targets = self._count_targets(batch)
-            inputs = self._prepare_inputs(batch)
-            with self._autocast():
-                # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
-                loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
+            summed, targets, logits = self.step(batch, keep_logits)
             if targets:
-                value = loss.detach().double() if torch.is_tensor(loss) else float(loss)
-                loss_sum, count = loss_sum + (value if self._model_counts_items else value * targets), count + targets
+                loss_sum, count = loss_sum + summed, count + targets
             if keep_logits:
-                logits, labels = outputs.logits, batch.get("labels")
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
-                rows.add(indices, logits, labels, batch.get("attention_mask"), skip=repeats)
-            self.control = self._call("on_prediction_step")
+                rows.add(indices, logits, batch.get("labels"), batch.get("attention_mask"), skip=repeats)
+            self.on_prediction_step()
         self.model.train(was_training)
-        if world > 1:
-            loss_sum = distributed.all_reduce_sum(loss_sum, self.args.device)
-            count = int(distributed.all_reduce_sum(count, self.args.device))
+        if self.world > 1:
+            loss_sum = distributed.all_reduce_sum(loss_sum, self.device)
+            count = int(distributed.all_reduce_sum(count, self.device))
         loss_sum = float(loss_sum)
         if keep_logits:
-            rows.gather(world)
+            rows.gather(self.world)
         return (loss_sum / count if count else float("nan")), rows
 
-    def _eval_batches(self, dataset):
-        """This process's evaluation batches as (row indices, positions in the batch of repeated rows, batch)."""
-        args, (world, rank) = self.args, self._data_parallel
-        if is_stream(dataset):
-            stream = StreamBatches(dataset, args.eval_batch_size, self.data_collator, world, rank,
-                                   args.dataloader_drop_last, args.dataloader_num_workers, device=args.device)
-            return ((positions, [i for i, position in enumerate(positions) if position is None], batch)
-                    for positions, batch in stream.numbered())
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"the evaluation dataset ({type(dataset).__name__}) must have a length and indexing, or "
-                            "be iterable")
-        batches, repeats = eval_batches(len(dataset), args.eval_batch_size, world, rank)
-        if args.dataloader_drop_last and batches and len(batches[-1]) < args.eval_batch_size:
-            batches.pop()  # (every process has as many batches, of the same sizes)
-        return ((batches[index], repeats.get(index, []), batch)
-                for index, batch in enumerate(self._loader(dataset, batches)))
-
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
+    def evaluate(self, dataset, metric_key_prefix: str, compute_metrics: Callable | None) -> dict[str, float]:
+        """Loss and perplexity over `dataset` (plus compute_metrics' results when given)."""
         start = time.perf_counter()
-        loss, rows = self._eval_loop(dataset, keep_logits=self.compute_metrics is not None)
+        loss, rows = self.loss_and_rows(dataset, keep_logits=compute_metrics is not None)
         metrics = {f"{metric_key_prefix}_loss": loss,
                    f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)),
                    f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
-        if self.compute_metrics is not None:
-            extra = self.compute_metrics(EvalPrediction(*rows.arrays()))
+        if compute_metrics is not None:
+            extra = compute_metrics(EvalPrediction(*rows.arrays()))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
-        self.log(metrics)
-        self.control = self._call("on_evaluate", metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
-        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
-        loss, rows = self._eval_loop(test_dataset, keep_logits=True)
+    def predict(self, dataset, metric_key_prefix: str, compute_metrics: Callable | None) -> PredictionOutput:
+        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over `dataset`."""
+        loss, rows = self.loss_and_rows(dataset, keep_logits=True)
         predictions, label_ids = rows.arrays()
         metrics = {f"{metric_key_prefix}_loss": loss}
-        if self.compute_metrics is not None and label_ids is not None:
-            extra = self.compute_metrics(EvalPrediction(predictions, label_ids))
+        if compute_metrics is not None and label_ids is not None:
+            extra = compute_metrics(EvalPrediction(predictions, label_ids))
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in (extra or {}).items()})
-        self.control = self._call("on_predict", metrics=metrics)
         return PredictionOutput(predictions, label_ids, metrics)
 
 

@@ -17,8 +17,9 @@ Beyond the loop, as transformers does them: label_smoothing_factor and neftune_n
 load_best_model_at_end / metric_for_best_model (best_model.py: state.best_metric and best_model_checkpoint tracked
 at each evaluation, the best checkpoint kept by the rotation and loaded at the end). The Trainer's other parts sit
 beside it: model_setup.py (what cannot be trained is refused, gradient checkpointing, DDP / FSDP2 wrapping),
-sampling.py (each epoch's batches), streaming.py (iterable datasets, read as streams), evaluation.py (evaluate,
-predict), checkpointing.py (save, resume).
+sampling.py (each epoch's batches), streaming.py (iterable datasets, read as streams), and two parts it owns, given
+what they need when the Trainer makes them: its Evaluator (evaluation.py: evaluate, predict) and its Checkpointer
+(checkpointing.py: save, resume, save_model).
 
 Offers: Trainer, TrainOutput (and, from evaluation.py and optim.py: PredictionOutput, EvalPrediction,
 clip_grad_norm).
@@ -33,6 +34,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -45,9 +47,10 @@ from gpuformers.training import checkpoint as ckpt
 from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
                                            metric_key, update_best_metric)
-from gpuformers.training.checkpointing import CheckpointMixin
+from gpuformers.training.checkpointing import Checkpointer
 from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
-from gpuformers.training.evaluation import EvalPrediction, EvaluationMixin, PredictionOutput  # noqa: F401 (offered)
+from gpuformers.training.evaluation import (EvalPrediction, Evaluator, PredictionOutput,  # noqa: F401 (offered)
+                                            evaluation_batches)
 from gpuformers.training.model_setup import check_trainable, enable_gradient_checkpointing, wrap_for_training
 from gpuformers.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from gpuformers.training.packing import document_attention
@@ -76,7 +79,7 @@ def _interval(value: float | None, max_steps: int) -> int:
     return max(1, math.ceil(max_steps * value)) if value < 1 else int(value)
 
 
-class Trainer(EvaluationMixin, CheckpointMixin):
+class Trainer:
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None,
                  compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
@@ -132,6 +135,10 @@ class Trainer(EvaluationMixin, CheckpointMixin):
         # (label smoothing reads the logits)
         self._skip_logits = (type(self).compute_loss is Trainer.compute_loss and not self.args.torch_compile
                              and not self.args.label_smoothing_factor)
+        self.evaluator = Evaluator(self.model, self.args.device, self._data_parallel[0], batches=self._eval_batches,
+                                   step=self._eval_step, on_prediction_step=self._on_prediction_step,
+                                   shard=self._wrap_model if self._sharded_later else None)
+        self.checkpointer = Checkpointer(self.args, self.model, self._gathers_states, self._tensor_parallel)
         self.control = self._call("on_init_end")
 
     # --- hooks ----------------------------------------------------------------------------------------------
@@ -144,6 +151,9 @@ class Trainer(EvaluationMixin, CheckpointMixin):
 
     def _call(self, hook: str, **kwargs) -> cb.TrainerControl:
         return self.callback_handler.call(hook, self.args, self.state, self.control, **kwargs)
+
+    def _on_prediction_step(self) -> None:
+        self.control = self._call("on_prediction_step")
 
     # --- data -----------------------------------------------------------------------------------------------
 
@@ -168,6 +178,10 @@ class Trainer(EvaluationMixin, CheckpointMixin):
             return StreamBatches(self.train_dataset, args.train_batch_size, self.data_collator, *self._data_parallel,
                                  args.dataloader_drop_last, args.dataloader_num_workers, epoch, skip, args.device)
         return self._loader(self.train_dataset, self._train_batches(epoch)[skip:])
+
+    def _eval_batches(self, dataset):
+        """This process's evaluation batches (evaluation.py), with this Trainer's collator and loader."""
+        return evaluation_batches(dataset, self.args, self.data_collator, self._loader, *self._data_parallel)
 
     @property
     def _data_parallel(self) -> tuple[int, int]:
@@ -264,6 +278,25 @@ class Trainer(EvaluationMixin, CheckpointMixin):
             backward = loss * world
         (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         return loss.detach()
+
+    def _eval_step(self, batch: dict[str, Any], keep_logits: bool):
+        """One evaluation batch through compute_loss -> (its target tokens' summed loss, its number of target tokens,
+        its logits through preprocess_logits_for_metrics when `keep_logits`, else None)."""
+        targets = self._count_targets(batch)
+        inputs = self._prepare_inputs(batch)
+        with self._autocast():
+            # num_items_in_batch=1 turns the model's mean into a sum, to weight batches by their tokens
+            loss, outputs = self.compute_loss(self.model, inputs, 1 if targets else None, return_outputs=True)
+        summed = None
+        if targets:
+            value = loss.detach().double() if torch.is_tensor(loss) else float(loss)
+            summed = value if self._model_counts_items else value * targets
+        logits = None
+        if keep_logits:
+            logits = outputs.logits
+            if self.preprocess_logits_for_metrics is not None:
+                logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
+        return summed, targets, logits
 
     def _optimizer_step(self) -> torch.Tensor | None:
         """Unscale, clip, step; returns the gradient norm before clipping (a tensor; None without clipping)."""
@@ -368,7 +401,10 @@ class Trainer(EvaluationMixin, CheckpointMixin):
                                      eval_steps=args.eval_steps, save_steps=args.save_steps,
                                      is_local_process_zero=args.local_rank <= 0,
                                      is_world_process_zero=distributed.is_main_process())
-        rng = self._resume(resume_from_checkpoint) if resume_from_checkpoint else None
+        rng = None
+        if resume_from_checkpoint:
+            rng = self.checkpointer.resume(resume_from_checkpoint, self.state, self.optimizer, self.lr_scheduler,
+                                           self.scaler, self.callback_handler.callbacks)
         # a stream's passes may end early: its place is in state.epoch = pass + updates in that pass / max_steps
         start_epoch, start_update = divmod(round(self.state.epoch * max_steps) if stream else self.state.global_step,
                                            updates_per_epoch)
@@ -491,3 +527,32 @@ class Trainer(EvaluationMixin, CheckpointMixin):
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._call("on_log", logs=logs)
+
+    # --- evaluation and checkpoints: the Evaluator's and the Checkpointer's, with the Trainer's callbacks ---------
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and perplexity over eval_dataset (plus compute_metrics' results when given)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
+        metrics = self.evaluator.evaluate(dataset, metric_key_prefix, self.compute_metrics)
+        self.log(metrics)
+        self.control = self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
+        output = self.evaluator.predict(test_dataset, metric_key_prefix, self.compute_metrics)
+        self.control = self._call("on_predict", metrics=output.metrics)
+        return output
+
+    def _save_checkpoint(self) -> Path:
+        """checkpoint-N of this step (written once every process is done with it), then the on_save callbacks."""
+        path = self.checkpointer.save(self.state, self.optimizer, self.lr_scheduler, self.scaler,
+                                      self.callback_handler.callbacks + [self.control], self.processing_class)
+        self.control = self._call("on_save")
+        return path
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
+        """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
+        self.checkpointer.save_model(output_dir, self.processing_class)
