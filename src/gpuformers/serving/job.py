@@ -1,9 +1,8 @@
 """One HTTP request's way through the engine: Engine (submit engine requests, carry their outputs into the event
 loop), ChoiceText (one choice's text, decoded incrementally and cut at stop strings) and Job (a request's n
-choices and the response they make, whole or streamed, for /v1/completions and /v1/chat/completions; a chat request
-with tools has each choice's tool calls parsed out of its text by the model's parser, tool_calls.py; with a reasoning
-parser, reasoning.py, a chat answer's think block becomes its reasoning_content and the tool calls come out of the
-rest).
+choices and the response they make, whole or streamed). Job holds what every endpoint shares; what a kind answers
+differently is a subclass's: ChatJob (chat_job.py: /v1/chat/completions, with reasoning and tool calls),
+CompletionJob (completion_job.py: /v1/completions, with echo) and ResponseJob (responses.py: /v1/responses).
 
 Each choice of a request is one engine request, added with streaming=True and an on_output callback: the engine's
 thread hands its progress to the event loop through one LoopRelay per loop, which wakes the loop once per burst of
@@ -11,7 +10,7 @@ outputs (loop_relay.py). Text is decoded
 incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
 which frees its KV blocks. A client that disconnects cancels its requests the same way.
 
-    token ids -> Engine.submit (n engine requests) -> ChoiceText -> [reasoning parser] -> [tool-call parser]
+    token ids -> Engine.submit (n engine requests) -> ChoiceText -> [ChatJob: reasoning parser, tool-call parser]
               -> Job.whole (JSON) or Job.sse (SSE)
 
 Offers: Engine, ChoiceText, Job, now, JSON (json.dumps(..., ensure_ascii=False) as one encoder).
@@ -175,21 +174,35 @@ CHECK_CLIENT = object()
 
 class Job:
     """One HTTP request's n engine requests, their texts, and the response they make (whole or streamed). `state` is
-    the app's shared state (server.py): the engine, tokenizer, model name and metrics."""
+    the app's shared state (server_state.ServerState): the engine, tokenizer, model name and metrics.
+
+    This class holds what every kind of request shares: the engine requests, the wait for their outputs, the
+    response's envelope and the streamed loop. What a kind answers differently is a subclass's: ChatJob
+    (chat_job.py: messages, deltas, reasoning, tool calls) and CompletionJob (completion_job.py: text, echo,
+    completions' logprobs). `Job(state, parsed, ...)` makes the one of the request's kind (parsed.chat)."""
+
+    id_prefix = ""  # the response id's, e.g. "chatcmpl-"
+    object = ""  # the "object" of the whole answer
+    chunk_object = ""  # the "object" of a streamed chunk
+    keep_special_tokens = False  # decode the text with special tokens kept (a parser that reads them)
+
+    def __new__(cls, state, parsed: CompletionRequest, *args, **kwargs):
+        if cls is Job:
+            # Imported here: the subclasses' modules import this one
+            from gpuformers.serving.chat_job import ChatJob
+            from gpuformers.serving.completion_job import CompletionJob
+
+            cls = ChatJob if parsed.chat else CompletionJob
+        return super().__new__(cls)
 
     def __init__(self, state, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
         self.state, self.parsed, self.prompt_ids = state, parsed, prompt_ids
         self.max_tokens, self.loop = max_tokens, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
-        # A chat answer goes through the model's reasoning parser, if it has one: one parser per choice; a parser
-        # that reads special-token markers (harmony) gets the text decoded with them kept
-        reasoning_parser = state.reasoning_parser if parsed.chat else None
-        self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
-        skip = reasoning_parser is None or not reasoning_parser.keeps_special_tokens
-        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids, skip_special_tokens=skip)
-                        for _ in range(parsed.n)]
-        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids,
+                                   skip_special_tokens=not self.keep_special_tokens) for _ in range(parsed.n)]
+        self.id = self.id_prefix + uuid.uuid4().hex[:24]
         self.created = now()
         self.arrival = time.monotonic()
         self.last_token_time: list[float | None] = [None] * parsed.n
@@ -197,9 +210,6 @@ class Job:
         self._tick: asyncio.TimerHandle | None = None  # puts a CHECK_CLIENT into the queue (see _next)
         self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # per choice: a text chunk's JSON around the text
         self.closed = False
-        # A chat request with tools and tool_choice "auto": each choice's text goes through the model's tool-call
-        # parser (the server checked that it has one)
-        self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None
 
     def start(self, sampling_of) -> None:
         parsed = self.parsed
@@ -275,78 +285,22 @@ class Job:
 
     def _usage(self) -> dict:
         completion = sum(c.num_tokens_kept() for c in self.choices)
-        usage = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-                 "total_tokens": len(self.prompt_ids) + completion}
-        if self.reasoners is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": self._reasoning_tokens()}
-        return usage
-
-    def _reasoning_tokens(self) -> int:
-        """The generated tokens of the choices' think blocks, tags included (once their parsers finished)."""
-        count = 0
-        for choice, reasoner in zip(self.choices, self.reasoners):
-            if reasoner.reasoning_end is not None:
-                count += min(choice.detokenizer.num_tokens_for(reasoner.reasoning_end), choice.num_tokens_kept())
-        return count
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion}
 
     def _logprobs(self, choice: ChoiceText, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
         """The logprobs object of generated tokens [start, end) (end: all the answer covers); `offset` is the
         text position of token `start` (completions' text_offset)."""
         if not self.parsed.logprobs:
             return None
-        texts = self.state.token_texts
         end = choice.num_tokens_kept() if end is None else end
         ids, values = choice.token_ids[start:end], [_finite(v) for v in choice.logprobs[start:end]]
-        if self.parsed.chat:
-            strings = [texts[t] for t in ids]
-            # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-            tops = [[(texts[t], _finite(lp)) for t, lp in top] for top in choice.top_logprobs[start:end]]
-            tops += [[] for _ in range(len(strings) - len(tops))]
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                                 "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}
-                                                  for ts, tl in top]}
-                                for s, lp, top in zip(strings, values, tops)]}
-        return self._completion_logprobs(ids, values, choice.top_logprobs[start:end], offset)
+        return self._logprobs_object(ids, values, choice.top_logprobs[start:end], offset)
 
-    def _completion_logprobs(self, ids: list[int], values: list[float | None],
-                             tops: list[list[tuple[int, float]] | None], offset: int) -> dict:
-        """Completions' logprobs object: tokens, token_logprobs, top_logprobs (a dict per token of up to
-        logprobs + 1 entries: the most likely tokens and, as OpenAI does, always the chosen one; None for a
-        token without logprobs, the first of an echoed prompt) and text_offset (from `offset`)."""
-        texts = self.state.token_texts
-        strings = [texts[t] for t in ids]
-        offsets, position = [], offset
-        for s in strings:
-            offsets.append(position)
-            position += len(s)
-        top_dicts = None
-        if self.parsed.top_logprobs:
-            top_dicts = []
-            for string, value, top in zip(strings, values, tops + [[]] * (len(strings) - len(tops))):
-                if value is None:
-                    top_dicts.append(None)
-                    continue
-                alternatives: dict[str, float] = {}
-                for token_id, logprob in top:  # best first: a later token with the same text keeps the first
-                    alternatives.setdefault(texts[token_id], _finite(logprob))
-                alternatives.setdefault(string, _finite(value))
-                top_dicts.append(alternatives)
-        return {"tokens": strings, "token_logprobs": [_finite(v) for v in values], "top_logprobs": top_dicts,
-                "text_offset": offsets}
-
-    def _echo_text(self) -> str:
-        """The prompt as echo returns it: as the client sent it, or decoded when it sent token ids."""
-        return self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
-
-    def _echoed_logprobs(self, completion: dict) -> dict:
-        """The prompt's logprobs object (scored by choice 0's engine request) followed by the completion's."""
-        first = self.choices[0]
-        prompt = self._completion_logprobs(self.prompt_ids, list(first.prompt_logprobs),
-                                           list(first.prompt_top_logprobs), 0)
-        if len(prompt["token_logprobs"]) != len(self.prompt_ids):
-            raise APIError(500, f"the engine returned {len(prompt['token_logprobs'])} prompt logprobs for "
-                                f"{len(self.prompt_ids)} prompt tokens", type="server_error")
-        return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
+    def _logprobs_object(self, ids: list[int], values: list[float | None],
+                         tops: list[list[tuple[int, float]] | None], offset: int) -> dict:
+        """The kind's logprobs object of these tokens, their logprobs and (token id, logprob) alternatives."""
+        raise NotImplementedError
 
     async def whole(self, request) -> dict | None:
         """The whole answer once every choice finished (None when the client left first)."""
@@ -359,44 +313,21 @@ class Job:
         return self._body()
 
     def _body(self) -> dict:
-        choices = []
-        for index, choice in enumerate(self.choices):
-            if self.parsed.chat:
-                message, finish_reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
-                if self.reasoners is not None:
-                    message["reasoning_content"], message["content"] = self.reasoners[index].split(choice.text)
-                if self.tool_parser is not None:
-                    content, calls = self.tool_parser.parse(message["content"] or "")
-                    message["content"] = content or None
-                    if calls:
-                        message["tool_calls"] = [call.to_dict() for call in calls]
-                        finish_reason = "tool_calls"
-                choices.append({"index": index, "message": message, "logprobs": self._logprobs(choice),
-                                "finish_reason": finish_reason})
-            else:
-                prefix = self._echo_text() if self.parsed.echo else ""
-                logprobs = self._logprobs(choice, offset=len(prefix))
-                if self.parsed.echo and logprobs is not None:
-                    logprobs = self._echoed_logprobs(logprobs)
-                choices.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if self.parsed.chat else "text_completion",
-                "created": self.created, "model": self.parsed.model, "choices": choices, "usage": self._usage()}
+        choices = [self._choice_body(index, choice) for index, choice in enumerate(self.choices)]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.parsed.model,
+                "choices": choices, "usage": self._usage()}
 
-    def _chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-               logprobs: dict | None = None, tool_call: dict | None = None, reasoning: str | None = None) -> str:
-        if self.parsed.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            if tool_call is not None:
-                delta = {"tool_calls": [tool_call]}
-            if reasoning is not None:
-                delta = {"reasoning_content": reasoning}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-            kind = "text_completion"
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.parsed.model,
+    def _choice_body(self, index: int, choice: ChoiceText) -> dict:
+        """One finished choice as the whole answer lists it."""
+        raise NotImplementedError
+
+    def _chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None) -> str:
+        """One streamed chunk of choice `index`: new text (None: none), a finish reason (None: not finished)."""
+        raise NotImplementedError
+
+    def _chunk_of(self, choice: dict) -> str:
+        """The SSE event of a chunk holding this one choice entry."""
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.parsed.model,
                 "choices": [choice]}
         if self.parsed.include_usage:
             body["usage"] = None
@@ -413,21 +344,38 @@ class Job:
             around = self._text_chunk_parts[index] = (before, after)
         return around[0] + JSON.encode(text) + around[1]
 
+    def _opening(self) -> str:
+        """The chunks that open the stream, before any output (none: "")."""
+        return ""
+
+    def _add_deltas(self, events: list[str], index: int, choice: ChoiceText, text: str, reported: list[int],
+                    end: int) -> None:
+        """Append the chunks of choice `index`'s new `text` to `events` (the kind may hold some of it back)."""
+        if text:
+            self._add_text(events, index, choice, text, reported, end)
+
+    def _add_text(self, events: list[str], index: int, choice: ChoiceText, text: str, reported: list[int],
+                  end: int) -> None:
+        """A text chunk, with the logprobs of the tokens that arrived since the last chunk."""
+        logprobs = self._logprobs(choice, reported[index], end, choice.sent - len(text))
+        events.append(self._text_chunk(index, text) if logprobs is None
+                      else self._chunk(index, text, None, logprobs=logprobs))
+        reported[index] = max(reported[index], end)
+
+    def _finish_reason(self, index: int, choice: ChoiceText) -> str | None:
+        """The finish reason the stream's last chunk of a choice gives."""
+        return choice.finish_reason
+
     async def sse(self, request) -> AsyncIterator[str]:
-        """Server-sent events: a role chunk per choice (chat), text deltas (with a reasoning parser: first
-        {"reasoning_content": ...} deltas while the answer is inside its think block; with tools: a delta per complete
-        tool call, {"tool_calls": [{index, id, type, function: {name, arguments}}]}), a finish chunk per choice, the
-        usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the engine requests are
-        too. The chunks that one engine output makes (the last text, the finish chunk, the usage and [DONE]) go out
-        in one write."""
+        """Server-sent events: the kind's opening chunks, the deltas of each engine output (_add_deltas), a finish
+        chunk per choice, the usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the
+        engine requests are too. The chunks that one engine output makes (the last text, the finish chunk, the
+        usage and [DONE]) go out in one write."""
         reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
-        parsers = [self.tool_parser() for _ in range(self.parsed.n)] if self.tool_parser is not None else None
         try:
-            if self.parsed.chat:
-                yield "".join(self._chunk(index, None, None, role=True) for index in range(self.parsed.n))
-            elif self.parsed.echo:  # the prompt is each choice's first text chunk
-                prompt = self._echo_text()
-                yield "".join(self._chunk(index, prompt, None) for index in range(self.parsed.n))
+            opening = self._opening()
+            if opening:
+                yield opening
             events: list[str] = []  # the chunks of the latest engine output, not sent yet
             while not all(c.finished for c in self.choices):
                 if events:
@@ -441,41 +389,14 @@ class Job:
                     break
                 # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
                 end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
-                if self.reasoners is not None:  # the think block's text goes out as reasoning; a possible tag waits
-                    reasoning, text = self.reasoners[index].feed(text)
-                    if choice.finished:
-                        more_reasoning, more_text = self.reasoners[index].finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
-                    if reasoning:
-                        events.append(self._chunk(index, None, None, reasoning=reasoning,
-                                                  logprobs=self._logprobs(choice, reported[index], end)))
-                        reported[index] = max(reported[index], end)
-                calls = []
-                if parsers is not None:  # the calls come out of the text; text that may open a call waits
-                    text, calls = parsers[index].feed(text)
-                    if choice.finished:
-                        rest, more = parsers[index].finish()
-                        text, calls = text + rest, calls + more
-                if text:
-                    logprobs = self._logprobs(choice, reported[index], end, choice.sent - len(text))
-                    events.append(self._text_chunk(index, text) if logprobs is None
-                                  else self._chunk(index, text, None, logprobs=logprobs))
-                    reported[index] = max(reported[index], end)
-                first = len(parsers[index].calls) - len(calls) if calls else 0  # the first new call's index
-                for position, call in enumerate(calls, first):
-                    events.append(self._chunk(index, None, None, logprobs=self._logprobs(choice, reported[index], end),
-                                              tool_call={"index": position, **call.to_dict()}))
-                    reported[index] = max(reported[index], end)
+                self._add_deltas(events, index, choice, text, reported, end)
                 if choice.finished:
-                    called = parsers is not None and parsers[index].calls
-                    events.append(self._chunk(index, None if self.parsed.chat else "",
-                                              "tool_calls" if called else choice.finish_reason,
+                    events.append(self._chunk(index, None, self._finish_reason(index, choice),
                                               logprobs=self._logprobs(choice, reported[index], end, choice.sent)))
                     reported[index] = max(reported[index], end)
             if self.parsed.include_usage:
-                body = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat else "text_completion",
-                        "created": self.created, "model": self.parsed.model, "choices": [],
-                        "usage": self._usage()}
+                body = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                        "model": self.parsed.model, "choices": [], "usage": self._usage()}
                 events.append(f"data: {json.dumps(body)}\n\n")
             events.append("data: [DONE]\n\n")
             yield "".join(events)

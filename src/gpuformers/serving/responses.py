@@ -1,7 +1,8 @@
-"""OpenAI's Responses API (/v1/responses) answered from a Job: one choice, as a Response object or as the typed
-events the openai client parses. The request itself is validated by protocol.parse_response into a chat request.
-With a reasoning parser (reasoning.py) the answer's think block becomes a reasoning item, {"type": "reasoning",
-"summary": [], "content": [{"type": "reasoning_text", "text": ...}]}, before the message that holds the rest.
+"""OpenAI's Responses API (/v1/responses) answered from a chat Job (chat_job.py): one choice, as a Response object or
+as the typed events the openai client parses. The request itself is validated by protocol.parse_response into a chat
+request. With a reasoning parser (reasoning.py) the answer's think block becomes a reasoning item,
+{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": ...}]}, before the message that
+holds the rest.
 
 Offers: ResponseJob.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 import uuid
 from typing import AsyncIterator
 
-from gpuformers.serving.job import JSON, Job, now
+from gpuformers.serving.chat_job import ChatJob
+from gpuformers.serving.job import JSON, now
 
 
-class ResponseJob(Job):
+class ResponseJob(ChatJob):
     """A Responses API request: its one choice answered as a Response object, whole or as typed events in OpenAI's
     order, each with the next sequence_number (from 0):
 

@@ -1,0 +1,45 @@
+"""The routes of `gpuformers serve` that are about the server rather than a request for text: GET /health (503 while
+the engine is not running), GET /metrics (Prometheus text, metrics.py) and GET /v1/models (the model and its LoRA
+adapters). Each handler reads the app's ServerState from `request.app.state.serving`; the runtime LoRA routes are
+lora_routes.py's.
+
+Offers: health, metrics, models (the handlers), add_routes.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from gpuformers.serving.api_error import error_body
+from gpuformers.serving.http import check_api_key
+from gpuformers.serving.server_state import ServerState
+
+
+async def health(request: Request):
+    state: ServerState = request.app.state.serving
+    if not state.manager.is_running():
+        return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+    return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    state: ServerState = request.app.state.serving
+    return PlainTextResponse(state.metrics.render(state.manager, state.engine.in_flight),
+                             media_type="text/plain; version=0.0.4")
+
+
+async def models(request: Request):
+    state: ServerState = request.app.state.serving
+    check_api_key(request, state.api_key)
+    card = {"object": "model", "created": state.created, "owned_by": "gpuformers",
+            "max_model_len": state.max_model_len}
+    # LoRA adapters (--lora-modules) are models of their own whose parent is the base, as vLLM lists them
+    adapters = [{"id": name, **card, "parent": state.model_name} for name in state.manager.adapters]
+    return {"object": "list", "data": [{"id": state.model_name, **card, "parent": None}, *adapters]}
+
+
+def add_routes(app: FastAPI) -> None:
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
