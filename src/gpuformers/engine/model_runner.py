@@ -123,6 +123,15 @@ class ModelRunner:
 
     # --- inputs -------------------------------------------------------------------------------------------------
 
+    def reserve_cache(self) -> None:
+        """Write every page of the KV cache once, so that its memory is taken now rather than page by page as
+        sequences first reach it (on the CPU the cache starts unwritten, see __init__). A long-running server calls
+        this at start: its memory then stays flat under traffic, and a machine without room for the cache fails at
+        start-up instead of at the busiest moment. A no-op on a GPU, where the cache starts zeroed."""
+        if self.device.type != "cuda":
+            for cache in (*self.key_caches, *self.value_caches):
+                cache.zero_()
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
         """-> input_ids (1, total), position_ids (1, total), the step's PagedContext, rows of the tokens to sample."""
         bs = self.block_size

@@ -166,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                       max_memory_percent=args.gpu_memory_utilization)
     _drop_unhonoured_defaults(model)
     manager = model.init_continuous_batching(continuous_batching_config=config, adapters=adapters)
+    manager.runner.reserve_cache()  # the server's RSS is its whole footprint from the start (model_runner.py)
     if processes > 1:
         manager.run_in_lockstep()
         if not distributed.is_main_process():
