@@ -209,6 +209,7 @@ class GGUFCheckpoint(GGUFConfigMixin):
                 if values is None:
                     values = torch.from_numpy(np.ascontiguousarray(dequantize(chunk, qtype), dtype=np.float32))
             out[start : start + step] = values.reshape(-1, cols).to(dtype)
+        self._reader.release(rows)
         out = out.reshape(shape)
         if plus_one:
             return (out - 1.0).to(final_dtype)
