@@ -132,7 +132,10 @@ def test_huge_prompt_does_not_stall_other_streams(server):
     assert error_of(huge, 400)["code"] == "context_length_exceeded"
     during = [t for t in times if start <= t <= end]
     longest_pause = max(b - a for a, b in zip([start, *during], [*during, end]))
-    assert longest_pause < (end - start) / 3, (longest_pause, end - start)
+    # The freeze this guards against lasted seconds. Since the character bound refuses such a prompt before any
+    # tokenizing, the whole request takes a fraction of a second, much of it this process sending 3.6 MB while
+    # holding the GIL the stream's reader thread needs: a pause under 0.5 s is no freeze.
+    assert longest_pause < max((end - start) / 3, 0.5), (longest_pause, end - start)
     wait_idle(server)
 
 

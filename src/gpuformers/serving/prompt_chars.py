@@ -16,8 +16,6 @@ Offers: NORMALIZER_FACTOR, PromptChars.
 
 from __future__ import annotations
 
-import threading
-
 from gpuformers.serving.api_error import APIError
 
 NORMALIZER_FACTOR = 4
@@ -25,30 +23,21 @@ NORMALIZER_FACTOR = 4
 
 class PromptChars:
     """The character limit of one prompt for `tokenizer` and a context of `max_model_len` tokens. The longest token
-    is looked up the first time a prompt is long enough to need it (reading a 150k vocabulary takes ~0.4 s), so call
-    `check` off the event loop."""
+    is found when the server is built, before it serves: reading a 150k vocabulary takes ~0.4 s in one call into the
+    tokenizer that holds the GIL, which on the first long prompt froze every other stream for that long (even from a
+    worker thread)."""
 
     def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._longest_token: int | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def longest_token(self) -> int:
-        """The characters of the vocabulary's longest entry (added and special tokens included)."""
-        with self._lock:
-            if self._longest_token is None:
-                self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
-            return self._longest_token
+        # The characters of the vocabulary's longest entry (added and special tokens included).
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
 
     @property
     def limit(self) -> int:
         return self.max_model_len * self.longest_token * NORMALIZER_FACTOR
 
     def fits(self, chars: int) -> bool:
-        # A token is at least one character: a prompt this short never needs the vocabulary read
-        return chars <= self.max_model_len * NORMALIZER_FACTOR or chars <= self.limit
+        return chars <= self.limit
 
     def check(self, chars: int, field: str, where: str | None = None) -> None:
         """A 400 (context_length_exceeded) naming `field` when `chars` characters cannot fit the context."""
