@@ -3,6 +3,8 @@ CPU the cache starts unwritten, and without the reservation the server's RSS gre
 until every page had been reached (issue 24; benchmarks/bench_main_job_memory.py measures a real server)."""
 
 import mmap
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,9 @@ def _resident_fraction(tensor: torch.Tensor) -> float:
     return float(((entries >> np.uint64(63)) & np.uint64(1)).mean())
 
 
-@pytest.mark.skipif(not PAGEMAP.exists(), reason="reads the process's page map (Linux)")
-def test_reserve_cache_takes_the_whole_cache_at_once_and_requests_still_run():
+def check_reservation():
+    """The checks, run in a fresh process: in a long-lived test worker, malloc may hand the cache a freed (and so
+    already resident) stretch of its heap, which no new server process has."""
     model = tiny_model()
     manager = model.init_continuous_batching(num_blocks=4095, block_size=16, eos_token_id=None)
     caches = (*manager.runner.key_caches, *manager.runner.value_caches)
@@ -39,3 +42,11 @@ def test_reserve_cache_takes_the_whole_cache_at_once_and_requests_still_run():
     manager.run_until_done()
     assert len(manager.get_result(request, timeout=0).generated_tokens) == 4
     manager.stop()
+
+
+@pytest.mark.skipif(not PAGEMAP.exists(), reason="reads the process's page map (Linux)")
+def test_reserve_cache_takes_the_whole_cache_at_once_and_requests_still_run():
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", "from tests.engine.test_cache_reservation import check_reservation;"
+                           " check_reservation()"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
