@@ -101,8 +101,8 @@ class EagerFloor:
     tensor calls (q/k/v and gate/up weights concatenated, one rotary for q and k, no modules, no hooks, no checks,
     a preallocated cache). It gives the same tokens as the model; its speed is the floor of every eager decode on
     this machine, against which the eager goal can be judged. Its matmuls and norms are the ones our generate()
-    picks here at batch 1 (kernels/cpu_matmul_probe.py: each weight in the form measured fastest at one row;
-    layers/norm.py's CPU norm), so the gap to it is overhead alone."""
+    picks here at batch 1 (kernels/cpu_matmul_probe.py: each weight in the form measured fastest at one row),
+    so the gap to it is overhead alone."""
 
     def __init__(self, model, max_length: int):
         cfg = model.config
@@ -117,7 +117,6 @@ class EagerFloor:
                                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
         self.embed, self.norm, self.head = model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight
         from gpuformers.kernels.cpu_matmul_probe import COLUMNS, PACK_HINT_ROWS, PACKED, one_row_form
-        from gpuformers.layers.norm import cpu_rms_normalize
 
         def matmul(weight):  # (out, in) -> x -> x @ weight.T in the form our generate() takes at batch 1 here
             weight = weight.detach()
@@ -133,7 +132,6 @@ class EagerFloor:
                        for ln1, ln2, qkv, qn, kn, o, gu, down in self.layers]
         self.head = matmul(self.head)
         self.inv_freq = model.model.rotary_emb.inv_freq
-        self.normalize = cpu_rms_normalize
         shape = (1, self.kv_heads, max_length, self.head_dim)
         self.keys = [torch.zeros(shape) for _ in self.layers]
         self.values = [torch.zeros(shape) for _ in self.layers]
@@ -141,10 +139,10 @@ class EagerFloor:
     @torch.inference_mode()
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         F = torch.nn.functional
-        h, kv, d, eps, normalize = self.heads, self.kv_heads, self.head_dim, self.eps, self.normalize
+        h, kv, d, eps = self.heads, self.kv_heads, self.head_dim, self.eps
 
-        def rms_norm(x, weight):  # layers/norm.py's CPU norm: F.rms_norm's numbers in fewer ops
-            return normalize(x, eps) * weight
+        def rms_norm(x, weight):  # layers/norm.py's float32 norm
+            return F.rms_norm(x, weight.shape, weight, eps)
 
         x = self.embed[token].view(1, 1, self.hidden)
         freqs = pos * self.inv_freq

@@ -28,20 +28,15 @@ pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch buil
 
 def _spy_on_sibling_matmuls(monkeypatch) -> list[int]:
     """The row counts of the packed sibling-group calls (q/k/v, gate/up) from now on, in a list that fills up: a
-    layer's forward, or all the group's outputs at once (generate()'s flat decode step, models/decode_step.py)."""
+    layer's forward."""
     rows_seen = []
-    packed_forward, packed_outputs = cpu_linear._PackedGroup.forward, cpu_linear._PackedGroup.outputs
+    packed_forward = cpu_linear._PackedGroup.forward
 
     def spy(self, index, x):
         rows_seen.append(x.numel() // x.shape[-1])
         return packed_forward(self, index, x)
 
-    def spy_outputs(self, x):
-        rows_seen.append(x.numel() // x.shape[-1])
-        return packed_outputs(self, x)
-
     monkeypatch.setattr(cpu_linear._PackedGroup, "forward", spy)
-    monkeypatch.setattr(cpu_linear._PackedGroup, "outputs", spy_outputs)
     return rows_seen
 
 
@@ -448,18 +443,3 @@ def test_each_form_equals_f_linear_and_a_recorded_backward_takes_f_linear(monkey
     with torch.enable_grad(), copies.active():
         x = torch.randn(4, 64, requires_grad=True)
         assert torch.equal(module.gate_proj(x), F.linear(x, module.gate_proj.weight, module.gate_proj.bias))
-
-
-def test_sibling_outputs_gives_the_forwards_outputs_for_exactly_one_groups_forwards():
-    model = tiny_model("qwen2", qkv_bias=True)
-    attn = model.model.layers[0].self_attn
-    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
-    x = torch.randn(1, 3, 64)
-    assert cpu_linear.sibling_outputs([layer.forward for layer in layers]) is None  # no copies in use
-    with torch.no_grad(), cpu_linear.packed_linears(model).active():
-        calls = [layer.forward for layer in layers]
-        outputs = cpu_linear.sibling_outputs(calls)
-        assert outputs is not None
-        got, want = outputs(x), [call(x) for call in calls]
-        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
-        assert cpu_linear.sibling_outputs(calls[::-1]) is None and cpu_linear.sibling_outputs(calls[:2]) is None

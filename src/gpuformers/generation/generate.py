@@ -167,12 +167,11 @@ class GenerationMixin(GenerationPreparation):
             # (hidden states come from the eager forward: a compiled step returns only what it was compiled for)
             forward = self if _wants_hidden_states(config) else self._decode_forward(config, cache)
             from gpuformers.kernels.cpu_linear import cpu_matmuls
-            from gpuformers.models.modeling import keep_plain_calls  # (modeling imports this module)
 
             # (an assisted step verifies several tokens per row: the main model's copies are for many rows)
             with self._cpu_matmuls(forward, None if assisted else rows), (
                     cpu_matmuls(assistant_model, rows) if assistant_model is not None
-                    else contextlib.nullcontext()), keep_plain_calls():
+                    else contextlib.nullcontext()):
                 if assisted:
                     out = assisted_decoding(self, assistant_model, input_ids, step_inputs, config, processors,
                                             criteria, streamer)

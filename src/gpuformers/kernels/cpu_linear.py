@@ -29,7 +29,7 @@ use begins. The cost is up to the linear weights' size again in memory where PAC
 generate() and an engine on it while they want the same forms.
 
 Offers: PackedLinears, cpu_matmuls, one_shot, packed_linears, packed_for, release, packable_linears, available_ram,
-copies_fit, row_bucket, sibling_outputs, SIBLINGS.
+copies_fit, row_bucket, SIBLINGS.
 """
 
 from __future__ import annotations
@@ -183,13 +183,6 @@ class _PackedGroup:
             out = last.outputs[index]
         return out  # (..., out_features)
 
-    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every layer's output for x, the numbers its forward gives (for callers without autograd, which need
-        all of them at once: nothing is kept)."""
-        if not self._serves(x):
-            return tuple(F.linear(x, layer.weight, layer.bias) for layer in self.layers)
-        return self._run(x).split_with_sizes(self.widths, -1)
-
     def forward_one(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a group of one layer: nothing to share, so nothing kept."""
         if not self._serves(x):
@@ -211,19 +204,6 @@ def row_bucket(rows: int) -> int:
         return rows
     step = 1 << ((rows - 1).bit_length() - 3)
     return -(-rows // step) * step
-
-
-def sibling_outputs(calls: list):
-    """For plain_calls' answers for sibling layers (q/k/v, say): their group's `outputs` (x -> every layer's
-    output from one matmul) when the calls are exactly that group's forwards in its order, else None."""
-    group = getattr(getattr(calls[0], "func", None), "__self__", None)
-    if not isinstance(group, _PackedGroup) or len(calls) != len(group.layers):
-        return None
-    for index, call in enumerate(calls):
-        if not (isinstance(call, functools.partial) and getattr(call.func, "__self__", None) is group
-                and call.func.__func__ is _PackedGroup.forward and call.args == (index,) and not call.keywords):
-            return None
-    return group.outputs
 
 
 def _version(t: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests)
 kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
 
 Offers: Mode, KernelConfig, kernelize, rekernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
-register_layer_kernel, layer_names, active_kernel_functions, in_kernelized_forward, DISABLE_ENV.
+register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV.
 """
 
 from __future__ import annotations
@@ -349,12 +349,6 @@ def _exit_functions(state: _KernelState):
             _ACTIVE_DEPTH -= 1
 
     return hook
-
-
-def in_kernelized_forward() -> bool:
-    """Whether a kernelized model's forward is running (its function kernels may be in force), without building
-    the dict of them: a check for every decode step (models/decode_step.py)."""
-    return _ACTIVE_DEPTH > 0
 
 
 def active_kernel_functions() -> dict[str, Callable]:

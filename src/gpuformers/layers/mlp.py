@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuformers.models.modeling import plain_calls
 
 
 class GatedMLP(nn.Module):
@@ -25,5 +24,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_proj, up_proj, down_proj = plain_calls(self, "gate_proj", "up_proj", "down_proj")
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         return down_proj(F.silu(gate_proj(x)) * up_proj(x))

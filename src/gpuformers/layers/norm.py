@@ -3,7 +3,7 @@
 Computed in float32 and cast back, like transformers, so that bfloat16 models give the same numbers.
 `kernel_layer_name` marks the layer for `use_kernels=True` (a fused Triton kernel may replace its forward).
 
-Offers: RMSNorm, add_rms_norm, cpu_rms_normalize, cpu_rms_norm_applies.
+Offers: RMSNorm, add_rms_norm.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if cpu_rms_norm_applies(hidden_states, weight):
-            return cpu_rms_normalize(hidden_states, self.variance_epsilon) * weight
         input_dtype = hidden_states.dtype
         if input_dtype == torch.float32 and weight.dtype == torch.float32:
             # One fused op; the same arithmetic as below when nothing needs upcasting.
@@ -38,29 +36,6 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-# (size, eps) -> both as float32 tensors of one element, for cpu_rms_normalize
-_CPU_CONSTANTS: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def cpu_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether RMSNorm computes with cpu_rms_normalize: float32 on the CPU without autograd (F.rms_norm
-    otherwise: one kernel on the GPU, and its own backward)."""
-    return x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled()
-
-
-def cpu_rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension: F.rms_norm without its weight, bitwise, for float32 on the CPU.
-
-    torch computes F.rms_norm there as these same ops (mean is sum then div_, the weight multiplies last) but wraps
-    its two Python numbers into tensors at every call; given as tensors, a decode-sized norm takes 5.5 us instead
-    of 8. Each row is reduced on its own, so normalising several tensors concatenated gives each one's numbers."""
-    size = x.shape[-1]
-    constants = _CPU_CONSTANTS.get((size, eps))
-    if constants is None:
-        constants = _CPU_CONSTANTS[(size, eps)] = (torch.tensor(float(size)), torch.tensor(eps))
-    return x * (x * x).sum(-1, keepdim=True).div_(constants[0]).add_(constants[1]).rsqrt_()
 
 
 @use_kernel_function("AddRMSNorm")  # use_kernels=True: one Triton kernel reads both inputs and writes both outputs

@@ -45,7 +45,6 @@ from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.rotary import RotaryEmbedding
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
-from gpuformers.models.modeling import plain_calls
 
 
 class GemmaConfig(ModelConfig):
@@ -183,7 +182,7 @@ class GemmaMLP(GatedMLP):
         self.approximate = "tanh" if config.mlp_activation == "gelu_pytorch_tanh" else "none"  # checked in GemmaConfig
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_proj, up_proj, down_proj = plain_calls(self, "gate_proj", "up_proj", "down_proj")
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         return down_proj(F.gelu(gate_proj(x), approximate=self.approximate) * up_proj(x))
 
 
@@ -201,8 +200,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, post_norm, mlp = plain_calls(self, "input_layernorm", "self_attn", "post_attention_layernorm",
-                                                       "mlp")
+        input_norm, attn, post_norm, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
         hidden_states = hidden_states + attn(input_norm(hidden_states), position_embeddings, attention_mask,
                                              past_key_values, cache_position)
         return hidden_states + mlp(post_norm(hidden_states))
@@ -240,9 +238,7 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, post_attn_norm, pre_mlp_norm, mlp, post_mlp_norm = plain_calls(
-            self, "input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
-            "post_feedforward_layernorm")
+        input_norm, attn, post_attn_norm, pre_mlp_norm, mlp, post_mlp_norm = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values,
                         cache_position)
         hidden_states = hidden_states + post_attn_norm(attn_out)
@@ -262,7 +258,7 @@ class Gemma3Attention(Gemma2Attention):
 
     def project_qk(self, q, k):
         # q, k: (batch, seq, heads, head_dim); the norms run over head_dim.
-        q_norm, k_norm = plain_calls(self, "q_norm", "k_norm")
+        q_norm, k_norm = self.q_norm, self.k_norm
         return q_norm(q), k_norm(k)
 
     def position_qk(self, q, k, position_embeddings):

@@ -38,7 +38,6 @@ from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from gpuformers.models.modeling import plain_calls
 from gpuformers.models.phi3 import Phi3MLP
 
 # transformers' GlmConfig / Glm4Config values for the fields a config.json may omit (GLM-4-9B's).
@@ -130,8 +129,7 @@ class Glm4DecoderLayer(GlmDecoderLayer):
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, attn_out_norm, mlp, mlp_out_norm = plain_calls(
-            self, "input_layernorm", "self_attn", "post_self_attn_layernorm", "mlp", "post_mlp_layernorm")
+        input_norm, attn, attn_out_norm, mlp, mlp_out_norm = self.input_layernorm, self.self_attn, self.post_self_attn_layernorm, self.mlp, self.post_mlp_layernorm
         attn_out = attn_out_norm(
             attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position))
         # residual add + the MLP's input norm: still one fused kernel with use_kernels=True

@@ -40,7 +40,7 @@ from gpuformers.layers.attention import AttentionInterface
 from gpuformers.loading.fan_out import FanOut
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaForCausalLM, LlamaModel
-from gpuformers.models.modeling import PreTrainedModel, plain_calls
+from gpuformers.models.modeling import PreTrainedModel
 
 # activation_function -> the function; gelu_new and gelu_fast are transformers' names for the tanh approximation
 ACTIVATIONS = {
@@ -172,7 +172,7 @@ class GPT2Attention(nn.Module):
 
     def forward(self, hidden_states, attention_mask, past_key_values, cache_position=None):
         batch, seq, _ = hidden_states.shape
-        c_attn, c_proj = plain_calls(self, "c_attn", "c_proj")
+        c_attn, c_proj = self.c_attn, self.c_proj
         # (batch, seq, 3 hidden) -> q, k, v each (batch, heads, seq, head_dim); heads from the width: under tensor
         # parallelism c_attn gives this process's share of the heads
         q, k, v = c_attn(hidden_states).view(batch, seq, 3, -1, self.head_dim).transpose(1, 3).unbind(2)
@@ -194,7 +194,7 @@ class GPT2MLP(nn.Module):
         self.resid_pdrop = float(config.extra["resid_pdrop"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c_fc, c_proj = plain_calls(self, "c_fc", "c_proj")
+        c_fc, c_proj = self.c_fc, self.c_proj
         return F.dropout(c_proj(self.act(c_fc(x))), self.resid_pdrop, self.training)
 
 
@@ -208,7 +208,7 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(config)
 
     def forward(self, hidden_states, attention_mask, past_key_values, cache_position=None):
-        ln_1, attn, ln_2, mlp = plain_calls(self, "ln_1", "attn", "ln_2", "mlp")
+        ln_1, attn, ln_2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
         hidden_states = hidden_states + attn(ln_1(hidden_states), attention_mask, past_key_values, cache_position)
         return hidden_states + mlp(ln_2(hidden_states))
 
@@ -236,12 +236,11 @@ class GPT2Decoder(LlamaModel):
     def _run_layers(self, inputs_embeds, position_ids, masks, past_key_values, cache_position, output_hidden_states):
         # position_ids (batch or 1, seq): absolute positions, the row's own (left padding shifts them, as in
         # transformers' generate; the engine gives each sequence its own)
-        wpe, drop = plain_calls(self, "wpe", "drop")
-        hidden_states = drop(inputs_embeds + wpe(position_ids))
+        hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
         all_hidden = [hidden_states] if output_hidden_states else None
         mask = masks[None]
-        for forward in plain_calls(self.h, *self.h._modules):
-            hidden_states = forward(hidden_states, mask, past_key_values, cache_position)
+        for layer in self.h:
+            hidden_states = layer(hidden_states, mask, past_key_values, cache_position)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
         hidden_states = self.ln_f(hidden_states)

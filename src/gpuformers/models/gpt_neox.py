@@ -52,7 +52,6 @@ from gpuformers.layers.rotary import apply_rotary_pos_emb, rotary_dim
 from gpuformers.loading.fan_out import FanOut
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from gpuformers.models.modeling import plain_calls
 
 # hidden_act -> F.gelu's `approximate`: transformers' gelu is the exact (erf) one, the others its tanh form.
 _GELU_APPROXIMATIONS = {"gelu": "none", "gelu_fast": "tanh", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -179,7 +178,7 @@ class GPTNeoXAttention(LlamaAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         batch, seq, _ = hidden_states.shape
-        query_key_value, dense = plain_calls(self, "query_key_value", "dense")
+        query_key_value, dense = self.query_key_value, self.dense
         # (batch, seq, heads, 3 * head_dim): each head's q, k and v side by side. The heads are read from the
         # width, as the llama layer reads them.
         qkv = query_key_value(hidden_states).view(batch, seq, -1, 3 * self.head_dim)
@@ -197,7 +196,7 @@ class GPTNeoXMLP(nn.Module):
         self.approximate = _GELU_APPROXIMATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dense_h_to_4h, dense_4h_to_h = plain_calls(self, "dense_h_to_4h", "dense_4h_to_h")
+        dense_h_to_4h, dense_4h_to_h = self.dense_h_to_4h, self.dense_4h_to_h
         return dense_4h_to_h(F.gelu(dense_h_to_4h(x), approximate=self.approximate))
 
 
@@ -214,8 +213,7 @@ class GPTNeoXLayer(LlamaDecoderLayer):
         self.hidden_dropout = float(config.extra["hidden_dropout"])
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, post_norm, attn, mlp = plain_calls(self, "input_layernorm", "post_attention_layernorm",
-                                                       "self_attn", "mlp")
+        input_norm, post_norm, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         attn_out = self._dropout(attn(input_norm(hidden_states), position_embeddings, attention_mask,
                                       past_key_values, cache_position))
         if self.use_parallel_residual:

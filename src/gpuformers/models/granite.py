@@ -21,7 +21,6 @@ import torch
 from gpuformers.layers.norm import add_rms_norm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from gpuformers.models.modeling import plain_calls
 
 
 class GraniteConfig(ModelConfig):
@@ -48,7 +47,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         self.residual_multiplier = float(config.extra["residual_multiplier"])
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, mlp = plain_calls(self, "input_layernorm", "self_attn", "mlp")
+        input_norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         normed, hidden_states = add_rms_norm(attn_out * self.residual_multiplier, hidden_states,
                                              self.post_attention_layernorm)

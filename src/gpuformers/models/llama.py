@@ -5,8 +5,6 @@
 
 Differences between families live in ModelConfig: q/k/v biases (Qwen2), sliding-window layers (Mistral, Qwen2),
 q/k RMSNorm (Qwen3, a subclass in qwen3.py). Module and parameter names are the Hugging Face checkpoint keys.
-Modules call their submodules through modeling.plain_calls: straight to forward unless a hook is registered, since
-nn.Module.__call__ is a tenth of a decode step's time at batch 1.
 
 Offers: LlamaAttention, LlamaDecoderLayer, LlamaModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
 """
@@ -25,8 +23,7 @@ from gpuformers.layers.moe import host_syncing_modules
 from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from gpuformers.models.config import ModelConfig
-from gpuformers.models.decode_step import decode_step_for
-from gpuformers.models.modeling import PreTrainedModel, plain_calls
+from gpuformers.models.modeling import PreTrainedModel
 from gpuformers.models.outputs import CausalLMOutput
 
 
@@ -76,7 +73,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values: Cache | None,
                 cache_position: torch.Tensor | None = None):
         batch, seq, _ = hidden_states.shape
-        q_proj, k_proj, v_proj, o_proj = plain_calls(self, "q_proj", "k_proj", "v_proj", "o_proj")
+        q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
         q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)
         k = k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         v = v_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -94,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, mlp = plain_calls(self, "input_layernorm", "self_attn", "mlp")
+        input_norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         # residual add + post-attention norm: one fused kernel with use_kernels=True
         normed, hidden_states = add_rms_norm(attn_out, hidden_states, self.post_attention_layernorm)
@@ -159,14 +156,10 @@ class LlamaModel(nn.Module):
 
     def _run_layers(self, inputs_embeds, position_ids, masks, past_key_values, cache_position, output_hidden_states):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        if inputs_embeds.shape[1] == 1 and cache_position is None and not output_hidden_states:
-            step = decode_step_for(self)  # a generate() decode step: the layers' calls, found at its first step
-            if step is not None:
-                return step(inputs_embeds, position_embeddings, masks, past_key_values), None
         hidden_states = inputs_embeds
         all_hidden = [hidden_states] if output_hidden_states else None
-        for layer, forward in zip(self.layers, plain_calls(self.layers, *self.layers._modules)):
-            hidden_states = forward(
+        for layer in self.layers:
+            hidden_states = layer(
                 hidden_states, position_embeddings, masks[layer.self_attn.sliding_window], past_key_values,
                 cache_position,
             )

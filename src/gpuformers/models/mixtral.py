@@ -35,7 +35,6 @@ from gpuformers.layers.norm import add_rms_norm
 from gpuformers.loading.fan_out import FanOut, fused_experts
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
-from gpuformers.models.modeling import plain_calls
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
 from gpuformers.tensor_parallel import LLAMA_TP_PLAN
 
@@ -82,7 +81,7 @@ class MixtralExpert(nn.Module):
     down_proj = property(lambda self: self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = plain_calls(self, "w1", "w2", "w3")
+        w1, w2, w3 = self.w1, self.w2, self.w3
         return w2(F.silu(w1(x)) * w3(x))
 
 
@@ -117,7 +116,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         self.block_sparse_moe = MixtralSparseMoeBlock(config)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        input_norm, attn, moe = plain_calls(self, "input_layernorm", "self_attn", "block_sparse_moe")
+        input_norm, attn, moe = self.input_layernorm, self.self_attn, self.block_sparse_moe
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         normed, hidden_states = add_rms_norm(attn_out, hidden_states, self.post_attention_layernorm)
         return hidden_states + moe(normed)

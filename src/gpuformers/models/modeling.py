@@ -1,7 +1,7 @@
 """PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice,
 and, through its mixins, generate() and continuous batching.
 
-Offers: PreTrainedModel, skip_init, plain_calls, keep_plain_calls, kept_answer, decoder_layers,
+Offers: PreTrainedModel, skip_init, decoder_layers,
 checkpoint_decoder_layers, uncheckpoint_decoder_layers.
 """
 
@@ -10,13 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from gpuformers.engine.mixin import ContinuousBatchingMixin
 from gpuformers.generation.generate import GenerationMixin
@@ -41,87 +38,6 @@ def skip_init():
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-def plain_calls(module: nn.Module, *names: str) -> list:
-    """The submodules `names` of `module` as things to call with the same result: each one's bound `forward` (an
-    nn.Linear's as F.linear on its weights) when nn.Module.__call__ would only call forward, else the submodules
-    themselves, so hooks (device_map, tensor parallelism, FSDP2, a user's) run as usual. __call__ only calls
-    forward when no hook is registered on any of them or for every module, none was module.compile()d and
-    torch.compile is not tracing.
-
-    A decoder layer calls 14 modules per token; at batch 1 on the CPU each __call__ (and each weight read
-    through nn.Module.__getattr__) costs about 1 us, a tenth of a small model's decode step; this check costs a
-    fifth of that. A forward replaced on the instance (use_kernels, gradient checkpointing, accelerate-style
-    wrappers) is what `.forward` finds, so it still runs.
-
-    Inside keep_plain_calls() (a generate() call) each answer is kept and given again for the same question."""
-    children = module._modules
-    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
-            or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks
-            or torch.compiler.is_compiling()):
-        return [children[name] for name in names]
-    kept = getattr(_kept, "answers", None)
-    if kept is not None:
-        answer = kept.get((module, names))
-        if answer is not None:
-            return answer
-    answer = _plain_calls(children, names)
-    if kept is not None:
-        kept[(module, names)] = answer
-    return answer
-
-
-@contextlib.contextmanager
-def keep_plain_calls():
-    """Within the block, plain_calls keeps its answers: a module's hooks, compiled state and instance forward are
-    taken as they were at its first call in the block (generate() runs its decode loop in one, where they do not
-    change; a hook registered during the call takes effect from the next). ~5% of a small model's CPU decode step.
-    Per thread; nested blocks share the outer one's answers."""
-    outer = getattr(_kept, "answers", None)
-    if outer is None:
-        _kept.answers = {}
-    try:
-        yield
-    finally:
-        if outer is None:
-            _kept.answers = None
-
-
-_kept = threading.local()
-
-
-def kept_answer(key, build):
-    """Inside keep_plain_calls(): build()'s answer for `key`, built at the first ask in the block and given again
-    after (None is an answer too); outside a block: None, without building. For what is derived from plain_calls'
-    answers (models/decode_step.py), so it lives exactly as long as they do."""
-    kept = getattr(_kept, "answers", None)
-    if kept is None:
-        return None
-    if key not in kept:
-        kept[key] = build()
-    return kept[key]
-
-
-def _plain_calls(children: dict, names: tuple[str, ...]) -> list:
-    subs = [children[name] for name in names]
-    forwards = []
-    for m in subs:
-        if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
-                or m._compiled_call_impl is not None):
-            return subs
-        params, attrs = m._parameters, m.__dict__
-        if (type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "weight" in params and "bias" in params
-                and "forward" not in attrs and "weight" not in attrs and "bias" not in attrs):
-            # nn.Linear.forward without its frame and its two nn.Module.__getattr__ look-ups (which find these
-            # same tensors: nothing shadows them in the instance's __dict__, as FSDP1's views would)
-            forwards.append(functools.partial(F.linear, weight=params["weight"], bias=params["bias"]))
-        else:
-            forwards.append(m.forward)
-    return forwards
-
-
-_LINEAR_FORWARD = nn.Linear.forward
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

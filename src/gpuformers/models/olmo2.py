@@ -21,7 +21,6 @@ import torch
 from gpuformers.layers.norm import RMSNorm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from gpuformers.models.modeling import plain_calls
 
 
 class Olmo2Config(ModelConfig):
@@ -55,7 +54,7 @@ class Olmo2Attention(LlamaAttention):
 
     def project_qk(self, q, k):
         # q (batch, seq, heads, head_dim): the norm runs over heads * head_dim, as over q_proj's output
-        q_norm, k_norm = plain_calls(self, "q_norm", "k_norm")
+        q_norm, k_norm = self.q_norm, self.k_norm
         return q_norm(q.flatten(2)).view_as(q), k_norm(k.flatten(2)).view_as(k)
 
 
@@ -69,8 +68,7 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
         self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
-        attn, mlp, attn_norm, mlp_norm = plain_calls(self, "self_attn", "mlp", "post_attention_layernorm",
-                                                     "post_feedforward_layernorm")
+        attn, mlp, attn_norm, mlp_norm = self.self_attn, self.mlp, self.post_attention_layernorm, self.post_feedforward_layernorm
         hidden_states = hidden_states + attn_norm(
             attn(hidden_states, position_embeddings, attention_mask, past_key_values, cache_position))
         return hidden_states + mlp_norm(mlp(hidden_states))

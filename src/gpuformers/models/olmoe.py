@@ -30,7 +30,6 @@ from gpuformers.layers.moe import SparseMoeBlock
 from gpuformers.layers.norm import RMSNorm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
-from gpuformers.models.modeling import plain_calls
 from gpuformers.models.olmo2 import Olmo2Attention
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -81,7 +80,7 @@ class OlmoeAttention(Olmo2Attention):
                                    cache_position)
         # llama's forward with v clamped too (project_qk clamps q and k after their norms)
         batch, seq, _ = hidden_states.shape
-        q_proj, k_proj, v_proj, o_proj = plain_calls(self, "q_proj", "k_proj", "v_proj", "o_proj")
+        q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
         q = q_proj(hidden_states).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)
         k = k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         v = v_proj(hidden_states).clamp(-self.clip_qkv, self.clip_qkv).view(batch, seq, -1, self.head_dim)

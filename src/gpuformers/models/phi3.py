@@ -33,7 +33,6 @@ from torch import nn
 from gpuformers.layers.rotary import apply_rotary_pos_emb, rotary_dim
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from gpuformers.models.modeling import plain_calls
 
 
 class Phi3Config(ModelConfig):
@@ -82,7 +81,7 @@ class Phi3MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up_proj, down_proj = plain_calls(self, "gate_up_proj", "down_proj")
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
         gate, up = gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
         return down_proj(F.silu(gate) * up)
 
@@ -112,7 +111,7 @@ class Phi3Attention(LlamaAttention):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         batch, seq, _ = hidden_states.shape
-        qkv_proj, o_proj = plain_calls(self, "qkv_proj", "o_proj")
+        qkv_proj, o_proj = self.qkv_proj, self.o_proj
         # (batch, seq, heads + 2 kv_heads, head_dim): q's heads, then k's, then v's
         qkv = qkv_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)

@@ -36,7 +36,6 @@ from gpuformers.layers.moe import SparseMoeBlock
 from gpuformers.layers.norm import add_rms_norm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
-from gpuformers.models.modeling import plain_calls
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from gpuformers.tensor_parallel import LLAMA_TP_PLAN
 
@@ -88,7 +87,7 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
     def shared_expert_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(batch, seq, hidden) -> the shared expert's output scaled per token by its sigmoid gate."""
-        shared_expert, shared_expert_gate = plain_calls(self, "shared_expert", "shared_expert_gate")
+        shared_expert, shared_expert_gate = self.shared_expert, self.shared_expert_gate
         return torch.sigmoid(shared_expert_gate(hidden_states)) * shared_expert(hidden_states)
 
 
@@ -104,7 +103,7 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         if not isinstance(self.mlp, Qwen2MoeSparseMoeBlock):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, cache_position)
-        input_norm, attn, mlp = plain_calls(self, "input_layernorm", "self_attn", "mlp")
+        input_norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         normed, hidden_states = add_rms_norm(attn_out, hidden_states, self.post_attention_layernorm)
         # routed + shared first, then the residual: transformers' order of the sums

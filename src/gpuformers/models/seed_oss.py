@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from gpuformers.layers.norm import add_rms_norm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from gpuformers.models.modeling import plain_calls
 
 
 class SeedOssConfig(ModelConfig):
@@ -51,7 +50,7 @@ class SeedOssDecoderLayer(LlamaDecoderLayer):
         if not (self.training and self.residual_dropout):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                    cache_position)
-        input_norm, attn, mlp = plain_calls(self, "input_layernorm", "self_attn", "mlp")
+        input_norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         normed, hidden_states = add_rms_norm(F.dropout(attn_out, self.residual_dropout, training=True), hidden_states,
                                              self.post_attention_layernorm)

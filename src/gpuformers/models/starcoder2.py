@@ -30,7 +30,6 @@ from torch import nn
 
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from gpuformers.models.modeling import plain_calls
 
 # hidden_act -> F.gelu's `approximate`: the activations transformers' ACT2FN computes as a GELU
 _GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
@@ -97,7 +96,7 @@ class Starcoder2MLP(nn.Module):
         self.approximate = _GELU_APPROXIMATION[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c_fc, c_proj = plain_calls(self, "c_fc", "c_proj")
+        c_fc, c_proj = self.c_fc, self.c_proj
         return c_proj(F.gelu(c_fc(x), approximate=self.approximate))
 
 
@@ -113,8 +112,7 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         # The llama layer's add + norm is one RMSNorm call (a fused kernel under use_kernels): here two torch steps.
-        input_norm, attn, post_norm, mlp = plain_calls(self, "input_layernorm", "self_attn",
-                                                       "post_attention_layernorm", "mlp")
+        input_norm, attn, post_norm, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
         attn_out = attn(input_norm(hidden_states), position_embeddings, attention_mask, past_key_values, cache_position)
         hidden_states = hidden_states + self._drop(attn_out)
         return hidden_states + self._drop(mlp(post_norm(hidden_states)))
