@@ -3,14 +3,16 @@
 Each row's float32 logits are processed in transformers' order (vLLM's for the OpenAI penalties, which
 transformers lacks), all on the device:
 
-    logit_bias (+ eos and one-token stops at -inf before min_new_tokens)    one index_put over the batch
+    logit_bias -> eos and one-token stops at -inf before min_new_tokens     one index_add, one mask over the batch
     -> repetition_penalty (prompt + output) -> frequency / presence (output)  rows with a penalty, vectorised
     -> tokens the request's grammar does not allow at -inf                  rows with structured_output
     -> greedy: argmax | sampled: temperature -> top_k -> top_p -> min_p -> multinomial
        (on a GPU the sampled rows all at once, each with its own params and generator; on the CPU row by row)
 
-The penalties, the temperature and the filters are generation/sampling_ops.py's functions, the ones generate()'s
-logits processors call, given a tensor of each row's values: the same numbers as generate() for the same logits.
+The min_new_tokens mask, the penalties, the grammar mask, the temperature and the filters are
+generation/sampling_ops.py's functions, the ones generate()'s logits processors call, given a tensor of each row's
+values: the same numbers as generate() for the same logits. Which tokens the min_new_tokens mask holds back, and
+until when, is the request's StopRules (generation/stop_rules.py).
 
 A step in which no request adjusts its logits skips the first two lines entirely (host checks on the params).
 Logprobs, greedy or sampled, are those of the adjusted logits (before temperature and the filters).
@@ -123,22 +125,27 @@ def _adjust_logits(logits: torch.Tensor, sequences: list[Sequence], rows: list[i
     penalty, (those rows' indices into logits, their TokenCounts rows), to count the tokens they sample."""
     vocab_size = logits.shape[-1]
     device = logits.device
-    # logit_bias, then eos and the one-token stops at -inf while min_new_tokens is not reached: one index_add
-    # covers both (-inf + bias is -inf, and -inf stays -inf through the penalties that come next).
-    flat, values = [], []  # flat indices row * vocab + token into logits
+    # flat indices row * vocab + token into logits (an id past the LM head is never sampled: nothing to bias or mask)
+    flat, values = [], []  # logit_bias
+    ending = []  # the tokens that would end a row still short of min_new_tokens (its StopRules)
     for i in rows:
         seq = sequences[i]
-        entries = list(seq.params.logit_bias.items())
-        if seq.num_output_tokens < seq.params.min_new_tokens:
-            entries += [(token, float("-inf")) for token in seq.params.ending_tokens]
-        for token, value in entries:
-            if token < vocab_size:  # an id past the LM head is never sampled: nothing to bias or mask
+        for token, value in seq.params.logit_bias.items():
+            if token < vocab_size:
                 flat.append(i * vocab_size + token)
                 values.append(value)
+        rules = seq.params.stop_rules
+        if rules.suppresses_endings(seq.num_output_tokens):
+            ending += [i * vocab_size + token for token in rules.ending_tokens if token < vocab_size]
     if flat:
         added = logits.reshape(-1).index_add(0, device_tensor(flat, device),
                                              device_tensor(values, device, torch.float32))
         logits = added.view_as(logits)
+    if ending:
+        # (rows, vocab) bool, set only in the short rows; -inf stays -inf through the penalties that come next
+        mask = torch.zeros(logits.numel(), dtype=torch.bool, device=device)
+        mask.index_fill_(0, device_tensor(ending, device), True)
+        logits = sampling_ops.suppress_before_min_tokens(logits, mask.view_as(logits))
     penalised = [i for i in rows if sequences[i].params.uses_penalties]
     if not penalised:
         return logits, None

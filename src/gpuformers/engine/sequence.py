@@ -16,6 +16,9 @@ when step N is collected. `generated_ids` only ever holds real tokens.
 
     [p0 p1 p2 p3 p4 p5 p6][g0 g1][?]    <- g1 computed by step N+1 (in flight), ? sampled by step N+1
 
+When a request is finished (eos, a stop sequence, its length) is decided by generation/stop_rules.py's StopRules,
+the rules generate()'s stopping criteria follow too; `Sequence.finish_reason` records which one ended it.
+
 Offers: RequestStatus, SamplingParams, Sequence, PLACEHOLDER.
 """
 
@@ -27,6 +30,8 @@ import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpuformers.generation.stop_rules import FinishReason, StopRules, reached_length
 
 
 class RequestStatus(str, enum.Enum):
@@ -134,6 +139,9 @@ class SamplingParams:
             self.return_logprobs = True
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
+        # what ends the request (generation/stop_rules.py), from the settings just checked
+        self.stop_rules = StopRules(self.max_new_tokens, () if self.ignore_eos else self.eos_token_ids, self.stop,
+                                    self.min_new_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -146,15 +154,13 @@ class SamplingParams:
 
     @property
     def ending_tokens(self) -> list[int]:
-        """The tokens min_new_tokens masks: those that end the request on their own."""
-        ends = [] if self.ignore_eos else list(self.eos_token_ids)
-        return ends + [s[0] for s in self.stop if len(s) == 1]
+        """The tokens min_new_tokens masks: those that end the request on their own (StopRules.ending_tokens)."""
+        return list(self.stop_rules.ending_tokens)
 
     def adjusts_logits(self, num_generated: int) -> bool:
         """Whether the logits of this request's next token (after `num_generated` tokens) need any adjustment
         before the greedy choice or the sampling warpers."""
-        masks = num_generated < self.min_new_tokens and bool(self.ending_tokens)
-        return self.uses_penalties or bool(self.logit_bias) or masks
+        return self.uses_penalties or bool(self.logit_bias) or self.stop_rules.suppresses_endings(num_generated)
 
 
 def _is_number(value) -> bool:
@@ -222,6 +228,7 @@ class Sequence:
         # with params.structured_output: an xgrammar GrammarMatcher that has seen every generated token
         grammar = params.structured_output
         self.grammar_matcher = grammar.matcher() if grammar is not None else None
+        self.finish_reason: FinishReason | None = None  # the stop rule that ended it (None: running, failed)
         self.created_time = 0.0
 
     # --- derived values -----------------------------------------------------------------------------------------
@@ -257,7 +264,7 @@ class Sequence:
     def out_of_new_tokens(self) -> bool:
         """Whether the sampled tokens, counting those still in flight, reach max_new_tokens: such a sequence is
         never scheduled again."""
-        return self.num_output_tokens >= self.params.max_new_tokens
+        return reached_length(self.num_output_tokens, self.params.max_new_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -294,24 +301,22 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float | None = None,
                      top: list[tuple[int, float]] | None = None) -> None:
         """Add a sampled token (with its logprob and the top alternatives when asked for) and decide whether the
-        request is done (eos, a stop sequence or the length)."""
+        request is done (eos, a stop sequence or the length: params.stop_rules; or its grammar is complete)."""
         self.generated_ids.append(int(token_id))
         if logprob is not None:
             self.logprobs.append(float(logprob))
         if top is not None:
             self.top_logprobs.append(top)
-        params = self.params
-        done = len(self.generated_ids) >= params.max_new_tokens
-        done = done or (not params.ignore_eos and token_id in params.eos_token_ids)
-        stops = len(self.generated_ids) >= params.min_new_tokens
-        done = done or (stops and bool(params.stop) and any(self.generated_ids[-len(s):] == s for s in params.stop))
-        if self.grammar_matcher is not None and not done:
+        reason = self.params.stop_rules.finish_reason(self.generated_ids)
+        if self.grammar_matcher is not None and reason is None:
             if not self.grammar_matcher.accept_token(token_id):  # a token the mask allowed is never refused
-                self.fail(f"token {token_id} does not fit {params.structured_output.name} (structured output)")
+                self.fail(f"token {token_id} does not fit {self.params.structured_output.name} (structured output)")
                 self.num_pending_tokens = 0
                 return
-            done = self.grammar_matcher.is_terminated()
-        if done:
+            if self.grammar_matcher.is_terminated():
+                reason = FinishReason.GRAMMAR
+        if reason is not None:
+            self.finish_reason = reason
             self.status = RequestStatus.FINISHED
             self.num_pending_tokens = 0  # a token sampled after the end (async lookahead) is dropped
         else:

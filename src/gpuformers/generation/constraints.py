@@ -1,6 +1,8 @@
 """Logits processors that follow the length and the position in the sequence: minimum lengths, forced bos / eos,
 suppressed tokens, the exponential eos decay, inf/nan removal and the final renormalisation, with transformers' names
-and numbers (generation/logits.py builds the list generate() applies and re-exports these).
+and numbers (generation/logits.py builds the list generate() applies and re-exports these). The minimum lengths
+follow the min-tokens rule of generation/stop_rules.py and mask with generation/sampling_ops.py's
+suppress_before_min_tokens, as the engine's min_new_tokens does; the suppressed tokens go through its ban_tokens.
 
 Offers: MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, ForcedBOSTokenLogitsProcessor,
 ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, ExponentialDecayLengthPenalty,
@@ -13,7 +15,9 @@ from typing import Sequence
 
 import torch
 
+from gpuformers.generation import sampling_ops
 from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor, _as_list, _TokenMask
+from gpuformers.generation.stop_rules import before_min_tokens
 
 
 class MinLengthLogitsProcessor(LogitsProcessor):
@@ -26,9 +30,9 @@ class MinLengthLogitsProcessor(LogitsProcessor):
         self.eos = _TokenMask(eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] >= self.min_length:
+        if not before_min_tokens(input_ids.shape[-1], self.min_length):
             return scores
-        return scores.masked_fill(self.eos.mask(scores.shape[-1], scores.device), NEG_INF)
+        return sampling_ops.suppress_before_min_tokens(scores, self.eos.mask(scores.shape[-1], scores.device))
 
 
 class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
@@ -42,9 +46,9 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
         self.eos = _TokenMask(eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] - self.prompt_length_to_skip >= self.min_new_tokens:
+        if not before_min_tokens(input_ids.shape[-1] - self.prompt_length_to_skip, self.min_new_tokens):
             return scores
-        return scores.masked_fill(self.eos.mask(scores.shape[-1], scores.device), NEG_INF)
+        return sampling_ops.suppress_before_min_tokens(scores, self.eos.mask(scores.shape[-1], scores.device))
 
 
 class ForcedBOSTokenLogitsProcessor(LogitsProcessor):
@@ -131,7 +135,7 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
         self.tokens = _TokenMask(list(suppress_tokens))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores.masked_fill(self.tokens.mask(scores.shape[-1], scores.device), NEG_INF)
+        return sampling_ops.ban_tokens(scores, self.tokens.mask(scores.shape[-1], scores.device))
 
 
 class SuppressTokensAtBeginLogitsProcessor(LogitsProcessor):
@@ -144,7 +148,7 @@ class SuppressTokensAtBeginLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.begin_index:
             return scores
-        return scores.masked_fill(self.tokens.mask(scores.shape[-1], scores.device), NEG_INF)
+        return sampling_ops.ban_tokens(scores, self.tokens.mask(scores.shape[-1], scores.device))
 
 
 class LogitNormalization(LogitsProcessor):

@@ -1,6 +1,7 @@
 """Logits processors that penalise or bias tokens by what the sequence already holds: the repetition penalty, the
 n-gram ban, bad words and sequence_bias, with transformers' names and numbers (generation/logits.py builds the list
-generate() applies and re-exports these).
+generate() applies and re-exports these). The repetition penalty and the bans are generation/sampling_ops.py's
+repetition_penalty_rule and ban_tokens, the functions the engine's sampler calls too.
 
 Offers: RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
 SequenceBiasLogitsProcessor.
@@ -11,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from gpuformers.generation.config import sequence_bias_as_dict
-from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor, _as_list, _TokenMask
-from gpuformers.generation.sampling_ops import repetition_penalty_rule
+from gpuformers.generation.logits_processor import LogitsProcessor, _as_list, _TokenMask
+from gpuformers.generation.sampling_ops import ban_tokens, repetition_penalty_rule
 
 
 class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
@@ -68,7 +69,7 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
         targets = torch.where(hits, windows[:, :, -1].clamp(max=vocab_size), vocab_size)
         banned = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=scores.device)
         banned.scatter_(1, targets, True)
-        return scores.masked_fill(banned[:, :vocab_size], NEG_INF)
+        return ban_tokens(scores, banned[:, :vocab_size])
 
 
 class NoBadWordsLogitsProcessor(LogitsProcessor):
@@ -112,7 +113,7 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
                 targets = torch.where(ends_with, last[None, :], vocab_size)
                 banned = banned.scatter(1, targets, True)
             banned = banned[:, :vocab_size]
-        return scores.masked_fill(banned, NEG_INF)
+        return ban_tokens(scores, banned)
 
 
 class SequenceBiasLogitsProcessor(LogitsProcessor):

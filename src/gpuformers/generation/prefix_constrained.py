@@ -3,7 +3,8 @@
 `fn(batch_id, input_ids)` gets the index of the prompt a row belongs to and that row's tokens so far (seq,), and
 returns the token ids allowed next (constrained decoding as in arXiv:2010.00904, e.g. forcing a whole entity once its
 first token appears). It is a Python function called once per row and step, so the constraint is built on the host
-and sent to the device as one (rows, vocab) mask per step.
+and sent to the device as one (rows, vocab) mask per step, applied by generation/sampling_ops.py's mask_to_allowed:
+the masking the engine's structured-output grammars use too (engine/structured.py).
 
 Offers: PrefixConstrainedLogitsProcessor (transformers' class of the same name; build_logits_processors in
 generation/logits.py adds it when generate() gets prefix_allowed_tokens_fn).
@@ -11,11 +12,11 @@ generation/logits.py adds it when generate() gets prefix_allowed_tokens_fn).
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
 
+from gpuformers.generation import sampling_ops
 from gpuformers.generation.logits import LogitsProcessor
 
 PrefixAllowedTokensFn = Callable[[int, torch.Tensor], "Sequence[int] | torch.Tensor"]
@@ -60,8 +61,8 @@ class PrefixConstrainedLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         allowed = self.allowed_mask(input_ids, scores.shape[-1]).to(scores.device)
-        constrained = scores.masked_fill(~allowed, -math.inf)
-        forced = torch.zeros_like(scores).masked_fill(~allowed, -math.inf)  # the constraint alone
+        constrained = sampling_ops.mask_to_allowed(scores, allowed)
+        forced = sampling_ops.mask_to_allowed(torch.zeros_like(scores), allowed)  # the constraint alone
         # (prompts, 1): no row of the prompt has a finite allowed score left
         stuck = constrained.amax(dim=-1).isneginf().view(-1, self.num_beams).all(dim=-1, keepdim=True)
         return torch.where(stuck.repeat_interleave(self.num_beams, dim=0), forced, constrained)

@@ -1,17 +1,21 @@
-"""The sampling operations, written once for generate() and the engine: temperature, top-k, top-p, min-p and the
-repetition / frequency / presence penalties over (rows, vocab) scores, each with transformers' numbers.
+"""The sampling operations, written once for generate() and the engine: temperature, top-k, top-p, min-p, the
+repetition / frequency / presence penalties, and the masks (banned tokens, the allowed tokens of a constraint, the
+tokens that would end a sequence before its minimum length) over (rows, vocab) scores, each with transformers'
+numbers.
 
-A parameter is either a Python number, the same for every row (what the logits processors of generation/warpers.py
-and generation/penalties.py pass), or a tensor with one value per row (what engine/sampler.py passes for a step's
-rows, each request with its own settings). Either way the result equals transformers' processor bit for bit: a per-row
-tensor is rounded and combined the way torch treats the Python number it stands for (see _divide and top_p_filter),
-so a request gets the same tokens from the engine as from generate() for the same logits.
+A parameter is either a Python number, the same for every row (what the logits processors of generation/warpers.py,
+generation/penalties.py, generation/constraints.py and generation/prefix_constrained.py pass), or a tensor with one
+value per row (what engine/sampler.py and engine/structured.py pass for a step's rows, each request with its own
+settings). Either way the result equals transformers' processor bit for bit: a per-row tensor is rounded and combined
+the way torch treats the Python number it stands for (see _divide and top_p_filter), so a request gets the same
+tokens from the engine as from generate() for the same logits.
 
 Everything runs on the device: no function reads a value back to the host (the engine's step must not wait on the
-GPU); only shapes and host numbers choose a branch.
+GPU); only shapes and host numbers choose a branch. When a sequence is finished (eos, stop sequences, lengths) is
+generation/stop_rules.py's question; the masks here are how the scores keep to its min-tokens rule.
 
 Offers: scale_by_temperature, top_k_filter, top_p_filter, min_p_filter, penalize_repetition,
-repetition_penalty_rule, penalize_frequency_presence.
+repetition_penalty_rule, penalize_frequency_presence, ban_tokens, mask_to_allowed, suppress_before_min_tokens.
 """
 
 from __future__ import annotations
@@ -130,3 +134,33 @@ def penalize_frequency_presence(scores: torch.Tensor, counts: torch.Tensor, freq
     2**24); frequency, presence: broadcastable float32 ((rows, 1) for a row each)."""
     count = counts.float()
     return scores - frequency * count - presence * (count > 0)
+
+
+def ban_tokens(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """scores (rows, vocab) with the banned tokens at -inf, out of place (a caller may keep the raw scores, or they
+    may be a CUDA graph's output buffer). banned: bool, (vocab,) the same tokens for every row, or (rows, vocab) each
+    row's own: transformers' SuppressTokens, NoBadWords and NoRepeatNGram processors all end this way."""
+    return scores.masked_fill(banned, NEG_INF)
+
+
+def mask_to_allowed(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """scores (rows, vocab) with every token that `allowed` (rows, vocab) bool does not allow at -inf, out of place:
+    constrained decoding, for generate()'s prefix_allowed_tokens_fn (PrefixConstrainedLogitsProcessor) and the
+    engine's structured-output grammars (structured.mask_logits) alike. What a row whose allowed tokens are all
+    -inf gets instead is the caller's rule (transformers' processor gives the constraint alone)."""
+    return ban_tokens(scores, ~allowed)
+
+
+def suppress_before_min_tokens(scores: torch.Tensor, ending: torch.Tensor,
+                               too_short: bool | torch.Tensor = True) -> torch.Tensor:
+    """The min-tokens rule on the scores: scores (rows, vocab) with the tokens that would end a sequence at -inf in
+    the rows still short of their minimum length, so that none of them can be chosen yet (transformers'
+    MinLengthLogitsProcessor and MinNewTokensLengthLogitsProcessor; the engine's min_new_tokens, which also holds
+    back one-token stop sequences: stop_rules.StopRules.ending_tokens).
+
+    ending: bool, (vocab,) the same tokens for every row, or (rows, vocab) each row's own (the engine sets only the
+    rows that are short). too_short: a host bool for every row (generate(): the rows share their length; see
+    stop_rules.before_min_tokens), or (rows,) bool, one per row."""
+    if isinstance(too_short, torch.Tensor):
+        return ban_tokens(scores, ending & too_short.reshape(-1, 1))
+    return ban_tokens(scores, ending) if too_short else scores

@@ -2,7 +2,9 @@
 
 Each criterion is a callable `(input_ids (batch, seq), scores) -> BoolTensor (batch,)`, True for rows that are done,
 with the names of transformers' classes. The checks run on the device (stop strings included), so the decode loop
-can keep going without asking the GPU anything; generate() decides when to look at the flags.
+can keep going without asking the GPU anything; generate() decides when to look at the flags. The length and eos
+criteria are thin wrappers over the rules of generation/stop_rules.py, which the engine's finish check follows too;
+stop strings are generate()'s alone (the engine has no text).
 
 Stop strings are matched on bytes, so a string that spans several tokens, or starts or ends inside a token, is
 found. A row stops when a stop string ends inside its newest token, exactly as transformers' StopStringCriteria:
@@ -31,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from gpuformers.generation.config import GenerationConfig
+from gpuformers.generation.stop_rules import newest_token_in, reached_length
 from gpuformers.tokenizer import byte_level_alphabet
 
 
@@ -67,7 +70,8 @@ class MaxLengthCriteria(StoppingCriteria):
         self.max_length = max_length
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor | None = None, **kwargs) -> torch.BoolTensor:
-        done = input_ids.shape[1] >= self.max_length  # a host fact: the length is the same for every row
+        # a host fact: the length is the same for every row
+        done = reached_length(input_ids.shape[1], self.max_length)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -100,8 +104,7 @@ class EosTokenCriteria(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor | None = None, **kwargs) -> torch.BoolTensor:
         if self.eos_token_id.device != input_ids.device:
             self.eos_token_id = self.eos_token_id.to(input_ids.device)
-        # (batch, 1) == (n_eos,) -> (batch, n_eos)
-        return (input_ids[:, -1:] == self.eos_token_id).any(dim=-1)
+        return newest_token_in(input_ids, self.eos_token_id)
 
 
 class StopStringCriteria(StoppingCriteria):
