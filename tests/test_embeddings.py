@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpuformers import AutoModelForCausalLM
-from gpuformers.models.modeling import checkpoint_decoder_layers
+from gpuformers.layers.blocks import checkpoint_decoder_layers
 from tests.fixtures.checkpoints import make_checkpoint
 
 VOCAB = 128  # tests/fixtures/checkpoints.py's TINY

@@ -164,7 +164,7 @@ def test_flag_off_gives_the_old_loss_and_the_forward_argument_turns_it_on(tmp_pa
         torch.testing.assert_close(off.loss, hf(ids, attention_mask=mask, labels=ids).loss, atol=1e-5, rtol=0)
         on = ours(ids, attention_mask=mask, labels=ids, output_router_logits=True)
         _assert_same_router_outputs(on, hf(ids, attention_mask=mask, labels=ids, output_router_logits=True))
-        assert torch.equal(on.loss, off.loss + ours.config.extra["router_aux_loss_coef"] * on.aux_loss)
+        assert torch.equal(on.loss, off.loss + ours.config.router_aux_loss_coef * on.aux_loss)
     assert all(router.recorded is None for router in ours.modules() if isinstance(router, TopKRouter))
 
 

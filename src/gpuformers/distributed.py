@@ -197,7 +197,7 @@ def wrap_model(model: torch.nn.Module, strategy: str, device: torch.device,
 
 
 def _layers_to_shard(model: torch.nn.Module, layer_classes: tuple[str, ...] | None) -> list[torch.nn.Module]:
-    from gpuformers.models.modeling import decoder_layers
+    from gpuformers.layers.blocks import decoder_layers
 
     if layer_classes is None:
         layers = decoder_layers(model)

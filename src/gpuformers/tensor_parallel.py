@@ -89,10 +89,11 @@ def check_tp_size(config, tp_size: int) -> None:
     """Heads and the MLP's hidden width must split evenly over tp_size processes."""
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
-    if config.extra.get("num_experts") and "moe_intermediate_size" in config.extra:  # Mixtral's: intermediate_size
-        sizes["moe_intermediate_size"] = config.extra["moe_intermediate_size"]
-    if "shared_expert_intermediate_size" in config.extra:  # Qwen2-MoE's shared expert, split as a dense MLP
-        sizes["shared_expert_intermediate_size"] = config.extra["shared_expert_intermediate_size"]
+    # The MoE families' fields, where the config's class has them (Mixtral's experts are intermediate_size wide)
+    if getattr(config, "num_experts", 0) and getattr(config, "moe_intermediate_size", None) is not None:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    if getattr(config, "shared_expert_intermediate_size", None) is not None:  # Qwen2-MoE's, split as a dense MLP
+        sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     uneven = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
     if uneven:
         raise ValueError(f"tensor parallelism over {tp_size} processes needs {', '.join(uneven)} to be divisible by "

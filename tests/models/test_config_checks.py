@@ -103,12 +103,12 @@ def test_values_real_checkpoints_hold_still_load():
         qwen = _read("qwen2", sliding_window=window, max_window_layers=None, use_sliding_window=False)
         assert qwen.sliding_window is None and qwen.layer_types == ["full_attention"] * 2
     assert _read("mistral", sliding_window=None).sliding_window is None
-    assert _read("olmoe", clip_qkv=None).extra["clip_qkv"] is None
-    assert _read("gemma2", final_logit_softcapping=None).extra["final_logit_softcapping"] is None
+    assert _read("olmoe", clip_qkv=None).clip_qkv is None
+    assert _read("gemma2", final_logit_softcapping=None).final_logit_softcapping is None
     yarn = _read("qwen3", rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768,
                                          "beta_fast": None, "attention_factor": None})
     assert yarn.rope_parameters["factor"] == 4
-    assert _read("qwen3_moe", num_experts=0).extra["num_experts"] == 0  # a dense model in MoE clothing
+    assert _read("qwen3_moe", num_experts=0).num_experts == 0  # a dense model in MoE clothing
     assert _read("exaone4", sliding_window_pattern="LLLG").layer_types == ["sliding_attention", "full_attention"]
 
 

@@ -83,7 +83,7 @@ def test_defaults_are_transformers_and_biases_are_never_built():
     for name in ("num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "sliding_window", "layer_types",
                  "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         assert getattr(ours, name) == getattr(theirs, name), name
-    assert ours.extra["sliding_window_pattern"] == theirs.sliding_window_pattern
+    assert ours.sliding_window_pattern == theirs.sliding_window_pattern
     assert ours.rope_parameters == theirs.rope_parameters
     # transformers' EXAONE 4 has no bias anywhere, whatever config.json says
     biased = ModelConfig.from_dict({"model_type": "exaone4", **sizes, "attention_bias": True, "mlp_bias": True})

@@ -121,8 +121,8 @@ def test_config_defaults_and_layer_types(checkpoints):
     assert bare.qkv_bias and bare.o_bias and bare.rms_norm_eps == 1e-5
     assert bare.rope_parameters == {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
-    assert (bare.extra["num_local_experts"], bare.extra["num_experts_per_tok"]) == (128, 4)
-    assert (bare.extra["swiglu_alpha"], bare.extra["swiglu_limit"]) == (1.702, 7.0)
+    assert (bare.num_local_experts, bare.num_experts_per_tok) == (128, 4)
+    assert (bare.swiglu_alpha, bare.swiglu_limit) == (1.702, 7.0)
     with pytest.raises(ValueError, match="swiglu_limit is 0; it must be a positive number"):
         ModelConfig.from_dict(dict(model_type="gpt_oss", swiglu_limit=0))
 

@@ -95,7 +95,7 @@ def test_config_defaults_and_sliding_window(checkpoints):
                                       num_hidden_layers=2, num_attention_heads=16))
     # MixtralConfig's defaults where config.json is silent
     assert (bare.rope_theta, bare.rms_norm_eps, bare.num_key_value_heads, bare.sliding_window) == (1e6, 1e-5, 8, None)
-    assert (bare.extra["num_local_experts"], bare.extra["num_experts_per_tok"]) == (8, 2)
+    assert (bare.num_local_experts, bare.num_experts_per_tok) == (8, 2)
     assert bare.layer_types == ["full_attention"] * 2
 
 

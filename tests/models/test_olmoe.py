@@ -103,12 +103,12 @@ def test_modules_config_defaults_and_refusals(checkpoints):
     # transformers' OlmoeConfig defaults where config.json is silent
     assert (bare.max_position_embeddings, bare.rms_norm_eps, bare.pad_token_id, bare.eos_token_id,
             bare.num_key_value_heads, bare.sliding_window) == (4096, 1e-5, 1, 50279, 4, None)
-    assert {k: bare.extra[k] for k in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv",
+    assert {k: getattr(bare, k) for k in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv",
                                        "router_aux_loss_coef", "output_router_logits")} == dict(
         num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None, router_aux_loss_coef=0.01,
         output_router_logits=False)
     renamed = {k: v for k, v in bare.to_dict().items() if k != "num_experts"}  # transformers' other name for it
-    assert ModelConfig.from_dict(dict(renamed, num_local_experts=6)).extra["num_experts"] == 6
+    assert ModelConfig.from_dict(dict(renamed, num_local_experts=6)).num_experts == 6
     with pytest.raises(ValueError, match="head_dim must be hidden_size / num_attention_heads = 16, got 32"):
         ModelConfig.from_dict(dict(bare.to_dict(), head_dim=32))
     with pytest.raises(ValueError, match="clip_qkv is -1; it must be a positive number or null"):

@@ -81,7 +81,7 @@ def test_config_defaults_layer_types_and_biases(checkpoints):
     window = load(checkpoints["window-tied-normtopk-dense"][0])
     config = window.config
     assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert config.sliding_window == 5 and config.extra["mlp_only_layers"] == [2]
+    assert config.sliding_window == 5 and config.mlp_only_layers == [2]
     assert window.model.layers[0].self_attn.q_proj.bias is not None and window.model.layers[0].self_attn.o_proj.bias is None
     no_bias = load(checkpoints["mha-no-qkv-bias-top3-linear-rope"][0]).model.layers[0].self_attn
     assert no_bias.q_proj.bias is None and no_bias.v_proj.bias is None
@@ -91,9 +91,8 @@ def test_config_defaults_layer_types_and_biases(checkpoints):
     # Qwen2MoeConfig's defaults where config.json is silent; transformers' "sliding_window": 0 means no window
     assert (bare.num_key_value_heads, bare.max_position_embeddings, bare.sliding_window) == (16, 32768, None)
     assert bare.layer_types == ["full_attention"] * 4 and bare.qkv_bias and not bare.o_bias
-    extra = bare.extra
-    assert (extra["num_experts"], extra["num_experts_per_tok"], extra["moe_intermediate_size"],
-            extra["shared_expert_intermediate_size"], extra["mlp_only_layers"]) == (60, 4, 1408, 5632, [])
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.moe_intermediate_size,
+            bare.shared_expert_intermediate_size, bare.mlp_only_layers) == (60, 4, 1408, 5632, [])
     slide = ModelConfig.from_dict(dict(bare.to_dict(), use_sliding_window=True, sliding_window=7, max_window_layers=3,
                                        layer_types=None))
     assert slide.layer_types == ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -247,8 +246,8 @@ def test_gguf_file_matches_transformers_gguf_load(tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
                                                                dtype=torch.float32).eval()
     assert type(ours).__name__ == "Qwen2MoeForCausalLM" and ours.config.qkv_bias
-    extra = ours.config.extra
-    assert (extra["moe_intermediate_size"], extra["shared_expert_intermediate_size"], extra["norm_topk_prob"]) == (
+    read = ours.config
+    assert (read.moe_intermediate_size, read.shared_expert_intermediate_size, read.norm_topk_prob) == (
         1408, 5632, False)
     gate = ours.model.layers[1].mlp.shared_expert_gate.weight
     assert torch.equal(gate, source.model.layers[1].mlp.shared_expert_gate.weight)

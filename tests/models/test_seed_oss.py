@@ -63,7 +63,7 @@ def test_config_defaults_match_transformers():
                   "rope_parameters"):
         assert getattr(ours, field) == getattr(theirs, field), field
     for field in ("attention_out_bias", "residual_dropout"):
-        assert ours.extra[field] == getattr(theirs, field), field
+        assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.qkv_bias and not ours.o_bias
     assert ours.layer_types == ["full_attention"] * 2 and ours.sliding_window is None
 

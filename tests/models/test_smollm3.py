@@ -60,7 +60,7 @@ def test_config_without_per_layer_lists(checkpoints, tmp_path):
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
     rewrite_config(tmp_path, no_rope_layers=None, layer_types=None)
     ours = load(tmp_path)
-    assert ours.config.extra["no_rope_layers"] == [1, 0, 1]
+    assert ours.config.no_rope_layers == [1, 0, 1]
     assert ours.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
     assert max_logit_diff(ours, hf, *left_padded()) < 1e-4
 

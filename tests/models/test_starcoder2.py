@@ -75,7 +75,7 @@ def test_config_defaults_and_spelling_match_transformers():
                   "initializer_range"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert (ours.rms_norm_eps, ours.attention_bias, ours.mlp_bias) == (theirs.norm_epsilon, True, True)
-    assert ours.extra["residual_dropout"] == theirs.residual_dropout == ours.extra["embedding_dropout"] == 0.0
+    assert ours.residual_dropout == theirs.residual_dropout == ours.embedding_dropout == 0.0
     written = ours.to_dict()
     assert (written["use_bias"], written["norm_epsilon"]) == (True, 1e-5)
     assert not {"rms_norm_eps", "attention_bias", "mlp_bias", "layer_types", "use_sliding_window"} & set(written)

@@ -262,7 +262,7 @@ def prepare_model_for_kbit_training(model: nn.Module, use_gradient_checkpointing
        transformers and the Trainer), and, unless use_reentrant=False is given, the input embeddings' output
        requires grad, which reentrant checkpointing needs to reach the adapters (peft's condition).
     """
-    from gpuformers.models.modeling import checkpoint_decoder_layers
+    from gpuformers.layers.blocks import checkpoint_decoder_layers
     from gpuformers.quantization.weight_only import WeightOnlyLinear
 
     kwargs = dict(gradient_checkpointing_kwargs or {})

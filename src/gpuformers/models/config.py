@@ -3,8 +3,11 @@
 The llama-family core (llama, mistral, qwen2, qwen3) is described by these fields alone; the differences between
 them are flags (`attention_bias`, `qk_norm`, sliding-window layers), so there is no table of models here. A family
 with more to say subclasses ModelConfig beside its model (GemmaConfig in models/gemma.py) and holds only that: its
-defaults, how it prepares the raw dict, its checks and layer types, its rope, its to_dict. `ModelConfig.from_dict`
-returns the class that models/registry.py names for the model_type, imported then and not before.
+settings, as typed dataclass fields with the defaults of its transformers config class (Gemma 2's
+query_pre_attn_scalar = 256), the defaults it changes for ModelConfig's own fields (family_defaults), how it
+prepares the raw dict, its checks and layer types, its rope, its to_dict. `ModelConfig.from_dict` returns the class
+that models/registry.py names for the model_type, imported then and not before; the keys no field of that class
+names stay in `extra`, and to_dict writes them back as they came.
 Old and new spellings are both accepted and normalised:
 
     old: "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2}, "torch_dtype": "bfloat16"
@@ -48,7 +51,8 @@ _ROPE_REQUIRED = {
 class ModelConfig:
     """A decoder-only causal LM's hyper-parameters, as in its `config.json`."""
 
-    # model_type -> the values its transformers config class uses where config.json omits a field.
+    # model_type -> the values its transformers config class uses for ModelConfig's own fields where config.json
+    # omits them (a family's own fields carry their defaults on the subclass).
     family_defaults: ClassVar[dict[str, dict[str, Any]]] = {
         "llama": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
         "mistral": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096 * 32,
@@ -93,7 +97,8 @@ class ModelConfig:
     architectures: list[str] | None = None
     use_cache: bool = True
     initializer_range: float = 0.02
-    # Keys we do not interpret, kept so that save_pretrained writes them back.
+    # Keys no field of the family's class names (metadata, other libraries' settings, options we do not implement),
+    # kept so that save_pretrained writes them back.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -155,7 +160,10 @@ class ModelConfig:
     def architecture(self) -> str:
         return (self.architectures or [default_architecture(self.model_type)])[0]
 
-    # A classifier's labels (models/classification.py), read from config.json as transformers' config has them
+    # A classifier's labels (models/classification.py), read from config.json as transformers' config has them.
+    # Every model has these in transformers' PretrainedConfig, but they stay keys of `extra` (classification.py sets
+    # them there): a config.json that has none gets none written back, as transformers' save_pretrained leaves out
+    # the PretrainedConfig defaults, where fields would write their defaults into every config.json we save.
     @property
     def id2label(self) -> dict[int, str]:
         """{class id: label name}; LABEL_0, LABEL_1 when config.json has none (transformers' default)."""

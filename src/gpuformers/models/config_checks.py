@@ -6,8 +6,8 @@ in layers/rotary.py) or never (`max_position_embeddings: -5`).
 What is accepted is what transformers' config classes accept where a model can use it: an integer field takes an
 int (a bool is not one, nor is 4096.0); a float field takes an int or a float (`rope_theta: 10000`), finite; null
 only where transformers' field is optional and gpuformers reads null as "unset" (`sliding_window`, `head_dim`,
-`clip_qkv`, ...). A field absent from config.json (or from `extra`, for families that do not have it) is not
-checked: the family's default stands in for it.
+`clip_qkv`, ...). A field absent from config.json takes the family's default, which passes; a key of the table that
+the family's config class has no field for is checked only where config.json has it (it is kept in `extra`).
 
 Offers: ConfigFieldError, check_fields, NUMERIC_FIELDS, TOP_LEVEL_FIELDS, ROPE_KEYS.
 """
@@ -65,8 +65,8 @@ _POSITIVE_LIST = _Rule("a list of positive numbers",
 # writes 0 there for a model without sliding layers
 _PATTERN = _Rule("a non-negative integer", lambda v: isinstance(v, str) or (_is_int(v) and v >= 0))
 
-# field -> (rule, whether null is accepted). Looked up among the dataclass fields and `extra` (the config.json keys
-# a family reads there), and, for the rope keys, in rope_parameters once it is normalised.
+# field -> (rule, whether null is accepted). Looked up among the dataclass fields (a family's own included) and
+# `extra` (the config.json keys no field names), and, for the rope keys, in rope_parameters once it is normalised.
 NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     # shapes
     "vocab_size": (_POSITIVE_INT, False),
@@ -107,7 +107,7 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "residual_dropout": (_UNIT, False),
     "embedding_dropout": (_UNIT, False),
     # mixture of experts
-    "num_local_experts": (_POSITIVE_INT, False),  # first: Mixtral and gpt-oss copy it into num_experts
+    "num_local_experts": (_POSITIVE_INT, False),  # Mixtral's and gpt-oss's num_experts
     "num_experts": (_NON_NEGATIVE_INT, False),  # 0: Qwen-MoE's config for a dense model
     "num_experts_per_tok": (_POSITIVE_INT, False),
     "moe_intermediate_size": (_POSITIVE_INT, False),

@@ -93,7 +93,6 @@ class Ernie4_5DecoderLayer(LlamaDecoderLayer):
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
     config_class = Ernie4_5Config
     decoder_layer_class = Ernie4_5DecoderLayer
-    no_split_modules = ("Ernie4_5DecoderLayer",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

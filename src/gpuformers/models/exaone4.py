@@ -23,6 +23,8 @@ Offers: Exaone4Config, Exaone4Attention, Exaone4DecoderLayer, Exaone4ForCausalLM
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpuformers.layers.norm import RMSNorm
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaForCausalLM
@@ -30,13 +32,15 @@ from gpuformers.models.olmo2 import Olmo2DecoderLayer
 from gpuformers.models.qwen3 import Qwen3Attention
 
 
+@dataclass
 class Exaone4Config(ModelConfig):
-    """EXAONE 4's defaults (sliding_window_pattern in `extra`) and its layer types; its projections have no biases."""
+    """EXAONE 4's defaults, sliding_window_pattern and the layer types it gives; its projections have no biases."""
 
     family_defaults = {"exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 0,
-                                   "eos_token_id": 2, "num_key_value_heads": 32, "sliding_window": 4096,
-                                   "sliding_window_pattern": 4}}
+                                   "eos_token_id": 2, "num_key_value_heads": 32, "sliding_window": 4096}}
     absent_fields = ("attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers")
+
+    sliding_window_pattern: int | str = 4  # every n-th layer global, or a string of L and G (module doc)
 
     def _check_family(self) -> None:
         super()._check_family()
@@ -54,7 +58,7 @@ class Exaone4Config(ModelConfig):
         layers = self.num_hidden_layers
         if self.sliding_window is None:
             return ["full_attention"] * layers
-        pattern = self.extra.get("sliding_window_pattern")
+        pattern = self.sliding_window_pattern
         if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
             return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
@@ -92,4 +96,3 @@ class Exaone4DecoderLayer(Olmo2DecoderLayer):
 class Exaone4ForCausalLM(LlamaForCausalLM):
     config_class = Exaone4Config
     decoder_layer_class = Exaone4DecoderLayer
-    no_split_modules = ("Exaone4DecoderLayer",)

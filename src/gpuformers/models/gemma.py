@@ -47,6 +47,7 @@ from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 
 
+@dataclasses.dataclass
 class GemmaConfig(ModelConfig):
     """Gemma's defaults and the fields that change its numbers, as transformers reads them: the MLP's activation
     (hidden_act; its original releases say "gelu", meaning the tanh approximation) and, refused, the bidirectional
@@ -57,6 +58,8 @@ class GemmaConfig(ModelConfig):
                                  "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True}}
     activation_field: ClassVar[str] = "hidden_act"  # where config.json names the MLP's activation
     absent_fields = ("use_sliding_window", "max_window_layers", "sliding_window", "layer_types")
+
+    use_bidirectional_attention: bool | None = None  # EmbeddingGemma's: refused (_check_gemma)
 
     @property
     def mlp_activation(self) -> str:
@@ -72,29 +75,33 @@ class GemmaConfig(ModelConfig):
         if activation not in ("gelu_pytorch_tanh", "gelu"):
             raise NotImplementedError(f"{self.activation_field} {activation!r} is not supported for "
                                       f"{self.model_type}; supported: gelu_pytorch_tanh, gelu")
-        if self.extra.get("use_bidirectional_attention"):
+        if self.use_bidirectional_attention:
             raise NotImplementedError(f"use_bidirectional_attention=True ({self.model_type}, as in EmbeddingGemma) is "
                                       f"not supported: gpuformers runs causal LMs; set it to false or null")
 
+
+@dataclasses.dataclass
 class Gemma2Config(GemmaConfig):
-    """Gemma's, with the MLP's activation in hidden_activation, query_pre_attn_scalar and the soft-caps (all in
-    `extra`), and sliding-window layers between global ones: every other layer slides."""
+    """Gemma's, with the MLP's activation in hidden_activation, query_pre_attn_scalar and the soft-caps, and
+    sliding-window layers between global ones: every other layer slides."""
 
     family_defaults = {"gemma2": {"vocab_size": 256000, "max_position_embeddings": 8192, "num_key_value_heads": 4,
-                                  "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
-                                  "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1,
-                                  "bos_token_id": 2, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-                                  "sliding_window": 4096, "final_logit_softcapping": 30.0,
-                                  "attn_logit_softcapping": 50.0}}
+                                  "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "pad_token_id": 0,
+                                  "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+                                  "sliding_window": 4096}}
     activation_field = "hidden_activation"
     absent_fields = ("use_sliding_window", "max_window_layers")
 
-    @property
-    def mlp_activation(self) -> str:
-        return self.extra["hidden_activation"]
+    hidden_activation: str = "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float = 256  # scores are scaled by its inverse square root
+    final_logit_softcapping: float | None = 30.0  # None: no cap
+    attn_logit_softcapping: float | None = 50.0
 
     @property
-    def sliding_window_pattern(self) -> int:
+    def mlp_activation(self) -> str:
+        return self.hidden_activation
+
+    def _global_layer_interval(self) -> int:
         """One layer in this many attends globally (the last of each group); the others slide."""
         return 2
 
@@ -103,28 +110,31 @@ class Gemma2Config(GemmaConfig):
 
     def _fill_layer_types(self) -> None:
         if self.layer_types is None:
-            every = self.sliding_window_pattern
+            every = self._global_layer_interval()
             self.layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
                                 for i in range(self.num_hidden_layers)]
 
 
+@dataclasses.dataclass
 class Gemma3TextConfig(Gemma2Config):
     """Gemma 2's, with five sliding layers in every six (sliding_window_pattern), no soft-caps by default, and one
-    rope per layer type: rope_parameters for the global layers, the default rope at rope_local_base_freq (in `extra`)
-    for the sliding ones."""
+    rope per layer type: rope_parameters for the global layers, the default rope at rope_local_base_freq for the
+    sliding ones."""
 
     family_defaults = {"gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072,
                                        "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
-                                       "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0,
-                                       "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
-                                       "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                                       "final_logit_softcapping": None, "attn_logit_softcapping": None,
-                                       "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-                                       "sliding_window_pattern": 6}}
+                                       "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+                                       "tie_word_embeddings": True, "sliding_window": 4096,
+                                       "rope_theta": 1_000_000.0}}
 
-    @property
-    def sliding_window_pattern(self) -> int:
-        return self.extra["sliding_window_pattern"]
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool | None = False
+    rope_local_base_freq: float = 10_000.0  # the sliding layers' rope_theta
+    sliding_window_pattern: int = 6  # one global layer in this many
+
+    def _global_layer_interval(self) -> int:
+        return self.sliding_window_pattern
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +158,7 @@ class Gemma3TextConfig(Gemma2Config):
         out = super().to_dict()
         out["rope_parameters"] = {  # transformers 5 reads one rope per layer type
             "full_attention": dict(self.rope_parameters),
-            "sliding_attention": {"rope_type": "default", "rope_theta": self.extra["rope_local_base_freq"]},
+            "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_base_freq},
         }
         return out
 
@@ -211,8 +221,8 @@ class Gemma2Attention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.scaling = config.extra["query_pre_attn_scalar"] ** -0.5
-        self.attn_logit_softcapping = config.extra["attn_logit_softcapping"]
+        self.scaling = config.query_pre_attn_scalar ** -0.5
+        self.attn_logit_softcapping = config.attn_logit_softcapping
 
     # The backend is stored as given (set_attn_implementation, training/packing.py's wrapper) and read with this
     # layer's soft-cap bound, so LlamaAttention.forward passes it without knowing about it.
@@ -277,7 +287,7 @@ class LayerTypeRotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         sliding = dataclasses.replace(config, rope_parameters={"rope_type": "default",
-                                                               "rope_theta": config.extra["rope_local_base_freq"]})
+                                                               "rope_theta": config.rope_local_base_freq})
         self.full_attention = RotaryEmbedding(config)
         self.sliding_attention = RotaryEmbedding(sliding)
         self.layer_types = sorted(set(config.layer_types))
@@ -314,7 +324,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     config_class = GemmaConfig
     decoder_model_class = GemmaModel
     decoder_layer_class = GemmaDecoderLayer
-    no_split_modules = ("GemmaDecoderLayer",)
     # LlamaForCausalLM's tp_plan_auto (the llama plan) fits: the same projection names, and the norms (Gemma 3's
     # q_norm / k_norm as Qwen3's) are whole in every process.
 
@@ -322,11 +331,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
 class Gemma2ForCausalLM(GemmaForCausalLM):
     config_class = Gemma2Config
     decoder_layer_class = Gemma2DecoderLayer
-    no_split_modules = ("Gemma2DecoderLayer",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.final_logit_softcapping = config.extra["final_logit_softcapping"]
+        self.final_logit_softcapping = config.final_logit_softcapping
         self.attn_logit_softcapping = self.model.layers[0].self_attn.attn_logit_softcapping  # None in Gemma 3
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -357,4 +365,3 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     config_class = Gemma3TextConfig
     decoder_layer_class = Gemma3DecoderLayer
-    no_split_modules = ("Gemma3DecoderLayer",)

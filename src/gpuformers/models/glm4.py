@@ -140,7 +140,6 @@ class Glm4DecoderLayer(GlmDecoderLayer):
 class GlmForCausalLM(LlamaForCausalLM):
     config_class = Glm4Config
     decoder_layer_class = GlmDecoderLayer
-    no_split_modules = ("GlmDecoderLayer",)
     tp_plan_auto = None  # the llama plan splits gate_proj / up_proj, which GLM fuses (module doc)
 
     def __init__(self, config: ModelConfig):
@@ -150,4 +149,3 @@ class GlmForCausalLM(LlamaForCausalLM):
 
 class Glm4ForCausalLM(GlmForCausalLM):
     decoder_layer_class = Glm4DecoderLayer
-    no_split_modules = ("Glm4DecoderLayer",)

@@ -30,6 +30,7 @@ ACTIVATIONS.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,20 +68,29 @@ GPT2_TP_PLAN = {
 }
 
 
+@dataclass
 class GPT2Config(ModelConfig):
     """GPT-2's field names, read into ModelConfig's (n_embd -> hidden_size, ...; intermediate_size is n_inner, or
-    4 * n_embd when null) and written back in GPT-2's. layer_norm_epsilon, n_inner, the dropouts
-    (embd_pdrop, attn_pdrop, resid_pdrop) and scale_attn_weights live in `extra`."""
+    4 * n_embd when null) and written back in GPT-2's; and GPT-2's own fields, with GPT2Config's defaults."""
 
     family_defaults = {"gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
-                                "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1,
-                                "embd_pdrop": 0.1, "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
-                                "scale_attn_weights": True, "bos_token_id": 50256, "eos_token_id": 50256,
+                                "activation_function": "gelu_new", "bos_token_id": 50256, "eos_token_id": 50256,
                                 "tie_word_embeddings": True}}
     absent_fields = ("intermediate_size", "num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias",
                      "mlp_bias", "attention_dropout", "rope_parameters", "sliding_window", "use_sliding_window",
                      "max_window_layers", "layer_types")
     field_spelling = {name: gpt2_name for gpt2_name, name in _RENAMES.items()} | {"intermediate_size": "n_inner"}
+
+    n_inner: int | None = None  # the MLP's width as config.json says it (intermediate_size: as used)
+    layer_norm_epsilon: float = 1e-5
+    resid_pdrop: float = 0.1  # dropouts, in training only
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    scale_attn_weights: bool = True  # scores * 1/sqrt(head_dim)
+    # _REFUSED: not implemented, so only false loads
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
+    add_cross_attention: bool = False
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +101,7 @@ class GPT2Config(ModelConfig):
         data = super()._prepare_dict(data)
         for gpt2_name, name in _RENAMES.items():
             data[name] = data.pop(gpt2_name)
-        inner = data["n_inner"]
+        inner = data.get("n_inner")
         data["intermediate_size"] = inner if inner is not None else 4 * data["hidden_size"]
         data.pop("num_key_value_heads", None)  # GPT-2 has one k/v head per query head
         return data
@@ -101,7 +111,7 @@ class GPT2Config(ModelConfig):
             raise NotImplementedError(f"gpt2 activation_function {self.hidden_act!r} is not supported; supported: "
                                       f"{', '.join(ACTIVATIONS)}")
         for name in _REFUSED:
-            if self.extra.get(name):
+            if getattr(self, name):
                 raise NotImplementedError(f"gpt2 {name}=True is not supported by gpuformers; only checkpoints with "
                                           f"{name}=false load")
         if self.num_key_value_heads != self.num_attention_heads:
@@ -111,10 +121,6 @@ class GPT2Config(ModelConfig):
     def _fill_layer_types(self) -> None:
         self.sliding_window = None
         self.layer_types = ["full_attention"] * self.num_hidden_layers
-
-    @property
-    def layer_norm_epsilon(self) -> float:
-        return float(self.extra["layer_norm_epsilon"])
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -161,9 +167,9 @@ class GPT2Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_heads = self.num_kv_heads = config.num_attention_heads
-        self.scaling = self.head_dim**-0.5 if config.extra.get("scale_attn_weights", True) else 1.0
-        self.attention_dropout = float(config.extra["attn_pdrop"])
-        self.resid_pdrop = float(config.extra["resid_pdrop"])
+        self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        self.attention_dropout = float(config.attn_pdrop)
+        self.resid_pdrop = float(config.resid_pdrop)
         self.sliding_window = None
         hidden = config.hidden_size
         self.c_attn = GPT2Conv1D(hidden, 3 * hidden, std=config.initializer_range, packed_parts=3)
@@ -191,7 +197,7 @@ class GPT2MLP(nn.Module):
         self.c_fc = GPT2Conv1D(config.hidden_size, config.intermediate_size, std=config.initializer_range)
         self.c_proj = GPT2Conv1D(config.intermediate_size, config.hidden_size, std=_projection_std(config))
         self.act = ACTIVATIONS[config.hidden_act]
-        self.resid_pdrop = float(config.extra["resid_pdrop"])
+        self.resid_pdrop = float(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c_fc, c_proj = self.c_fc, self.c_proj
@@ -201,7 +207,7 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        eps = config.layer_norm_epsilon
+        eps = float(config.layer_norm_epsilon)
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
@@ -224,9 +230,9 @@ class GPT2Decoder(LlamaModel):
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         # a module, not a flag read off the stack: the bare model shares the stack's modules but not the stack
         # itself, and train() / eval() reach only the modules
-        self.drop = nn.Dropout(float(config.extra["embd_pdrop"]))
+        self.drop = nn.Dropout(float(config.embd_pdrop))
         self.h = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=float(config.layer_norm_epsilon))
         self._windows = [None]  # every layer attends to the whole sequence
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -268,7 +274,6 @@ class GPT2LMHeadModel(LlamaForCausalLM):
     config_class = GPT2Config
     decoder_model_class = GPT2Decoder
     decoder_layer_class = GPT2Block
-    no_split_modules = ("GPT2Block",)
     tp_plan_auto = GPT2_TP_PLAN
     checkpoint_fan_out = _checkpoint_renames()
 

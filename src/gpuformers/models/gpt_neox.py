@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,17 +112,21 @@ def _rules() -> tuple[FanOut, ...]:
     return tuple(rules)
 
 
+@dataclass
 class GPTNeoXConfig(ModelConfig):
-    """GPT-NeoX's defaults and spelling (rotary_pct, rotary_emb_base); layer_norm_eps, use_parallel_residual and the
-    dropouts in `extra`; no sliding window, no grouped-query attention."""
+    """GPT-NeoX's defaults and spelling (rotary_pct, rotary_emb_base), layer_norm_eps, use_parallel_residual and the
+    dropouts; no sliding window, no grouped-query attention."""
 
     family_defaults = {"gpt_neox": {"hidden_act": "gelu", "max_position_embeddings": 2048, "bos_token_id": 0,
-                                    "eos_token_id": 2, "attention_bias": True, "tie_word_embeddings": False,
-                                    "layer_norm_eps": 1e-5, "use_parallel_residual": True, "hidden_dropout": 0.0,
-                                    "classifier_dropout": 0.1}}
+                                    "eos_token_id": 2, "attention_bias": True, "tie_word_embeddings": False}}
     partial_rotary = True
     absent_fields = ("num_key_value_heads", "head_dim", "rms_norm_eps", "mlp_bias", "sliding_window",
                      "use_sliding_window", "max_window_layers", "layer_types")
+
+    layer_norm_eps: float = 1e-5
+    use_parallel_residual: bool = True  # module doc
+    hidden_dropout: float = 0.0  # on the embeddings and each branch output, in training
+    classifier_dropout: float = 0.1  # transformers' token-classification head's; no model here reads it
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -205,12 +210,12 @@ class GPTNeoXLayer(LlamaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        eps = float(config.extra["layer_norm_eps"])
+        eps = float(config.layer_norm_eps)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPTNeoXMLP(config)
-        self.use_parallel_residual = bool(config.extra["use_parallel_residual"])
-        self.hidden_dropout = float(config.extra["hidden_dropout"])
+        self.use_parallel_residual = bool(config.use_parallel_residual)
+        self.hidden_dropout = float(config.hidden_dropout)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         input_norm, post_norm, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
@@ -235,8 +240,8 @@ class GPTNeoXModel(LlamaModel):
     def __init__(self, config: ModelConfig, layer_class=GPTNeoXLayer):
         super().__init__(config, layer_class)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=float(config.extra["layer_norm_eps"]))
-        self.hidden_dropout = float(config.extra["hidden_dropout"])
+        self.norm = nn.LayerNorm(config.hidden_size, eps=float(config.layer_norm_eps))
+        self.hidden_dropout = float(config.hidden_dropout)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, output_hidden_states=False, cache_position=None):
@@ -254,7 +259,6 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
     config_class = GPTNeoXConfig
     decoder_model_class = GPTNeoXModel
     decoder_layer_class = GPTNeoXLayer
-    no_split_modules = ("GPTNeoXLayer",)
     tp_plan_auto = GPT_NEOX_TP_PLAN
     checkpoint_fan_out = _rules()
     checkpoint_key = staticmethod(module_name)  # LoRA adapters are saved and read under transformers' module names

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ from gpuformers.layers.moe import TopKRouter
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
-from gpuformers.quantization.mxfp4 import dequantize_mxfp4, mxfp4_linear
+from gpuformers.kernels.packed_formats import dequantize_mxfp4
+from gpuformers.quantization.mxfp4 import mxfp4_linear
 
 # transformers' rope for gpt-oss when config.json names none (GptOssConfig.__post_init__)
 _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -64,25 +66,35 @@ _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 _ATTENTION_BACKENDS = ("eager", "sdpa", "paged|eager", "paged|sdpa")  # those that apply the sinks
 
 
+@dataclass
 class GptOssConfig(ModelConfig):
-    """gpt-oss's defaults (transformers' GptOssConfig), its MoE and SwiGLU fields (in `extra`), sliding and full
-    layers alternating, YaRN rope by default, and an MXFP4 quantization_config turned into `mxfp4_experts`."""
+    """gpt-oss's defaults (transformers' GptOssConfig), its MoE and SwiGLU fields, sliding and full layers
+    alternating, YaRN rope by default, and an MXFP4 quantization_config turned into `mxfp4_experts`."""
 
     family_defaults = {"gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
                                    "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
                                    "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
-                                   "rms_norm_eps": 1e-5, "attention_bias": True, "rope_theta": 150000.0,
-                                   "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
-                                   "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001,
-                                   "output_router_logits": False}}
+                                   "rms_norm_eps": 1e-5, "attention_bias": True, "rope_theta": 150000.0}}
     absent_fields = ("use_sliding_window", "max_window_layers", "mlp_bias")
+
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        """num_local_experts, under the name the MoE forward shared with Qwen3-MoE reads."""
+        return self.num_local_experts
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = super()._prepare_dict(data)
         if not data.get("rope_parameters") and not data.get("rope_scaling"):
             data["rope_parameters"] = dict(_DEFAULT_ROPE)
-        data["num_experts"] = data["num_local_experts"]  # the MoE forward shared with Qwen3-MoE reads num_experts
+        data.pop("num_experts", None)  # not GptOssConfig's: num_local_experts counts the experts
         quantization = data.get("quantization_config")
         if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
             # The experts are built packed; quantization/config.py's pipeline then keeps or dequantizes them.
@@ -92,6 +104,8 @@ class GptOssConfig(ModelConfig):
                 raise NotImplementedError(f"an MXFP4 gpt-oss checkpoint whose experts are partly unquantized "
                                           f"(modules_to_not_convert {kept}) is not supported; every layer's experts "
                                           f"must be stored as *_blocks / *_scales")
+            # Our own flag, not a config.json field: derived from quantization_config, dropped by to_dict and by
+            # quantization/mxfp4.py when the experts are dequantized, so it stays a key of `extra`.
             data["mxfp4_experts"] = True
         return data
 
@@ -102,8 +116,7 @@ class GptOssConfig(ModelConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("num_experts", "mxfp4_experts"):
-            out.pop(key, None)  # our own `extra` entries, when present
+        out.pop("mxfp4_experts", None)  # our own `extra` entry, when present
         return out
 
 
@@ -132,8 +145,8 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, config: ModelConfig, packed: bool = False):
         super().__init__()
-        experts, hidden, inter = config.extra["num_local_experts"], config.hidden_size, config.intermediate_size
-        self.alpha, self.limit = config.extra["swiglu_alpha"], config.extra["swiglu_limit"]
+        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
         self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
         # name -> the (experts, in, out) parameter's shape; packed, it is stored transposed, 32 values a block
@@ -201,9 +214,8 @@ class GptOssMLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        extra = config.extra
-        self.router = GptOssRouter(config.hidden_size, extra["num_local_experts"], extra["num_experts_per_tok"])
-        self.experts = GptOssExperts(config, packed=bool(extra.get("mxfp4_experts")))
+        self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+        self.experts = GptOssExperts(config, packed=bool(config.extra.get("mxfp4_experts")))  # GptOssConfig's flag
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -243,7 +255,6 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
 
     config_class = GptOssConfig
     decoder_layer_class = GptOssDecoderLayer
-    no_split_modules = ("GptOssDecoderLayer",)
     tp_plan_auto = None
     checkpoint_fan_out = ()  # its experts are fused in the checkpoint and in the model alike
 

@@ -15,6 +15,7 @@ Offers: GraniteConfig, GraniteAttention, GraniteDecoderLayer, GraniteModel, Gran
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -23,20 +24,23 @@ from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
+@dataclass
 class GraniteConfig(ModelConfig):
-    """The four scalars, in `extra`, with their defaults; no sliding window."""
+    """The four scalars (module doc), with their defaults; no sliding window."""
 
-    family_defaults = {"granite": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048,
-                                   "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
-                                   "attention_multiplier": 1.0}}
+    family_defaults = {"granite": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048}}
     absent_fields = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
 
 
 class GraniteAttention(LlamaAttention):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.scaling = float(config.extra["attention_multiplier"])
+        self.scaling = float(config.attention_multiplier)
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
@@ -44,7 +48,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.residual_multiplier = float(config.extra["residual_multiplier"])
+        self.residual_multiplier = float(config.residual_multiplier)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         input_norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
@@ -57,7 +61,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 class GraniteModel(LlamaModel):
     def __init__(self, config: ModelConfig, layer_class=GraniteDecoderLayer):
         super().__init__(config, layer_class)
-        self.embedding_multiplier = float(config.extra["embedding_multiplier"])
+        self.embedding_multiplier = float(config.embedding_multiplier)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, output_hidden_states=False, cache_position=None):
@@ -75,11 +79,10 @@ class GraniteForCausalLM(LlamaForCausalLM):
     config_class = GraniteConfig
     decoder_model_class = GraniteModel
     decoder_layer_class = GraniteDecoderLayer
-    no_split_modules = ("GraniteDecoderLayer",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.logits_scaling = float(config.extra["logits_scaling"])
+        self.logits_scaling = float(config.logits_scaling)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states) / self.logits_scaling

@@ -50,7 +50,7 @@ from gpuformers.generation.cache import Cache
 from gpuformers.loading.fan_out import FanOut
 from gpuformers.models.classification import configure_labels, last_token_index, sequence_classification_loss
 from gpuformers.models.config import ModelConfig
-from gpuformers.models.outputs import ModelOutput
+from gpuformers.outputs import ModelOutput
 from gpuformers.models.registry import MODEL_TYPES
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from gpuformers.layers.norm import RMSNorm, add_rms_norm
 from gpuformers.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.modeling import PreTrainedModel
-from gpuformers.models.outputs import CausalLMOutput
+from gpuformers.outputs import CausalLMOutput
 
 
 class LlamaAttention(nn.Module):
@@ -174,7 +174,6 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(PreTrainedModel):
     decoder_model_class = LlamaModel  # the stack; a family that changes it (embedding scale) names its own
     decoder_layer_class = LlamaDecoderLayer
-    no_split_modules = ("LlamaDecoderLayer",)
 
     @property
     def supports_compiled_decode(self) -> bool:

@@ -342,6 +342,8 @@ def _quantize(model, config: ModelConfig, requested, dtype: torch.dtype, loaded:
     config.json (a pre-quantized checkpoint, whose settings then win, as in transformers)."""
     from gpuformers.quantization.config import checkpoint_quantization, quantize_linear_layers
 
+    # quantization_config stays a key of `extra`: transformers' PretrainedConfig has it only on quantized
+    # checkpoints, so a field would write a null one into every config.json; quantization/ sets and drops it there
     quantization = checkpoint_quantization(config.extra.get("quantization_config"), requested)
     if quantization is None:
         return None

@@ -125,7 +125,6 @@ class MinistralForCausalLM(LlamaForCausalLM):
 class Ministral3ForCausalLM(LlamaForCausalLM):
     config_class = Ministral3Config
     decoder_layer_class = Ministral3DecoderLayer
-    no_split_modules = ("Ministral3DecoderLayer",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

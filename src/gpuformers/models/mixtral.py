@@ -24,6 +24,7 @@ MIXTRAL_FAN_OUT.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,28 +40,32 @@ from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
 from gpuformers.tensor_parallel import LLAMA_TP_PLAN
 
 
+@dataclass
 class MixtralConfig(ModelConfig):
-    """Mistral's attention (no window unless sliding_window is set) and the MoE fields, in `extra`."""
+    """Mistral's attention (no window unless sliding_window is set) and the MoE fields."""
 
     family_defaults = {"mixtral": {"bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 4096 * 32,
-                                   "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8,
-                                   "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
-                                   "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}}
+                                   "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8}}
     absent_fields = ("use_sliding_window", "max_window_layers", "layer_types")
+
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0  # training only: the block's input times uniform noise in [1 -/+ this]
+
+    @property
+    def num_experts(self) -> int:
+        """num_local_experts, under the name the MoE forward shared with Qwen3-MoE reads."""
+        return self.num_local_experts
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
-        data = super()._prepare_dict(data)
-        data["num_experts"] = data["num_local_experts"]  # the MoE forward shared with Qwen3-MoE reads num_experts
-        return data
+        data.pop("num_experts", None)  # not MixtralConfig's: num_local_experts counts the experts
+        return super()._prepare_dict(data)
 
     def _fill_layer_types(self) -> None:
         self._slide_every_layer()
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out.pop("num_experts")  # read as num_local_experts, its transformers name
-        return out
 
 
 class MixtralExpert(nn.Module):
@@ -92,11 +97,10 @@ class MixtralSparseMoeBlock(SparseMoeBlock):
     expert_class = MixtralExpert
 
     def __init__(self, config: ModelConfig):
-        extra = config.extra
-        super().__init__(config.hidden_size, config.intermediate_size, extra["num_local_experts"],
-                         extra["num_experts_per_tok"], norm_topk_prob=True)
+        super().__init__(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                         config.num_experts_per_tok, norm_topk_prob=True)
         self.gate.float32_weights = True
-        self.jitter_noise = extra["router_jitter_noise"]
+        self.jitter_noise = config.router_jitter_noise
         if not 0 <= self.jitter_noise < 1:
             raise ValueError(f"router_jitter_noise={self.jitter_noise} must be in [0, 1) (0 turns it off)")
 
@@ -144,6 +148,5 @@ class MixtralForCausalLM(Qwen3MoeForCausalLM):
 
     config_class = MixtralConfig
     decoder_layer_class = MixtralDecoderLayer
-    no_split_modules = ("MixtralDecoderLayer",)
     tp_plan_auto = MIXTRAL_TP_PLAN
     checkpoint_fan_out = MIXTRAL_FAN_OUT

@@ -1,23 +1,26 @@
 """PreTrainedModel: what every causal LM class shares: loading, saving, tied weights, attention backend choice,
 and, through its mixins, generate() and continuous batching.
 
-Offers: PreTrainedModel, skip_init, decoder_layers,
-checkpoint_decoder_layers, uncheckpoint_decoder_layers.
+A model class names the class of its decoder layers once, in `decoder_layer_class` (or, for a family with more than
+one kind of layer, `decoder_layer_classes`); `no_split_modules`, the tuple of their names that accelerate-style
+device_map planning and FSDP's transformer_layer_cls_to_wrap take (transformers' `_no_split_modules`), is derived
+from it, and layers/blocks.py finds the layers by isinstance.
+
+Offers: PreTrainedModel, skip_init.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from gpuformers.engine.mixin import ContinuousBatchingMixin
 from gpuformers.generation.generate import GenerationMixin
 from gpuformers.layers.attention import AttentionInterface
+from gpuformers.layers.blocks import checkpoint_decoder_layers, decoder_layers, uncheckpoint_decoder_layers
 from gpuformers.lora.integration import PeftAdapterMixin
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.embeddings import TokenEmbeddingsMixin
@@ -40,59 +43,28 @@ def skip_init():
             setattr(nn.init, name, fn)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the modules whose class the model names in `no_split_modules` (the unit that
-    device_map keeps whole, FSDP2 shards one at a time and gradient checkpointing recomputes)."""
-    names = set(getattr(model, "no_split_modules", ()) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+class _ClassDerived:
+    """A class attribute computed from what it is read on (the class, or an instance: whose own assignment then
+    wins, as for any class attribute)."""
 
+    def __init__(self, compute):
+        self.compute = compute
 
-def checkpoint_decoder_layers(model: nn.Module, setting: str, every_n_layers: int = 1, offload: bool = False,
-                              **checkpoint_kwargs) -> None:
-    """Recompute decoder layers' activations in the backward pass instead of keeping them (torch.utils.checkpoint
-    with `checkpoint_kwargs`): every `every_n_layers`-th layer from the first, and with `offload` the inputs a layer
-    keeps for its recompute in (pinned) host memory. A layer already wrapped is left as it is. `setting` names the
-    option that asked for it, for the error on a model without decoder layers."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"{setting}=True but {type(model).__name__} names no decoder layer class "
-                         f"(no_split_modules); turn {setting} off for this model")
-    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
-        raise ValueError(f"every_n_layers={every_n_layers!r} must be an int >= 1 (1 checkpoints every layer)")
-    for index, layer in enumerate(layers):
-        if getattr(layer, "_checkpointed", False) or index % every_n_layers:
-            continue
-        layer._forward_before_checkpoint = layer.__dict__.get("forward")
-        layer.forward = functools.partial(_checkpointed_call, layer.forward, offload, checkpoint_kwargs)
-        layer._checkpointed = True
-
-
-def uncheckpoint_decoder_layers(model: nn.Module) -> None:
-    """Undo checkpoint_decoder_layers: each layer keeps its activations again."""
-    for layer in decoder_layers(model):
-        if getattr(layer, "_checkpointed", False):
-            before = layer.__dict__.pop("_forward_before_checkpoint", None)
-            if before is None:
-                del layer.forward  # the class's forward again
-            else:
-                layer.forward = before
-            layer._checkpointed = False
-
-
-def _checkpointed_call(forward, offload: bool, checkpoint_kwargs: dict, *args, **kwargs):
-    # Keyword arguments go in through partial: reentrant checkpointing takes positional ones only.
-    run = functools.partial(torch.utils.checkpoint.checkpoint, functools.partial(forward, **kwargs), *args,
-                            **checkpoint_kwargs)
-    if not offload:
-        return run()
-    device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
-    with torch.autograd.graph.save_on_cpu(pin_memory=device == "cuda"):
-        return run()
+    def __get__(self, instance, owner):
+        return self.compute(owner if instance is None else instance)
 
 
 class PreTrainedModel(nn.Module, GenerationMixin, ContinuousBatchingMixin, TokenEmbeddingsMixin, PeftAdapterMixin):
     config_class = ModelConfig
-    no_split_modules: tuple[str, ...] = ()
+    # The class of the repeated block the stack is built of (LlamaDecoderLayer); None for a model without one.
+    decoder_layer_class: type[nn.Module] | None = None
+    # Every class whose instances are decoder layers (layers/blocks.py); a family with more than one kind of layer
+    # sets the tuple itself.
+    decoder_layer_classes: tuple[type[nn.Module], ...] = _ClassDerived(
+        lambda model: () if model.decoder_layer_class is None else (model.decoder_layer_class,))
+    # Their names, as transformers' _no_split_modules: what device_map keeps whole and FSDP shards one by one.
+    no_split_modules: tuple[str, ...] = _ClassDerived(
+        lambda model: tuple(cls.__name__ for cls in model.decoder_layer_classes))
     # Checkpoint keys that fan out into several of our parameters (loading/fan_out.py: transformers' fused MoE
     # experts); none for a model whose parameters keep the checkpoint's names.
     checkpoint_fan_out: tuple = ()

@@ -77,7 +77,6 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     config_class = Olmo2Config
     decoder_layer_class = Olmo2DecoderLayer
-    no_split_modules = ("Olmo2DecoderLayer",)
     tp_plan_auto = None  # the llama plan splits q_proj / k_proj by heads, which q_norm / k_norm reduce over
 
     def __init__(self, config: ModelConfig):

@@ -24,6 +24,7 @@ Offers: OlmoeConfig, OlmoeAttention, OlmoeDecoderLayer, OlmoeForCausalLM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from gpuformers.layers.moe import SparseMoeBlock
@@ -34,13 +35,19 @@ from gpuformers.models.olmo2 import Olmo2Attention
 from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
+@dataclass
 class OlmoeConfig(ModelConfig):
-    """transformers' OlmoeConfig defaults; the MoE fields and clip_qkv live in `extra`."""
+    """transformers' OlmoeConfig defaults, with the MoE fields and clip_qkv."""
 
     family_defaults = {"olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "pad_token_id": 1,
-                                 "eos_token_id": 50279, "clip_qkv": None, "num_experts": 64,
-                                 "num_experts_per_tok": 8, "norm_topk_prob": False, "output_router_logits": False,
-                                 "router_aux_loss_coef": 0.01}}
+                                 "eos_token_id": 50279}}
+
+    clip_qkv: float | None = None  # None: no clipping
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.01
     absent_fields = ("head_dim", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                      "layer_types")
 
@@ -66,7 +73,7 @@ class OlmoeAttention(Olmo2Attention):
         # transformers' OlmoeRMSNorm is llama's: in bfloat16 it rounds before the weight multiplies (OLMo 2's after)
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
-        self.clip_qkv = config.extra["clip_qkv"]
+        self.clip_qkv = config.clip_qkv
 
     def project_qk(self, q, k):
         q, k = super().project_qk(q, k)
@@ -92,9 +99,8 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        extra = config.extra
-        self.mlp = SparseMoeBlock(config.hidden_size, config.intermediate_size, extra["num_experts"],
-                                  extra["num_experts_per_tok"], extra["norm_topk_prob"])
+        self.mlp = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
+                                  config.num_experts_per_tok, config.norm_topk_prob)
 
 
 class OlmoeForCausalLM(Qwen3MoeForCausalLM):
@@ -102,5 +108,4 @@ class OlmoeForCausalLM(Qwen3MoeForCausalLM):
 
     config_class = OlmoeConfig
     decoder_layer_class = OlmoeDecoderLayer
-    no_split_modules = ("OlmoeDecoderLayer",)
     tp_plan_auto = None  # the llama plan splits q_proj / k_proj by heads, which q_norm / k_norm reduce over

@@ -24,6 +24,7 @@ Offers: Phi3Config, Phi3MLP, Phi3Attention, Phi3DecoderLayer, Phi3ForCausalLM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,15 +36,19 @@ from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
+@dataclass
 class Phi3Config(ModelConfig):
-    """Mistral's layer types, partial rotary, and its own rope spelling and to_dict. original_max_position_embeddings
-    (longrope's pretraining length) and the dropouts live in `extra`."""
+    """Mistral's layer types, partial rotary, and its own rope spelling and to_dict; original_max_position_embeddings
+    (longrope's pretraining length) and the dropouts."""
 
     family_defaults = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
-                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-                                "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0}}
+                                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}}
     partial_rotary = True
     absent_fields = ("use_sliding_window", "max_window_layers", "layer_types")
+
+    original_max_position_embeddings: int | None = 4096  # longrope's switch from short_factor to long_factor
+    resid_pdrop: float = 0.0  # on each residual branch, in training
+    embd_pdrop: float = 0.0  # in config.json, applied by no transformers version (module doc)
 
     def _fill_layer_types(self) -> None:
         self._slide_every_layer()
@@ -57,7 +62,7 @@ class Phi3Config(ModelConfig):
         if rope["rope_type"] not in ("default", "longrope"):
             raise ValueError(f"phi3 rope_type {rope['rope_type']!r} is not supported; Phi-3 has default and longrope")
         if rope["rope_type"] == "longrope":
-            rope["original_max_position_embeddings"] = self.extra.get("original_max_position_embeddings", 4096)
+            rope["original_max_position_embeddings"] = self.original_max_position_embeddings
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -124,7 +129,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.mlp = Phi3MLP(config.hidden_size, config.intermediate_size)
-        self.resid_pdrop = float(config.extra.get("resid_pdrop", 0.0))
+        self.resid_pdrop = float(config.resid_pdrop)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         if not (self.training and self.resid_pdrop):
@@ -141,7 +146,6 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 class Phi3ForCausalLM(LlamaForCausalLM):
     config_class = Phi3Config
     decoder_layer_class = Phi3DecoderLayer
-    no_split_modules = ("Phi3DecoderLayer",)
     tp_plan_auto = None  # the llama plan names q/k/v and gate/up projections, which Phi-3 fuses
 
     def cache_must_be_rebuilt(self, past_length: int, length: int) -> bool:

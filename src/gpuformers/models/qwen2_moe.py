@@ -26,6 +26,7 @@ Offers: Qwen2MoeConfig, Qwen2MoeSparseMoeBlock, Qwen2MoeDecoderLayer, Qwen2MoeFo
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,25 +41,30 @@ from gpuformers.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from gpuformers.tensor_parallel import LLAMA_TP_PLAN
 
 
+@dataclass
 class Qwen2MoeConfig(ModelConfig):
-    """Qwen2's fields with the MoE ones (in `extra`), transformers' Qwen2MoeConfig defaults."""
+    """Qwen2's fields with the MoE ones and qkv_bias, transformers' Qwen2MoeConfig defaults."""
 
     family_defaults = {"qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
-                                     "sliding_window": 4096, "max_window_layers": 28, "qkv_bias": True,
-                                     "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                                     "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
-                                     "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
-                                     "router_aux_loss_coef": 0.001}}
+                                     "sliding_window": 4096, "max_window_layers": 28}}
+
+    # The q/k/v projections' biases (o_proj never has one); this field stands in for ModelConfig's derived qkv_bias.
+    qkv_bias: bool = True
+    num_experts: int = 60  # 0: every layer dense
+    num_experts_per_tok: int = 4
+    moe_intermediate_size: int = 1408  # each routed expert's
+    shared_expert_intermediate_size: int = 5632
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
         if data.get("mlp_only_layers") is None:  # transformers reads null as no dense-only layer
             data.pop("mlp_only_layers", None)
         return super()._prepare_dict(data)
-
-    @property
-    def qkv_bias(self) -> bool:
-        return bool(self.extra["qkv_bias"])
 
     @property
     def o_bias(self) -> bool:
@@ -79,10 +85,9 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
     the decoder layer adds."""
 
     def __init__(self, config: ModelConfig):
-        extra = config.extra
-        super().__init__(config.hidden_size, extra["moe_intermediate_size"], extra["num_experts"],
-                         extra["num_experts_per_tok"], extra["norm_topk_prob"])
-        self.shared_expert = GatedMLP(config.hidden_size, extra["shared_expert_intermediate_size"])
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                         config.num_experts_per_tok, config.norm_topk_prob)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def shared_expert_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -126,5 +131,4 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     config_class = Qwen2MoeConfig
     decoder_layer_class = Qwen2MoeDecoderLayer
-    no_split_modules = ("Qwen2MoeDecoderLayer",)
     tp_plan_auto = QWEN2_MOE_TP_PLAN

@@ -27,4 +27,3 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = Qwen3DecoderLayer
-    no_split_modules = ("Qwen3DecoderLayer",)

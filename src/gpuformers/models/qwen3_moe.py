@@ -2,7 +2,7 @@
 
 A layer is sparse when num_experts > 0, (layer_idx + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers
 (transformers' rule); the others keep a dense GatedMLP of intermediate_size. The MoE fields come from config.json
-(ModelConfig.extra, with transformers' defaults: Qwen3MoeConfig).
+(Qwen3MoeConfig's fields, with transformers' defaults).
 
 With output_router_logits=True (config.json or a forward argument) the forward also returns `router_logits` (one
 (batch * seq, experts) tensor per sparse layer, recorded by the routers during that forward only) and `aux_loss`,
@@ -20,6 +20,7 @@ Offers: Qwen3MoeConfig, Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,18 +30,25 @@ from gpuformers.layers.moe import SparseMoeBlock, TopKRouter, load_balancing_los
 from gpuformers.loading.fan_out import fused_experts
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer
-from gpuformers.models.outputs import MoeCausalLMOutput
+from gpuformers.outputs import MoeCausalLMOutput
 from gpuformers.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
 
+@dataclass
 class Qwen3MoeConfig(ModelConfig):
-    """Qwen3's config (q/k norm, its sliding-window rule) with the MoE fields, in `extra`; head_dim defaults to
-    hidden_size / heads."""
+    """Qwen3's config (q/k norm, its sliding-window rule) with the MoE fields; head_dim defaults to hidden_size /
+    heads."""
 
-    family_defaults = {"qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
-                                     "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                                     "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
-                                     "router_aux_loss_coef": 0.001}}
+    family_defaults = {"qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4}}
+
+    num_experts: int = 128  # 0: every layer dense
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768  # each expert's; intermediate_size is the dense layers'
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum 1
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: list[int] = field(default_factory=list)  # layer indices kept dense
+    output_router_logits: bool = False  # the forward's default: router logits and the aux loss
+    router_aux_loss_coef: float = 0.001
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -50,9 +58,9 @@ class Qwen3MoeConfig(ModelConfig):
 
 
 def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
-    extra = config.extra
-    return (layer_idx not in extra["mlp_only_layers"] and extra["num_experts"] > 0
-            and (layer_idx + 1) % extra["decoder_sparse_step"] == 0)
+    """transformers' rule (module doc), over a Qwen3-MoE or Qwen2-MoE config."""
+    return (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+            and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
@@ -61,15 +69,13 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         if is_sparse_layer(config, layer_idx):
-            extra = config.extra
-            self.mlp = SparseMoeBlock(config.hidden_size, extra["moe_intermediate_size"], extra["num_experts"],
-                                      extra["num_experts_per_tok"], extra["norm_topk_prob"])
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                      config.num_experts_per_tok, config.norm_topk_prob)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = Qwen3MoeConfig
     decoder_layer_class = Qwen3MoeDecoderLayer
-    no_split_modules = ("Qwen3MoeDecoderLayer",)
     checkpoint_fan_out = fused_experts()  # transformers' fused experts -> mlp.experts.{e}.*_proj (module doc)
 
     def forward(
@@ -95,7 +101,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         prefill and decode steps), which records nothing unless asked. The LM loss alone is divided by
         num_items_in_batch, as in transformers."""
         if output_router_logits is None:
-            output_router_logits = self.config.extra["output_router_logits"] and past_key_values is None
+            output_router_logits = self.config.output_router_logits and past_key_values is None
         args = (input_ids, attention_mask, position_ids, past_key_values, use_cache, labels, inputs_embeds,
                 logits_to_keep, num_items_in_batch, output_hidden_states, cache_position)
         if not output_router_logits:
@@ -113,10 +119,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 router.recorded = None
         seq = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         routed_mask = attention_mask[:, -seq:] if attention_mask is not None else None  # the new tokens' columns
-        extra = self.config.extra
-        aux_loss = load_balancing_loss(router_logits, extra["num_experts"], extra["num_experts_per_tok"], routed_mask)
+        # num_experts, num_experts_per_tok, router_aux_loss_coef: every MoE family's config has them (Mixtral's and
+        # gpt-oss's num_experts reads their num_local_experts)
+        config = self.config
+        aux_loss = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, routed_mask)
         loss = out.loss
         if loss is not None:
-            loss = loss + extra["router_aux_loss_coef"] * aux_loss.to(loss.device)
+            loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutput(loss=loss, aux_loss=aux_loss, logits=out.logits, past_key_values=out.past_key_values,
                                  hidden_states=out.hidden_states, router_logits=tuple(router_logits))

@@ -18,6 +18,8 @@ Offers: SeedOssConfig, SeedOssDecoderLayer, SeedOssForCausalLM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 
 from gpuformers.layers.norm import add_rms_norm
@@ -25,18 +27,21 @@ from gpuformers.models.config import ModelConfig
 from gpuformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
+@dataclass
 class SeedOssConfig(ModelConfig):
-    """Seed-OSS's defaults; attention_out_bias and residual_dropout in `extra`; no sliding window."""
+    """Seed-OSS's defaults, attention_out_bias and residual_dropout; no sliding window."""
 
     family_defaults = {"seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 524288,
                                     "rms_norm_eps": 1e-6, "attention_bias": True, "attention_dropout": 0.1,
-                                    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
-                                    "attention_out_bias": False, "residual_dropout": 0.1}}
+                                    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}}
     absent_fields = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+
+    attention_out_bias: bool = False
+    residual_dropout: float = 0.1
 
     @property
     def o_bias(self) -> bool:
-        return bool(self.extra["attention_out_bias"])  # attention_bias is q/k/v's only
+        return bool(self.attention_out_bias)  # attention_bias is q/k/v's only
 
 
 class SeedOssDecoderLayer(LlamaDecoderLayer):
@@ -44,7 +49,7 @@ class SeedOssDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.residual_dropout = float(config.extra["residual_dropout"])
+        self.residual_dropout = float(config.residual_dropout)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         if not (self.training and self.residual_dropout):
@@ -60,4 +65,3 @@ class SeedOssDecoderLayer(LlamaDecoderLayer):
 class SeedOssForCausalLM(LlamaForCausalLM):
     config_class = SeedOssConfig
     decoder_layer_class = SeedOssDecoderLayer
-    no_split_modules = ("SeedOssDecoderLayer",)

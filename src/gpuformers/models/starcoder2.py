@@ -22,6 +22,7 @@ STARCODER2_TP_PLAN.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,17 +47,20 @@ STARCODER2_TP_PLAN = {
 }
 
 
+@dataclass
 class Starcoder2Config(ModelConfig):
-    """StarCoder2's defaults and spelling (use_bias, norm_epsilon); the dropouts in `extra`; Mistral's layer types."""
+    """StarCoder2's defaults and spelling (use_bias, norm_epsilon), its dropouts, Mistral's layer types."""
 
     family_defaults = {"starcoder2": {"vocab_size": 49152, "num_key_value_heads": 2,
                                       "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 4096,
                                       "initializer_range": 0.018042, "norm_epsilon": 1e-5, "bos_token_id": 50256,
-                                      "eos_token_id": 50256, "use_bias": True, "tie_word_embeddings": True,
-                                      "residual_dropout": 0.0, "embedding_dropout": 0.0}}
+                                      "eos_token_id": 50256, "use_bias": True, "tie_word_embeddings": True}}
     absent_fields = ("use_sliding_window", "max_window_layers", "layer_types", "rms_norm_eps", "attention_bias",
                      "mlp_bias")
     field_spelling = {"rms_norm_eps": "norm_epsilon"}
+
+    residual_dropout: float = 0.0  # training only (module doc)
+    embedding_dropout: float = 0.0
 
     @classmethod
     def _prepare_dict(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +112,7 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
         self.mlp = Starcoder2MLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.residual_dropout = float(config.extra["residual_dropout"])
+        self.residual_dropout = float(config.residual_dropout)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, cache_position=None):
         # The llama layer's add + norm is one RMSNorm call (a fused kernel under use_kernels): here two torch steps.
@@ -129,7 +133,7 @@ class Starcoder2Model(LlamaModel):
     def __init__(self, config: ModelConfig, layer_class=Starcoder2DecoderLayer):
         super().__init__(config, layer_class)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.embedding_dropout = float(config.extra["embedding_dropout"])
+        self.embedding_dropout = float(config.embedding_dropout)
 
     def _run_layers(self, inputs_embeds, position_ids, masks, past_key_values, cache_position, output_hidden_states):
         # Embeddings passed in are dropped out too, as transformers does (both forward paths come through here).
@@ -143,5 +147,4 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     config_class = Starcoder2Config
     decoder_model_class = Starcoder2Model
     decoder_layer_class = Starcoder2DecoderLayer
-    no_split_modules = ("Starcoder2DecoderLayer",)
     tp_plan_auto = STARCODER2_TP_PLAN

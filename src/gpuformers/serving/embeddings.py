@@ -50,6 +50,8 @@ class Embedder:
         self.max_model_len = max_model_len or min(max_seq_length or context, context)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+        # sentence-transformers' / vLLM's keys, which no model config class of ours or of transformers has: they stay
+        # in `extra`, present only when a checkpoint's config.json (or --hf-overrides) sets them
         extra = getattr(config, "extra", None) or {}
         self.matryoshka_dimensions = _matryoshka_dimensions(extra.get("matryoshka_dimensions"), self.hidden_size)
         # vLLM's rule: a list of dimensions alone also marks the model as Matryoshka
@@ -192,7 +194,7 @@ def load_embedder(model: str, dtype: str = "auto", device: str | None = None, qu
     """The Embedder of a Hub id, folder or .gguf path, placed as `gpuformers serve` places a causal LM; `pooling` and
     `normalize` override the checkpoint's sentence-transformers pooling (pooling.py), `max_model_len` its
     max_seq_length, and `hf_overrides` fields of its config.json (vLLM's --hf-overrides)."""
-    from gpuformers.generation.cli import quantization_config_for
+    from gpuformers.models.command_line import quantization_config_for
     from gpuformers.models.auto import AutoModel, AutoTokenizer
     from gpuformers.models.config import ModelConfig
 

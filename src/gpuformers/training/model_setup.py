@@ -81,7 +81,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dic
                                       f"activation_checkpointing_enable, which {type(model).__name__} lacks; drop them")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        from gpuformers.models.modeling import checkpoint_decoder_layers
+        from gpuformers.layers.blocks import checkpoint_decoder_layers
 
         checkpoint_decoder_layers(model, "gradient_checkpointing", **layers, **kwargs)
 
