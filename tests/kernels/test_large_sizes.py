@@ -20,7 +20,10 @@ from tests.kernels.cases import DEVICES, assert_close, rand
 from gpuformers.kernels import attention  # noqa: E402  (after the triton skip)
 from gpuformers.kernels.checks import interpreter_on  # noqa: E402
 from gpuformers.kernels.rms_norm import rms_norm_backward, rms_norm_forward, rms_norm_reference  # noqa: E402
-from gpuformers.kernels.rotary import rotary_forward, rotary_reference  # noqa: E402
+from gpuformers.kernels.rotary import rotary_forward  # noqa: E402
+from gpuformers.layers.rotary import apply_rotary_pos_emb  # noqa: E402
+
+rotary_reference = apply_rotary_pos_emb.torch_function  # the torch computation the kernel replaces
 
 _START = 2**31  # where the view begins in its buffer
 _CUDA_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2

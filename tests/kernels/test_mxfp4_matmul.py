@@ -11,7 +11,7 @@ from tests.kernels.cases import CASES, CUDA, assert_close
 
 from gpuformers.kernels.mxfp4_matmul import mxfp4_matmul_forward, mxfp4_matmul_reference  # noqa: E402
 from gpuformers.kernels.weight_only_matmul import MatmulConfig  # noqa: E402
-from gpuformers.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4  # noqa: E402
+from gpuformers.kernels.packed_formats import E2M1_VALUES, dequantize_mxfp4  # noqa: E402
 
 
 def _weights(n: int, k: int, device="cpu", seed=0, scale_range=(122, 131)):

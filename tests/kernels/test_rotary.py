@@ -7,7 +7,10 @@ import torch
 
 from tests.kernels.cases import CASES, assert_close, rand
 
-from gpuformers.kernels.rotary import apply_rotary, apply_rotary_inplace, rotary_reference  # noqa: E402
+from gpuformers.kernels.rotary import apply_rotary, apply_rotary_inplace  # noqa: E402
+from gpuformers.layers.rotary import apply_rotary_pos_emb  # noqa: E402
+
+rotary_reference = apply_rotary_pos_emb.torch_function  # the torch computation the kernel replaces
 
 
 def _cos_sin(batch, seq, head_dim, device, dtype):

@@ -199,7 +199,7 @@ def test_bnb_4bit_load_matches_transformers(checkpoint):
 
 
 def test_cli_quantization_choices():
-    from gpuformers.generation.cli import quantization_config_for
+    from gpuformers.models.command_line import quantization_config_for
 
     assert quantization_config_for(None, "auto", "cpu") is None
     assert quantization_config_for("int8", "auto", "cpu") == WeightOnlyConfig(bits=8)

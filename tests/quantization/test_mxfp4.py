@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gpuformers.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4, mxfp4_linear
+from gpuformers.kernels.packed_formats import E2M1_VALUES, dequantize_mxfp4
+from gpuformers.quantization.mxfp4 import mxfp4_linear
 
 
 class _RecordCalls(TorchFunctionMode):

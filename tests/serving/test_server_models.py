@@ -27,7 +27,7 @@ def _ask(server, messages, max_tokens: int) -> str:
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_chat_equals_generate(tmp_path):
     from gpuformers.default_model import default_gguf_path
-    from gpuformers.generation.cli import load_model_and_tokenizer
+    from gpuformers.models.command_line import load_model_and_tokenizer
 
     try:
         gguf = default_gguf_path()

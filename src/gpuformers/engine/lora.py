@@ -205,7 +205,8 @@ class AdapterBank:
 
     def _pairs(self, weights: dict[str, torch.Tensor], config, adapter_name: str) -> dict:
         """{module name: (A, B)} from peft's keys, checked against the model's layers, cast to its dtype/device."""
-        from gpuformers.lora.layers import is_fan_in_fan_out, quantized_linear_types
+        from gpuformers.layers.linear import is_fan_in_fan_out
+        from gpuformers.lora.layers import quantized_linear_types
 
         found: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in weights.items():

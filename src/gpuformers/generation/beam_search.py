@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuformers.generation.cache import Cache
-from gpuformers.models.outputs import ModelOutput
+from gpuformers.outputs import ModelOutput
 
 if TYPE_CHECKING:
     from gpuformers.generation.step_inputs import StepInputs

@@ -37,7 +37,7 @@ from gpuformers.generation.config import GenerationConfig
 from gpuformers.generation.preparation import GenerationPreparation
 from gpuformers.generation.step_inputs import StepInputs
 from gpuformers.generation.transition_scores import compute_transition_scores
-from gpuformers.models.outputs import ModelOutput
+from gpuformers.outputs import ModelOutput
 
 # On an accelerator, ask "have all rows finished?" (a host sync) once per this many decode steps.
 STOP_CHECK_INTERVAL = 8

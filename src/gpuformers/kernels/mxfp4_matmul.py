@@ -21,7 +21,8 @@ import torch
 
 from gpuformers.kernels.checks import check_bias_and_devices, check_tensor
 from gpuformers.kernels.weight_only_matmul import MatmulConfig, launch
-from gpuformers.quantization.mxfp4 import BLOCK, mxfp4_linear_reference
+from gpuformers.kernels.packed_formats import MXFP4_BLOCK as BLOCK
+from gpuformers.kernels.packed_formats import mxfp4_linear_reference
 
 
 def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -9,7 +9,7 @@ The backward is the transposed rotation (dy rotated by -sin). One program handle
 block of heads, so cos and sin are read once per token. Under torch.compile both functions call the
 torch.library op gpuformers::rotary (ops.py), out of place.
 
-Offers: apply_rotary, apply_rotary_inplace, rotary_reference, rotary_forward, RotaryFunction.
+Offers: apply_rotary, apply_rotary_inplace, rotary_forward, RotaryFunction.
 """
 
 from __future__ import annotations
@@ -50,14 +50,6 @@ def _rotary_kernel(X, Y, COS, SIN, stride_xb, stride_xh, stride_xs, stride_yb, s
     y_ptr = Y + b * stride_yb + s * stride_ys + heads[:, None] * stride_yh + d[None, :]
     tl.store(y_ptr, y1.to(Y.dtype.element_ty), mask=mask)
     tl.store(y_ptr + half, y2.to(Y.dtype.element_ty), mask=mask)
-
-
-def rotary_reference(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """The torch computation (layers/rotary.py apply_rotary_pos_emb)."""
-    from gpuformers.layers.rotary import apply_rotary_pos_emb
-
-    fn = getattr(apply_rotary_pos_emb, "torch_function", apply_rotary_pos_emb)
-    return fn(q, k, cos, sin, unsqueeze_dim)
 
 
 def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
@@ -113,8 +105,9 @@ class RotaryFunction(torch.autograd.Function):
 def apply_rotary(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Triton rotary of q and k (new tensors, differentiable w.r.t. q and k); same signature as the torch one."""
     if cos.requires_grad or sin.requires_grad:
-        # Learned rotary tables are not a thing in this library; keep torch so their gradient is right.
-        return rotary_reference(q, k, cos, sin, unsqueeze_dim)
+        # Learned rotary tables are not a thing in this library: decline, so that the torch function runs and their
+        # gradient is right (kernels/mapping.py use_kernel_function).
+        return NotImplemented
     if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
         return ops.rotary(q, cos, sin, unsqueeze_dim, False), ops.rotary(k, cos, sin, unsqueeze_dim, False)
     return RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim)

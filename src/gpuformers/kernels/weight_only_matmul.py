@@ -42,7 +42,7 @@ from torch.library import custom_op
 
 from gpuformers.kernels.checks import check_bias_and_devices, check_tensor, dot_precision, next_power_of_2
 from gpuformers.kernels.ops import NAMESPACE
-from gpuformers.quantization.weight_only import INT4_MID, dequantize_weight
+from gpuformers.kernels.packed_formats import INT4_MID, dequantize_weight
 
 MIN_BLOCK_K = 16  # tl.dot's smallest inner dimension
 _INT4_MID = tl.constexpr(INT4_MID)

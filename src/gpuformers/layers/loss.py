@@ -20,7 +20,8 @@ is summed over the chunks (float32 rounding differs). The model uses it in train
 will not be read (`logits_not_needed()`, which the Trainer's training step sets), or with use_kernels=True (the
 Triton kernel).
 
-Offers: causal_lm_loss, linear_causal_lm_loss, shift_labels, logits_not_needed, logits_needed, IGNORE_INDEX.
+Offers: causal_lm_loss, linear_causal_lm_loss, logits_not_needed, logits_needed (the label convention, IGNORE_INDEX
+and shift_labels: gpuformers/labels.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from gpuformers.kernels.mapping import use_kernel_function
+from gpuformers.labels import IGNORE_INDEX, shift_labels
 
-IGNORE_INDEX = -100
 # tokens per chunk of the chunked loss: at least CHUNK_TOKENS (fewer makes the (vocab, hidden) weight gradient,
 # updated once per chunk, cost more than the logits saved), more when the vocabulary is small (CHUNK_ELEMENTS logits)
 CHUNK_TOKENS, CHUNK_ELEMENTS = 1024, 2**22
@@ -54,12 +55,6 @@ def logits_not_needed():
 def logits_needed() -> bool:
     """False inside logits_not_needed()."""
     return not _LOGITS_NOT_NEEDED.get()
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """labels (batch, seq) -> the target of each position (batch, seq): position t is scored against labels[t+1],
-    the last position against nothing (ignore_index)."""
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 @use_kernel_function("ForCausalLMLoss")  # use_kernels=True may route this to kernels/fused_linear_cross_entropy.py

@@ -4,18 +4,21 @@ Rope types (config.rope_parameters["rope_type"]): default, linear, dynamic (NTK,
 grows past max_position_embeddings), yarn, llama3, longrope (long or short factors by sequence length). The
 formulas are the published ones, written to give the same numbers as transformers.
 
-Offers: RotaryEmbedding, rope_inv_freq, rotary_dim, apply_rotary_pos_emb, apply_rotary_pos_emb_to, rotate_half.
+Offers: RotaryEmbedding, rope_inv_freq, rotary_dim, apply_rotary_pos_emb, rotate_half.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from gpuformers.kernels.mapping import use_kernel_function
-from gpuformers.models.config import ModelConfig
+
+if TYPE_CHECKING:  # read for its fields only: the layers sit below the models
+    from gpuformers.models.config import ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
@@ -180,30 +183,6 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     """q (batch, heads, seq, head_dim), k (batch, kv_heads, seq, head_dim); cos/sin (batch, seq, head_dim)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-# The (cos, sin) pair apply_rotary_pos_emb_to saw last, with the tables it made from it: every layer of a forward
-# passes the same pair, so the first layer's tables serve the others.
-_LAST_TABLES: tuple | None = None
-
-
-def apply_rotary_pos_emb_to(x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                            unsqueeze_dim: int = 1) -> torch.Tensor:
-    """apply_rotary_pos_emb for one tensor (q and k concatenated along the heads, say) without autograd, with the
-    same numbers; never routed to a kernel, so callers use it only where apply_rotary_pos_emb would not be.
-
-    position_embeddings: the model's (cos, sin) pair. rotate_half(x) * sin = roll(x) * (sin with its first half
-    negated), exactly (a sign flip moves between factors); that table and cos unsqueezed are made once per pair,
-    which leaves four ops per call."""
-    global _LAST_TABLES
-    tables = _LAST_TABLES
-    if tables is None or tables[0] is not position_embeddings or tables[1] != unsqueeze_dim:
-        cos, sin = position_embeddings
-        signed_sin = sin.unsqueeze(unsqueeze_dim).clone()
-        signed_sin.narrow(-1, 0, sin.shape[-1] - sin.shape[-1] // 2).neg_()
-        tables = _LAST_TABLES = (position_embeddings, unsqueeze_dim, cos.unsqueeze(unsqueeze_dim), signed_sin)
-    cos, signed_sin = tables[2], tables[3]
-    return (x * cos).add_(x.roll(x.shape[-1] - x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpuformers.layers.linear import is_fan_in_fan_out
 from gpuformers.quantization.mxfp4 import unpack_experts
 from gpuformers.quantization.packed import _replace
 
@@ -69,8 +70,6 @@ def _quantized_layer_types() -> tuple[type, ...]:
 
 def _float_layer(layer: nn.Module, dtype: torch.dtype, trainable: bool) -> nn.Module:
     """The float layer for a quantized one: its remembered original class (module doc), or an nn.Linear."""
-    from gpuformers.lora.layers import is_fan_in_fan_out
-
     weight = layer.dequantize().to(dtype)  # (out_features, in_features)
     bias = getattr(layer, "bias", None)
     new = layer.__dict__.get(ORIGINAL)

@@ -26,8 +26,10 @@ gradient, the weight is dequantized for the call (the packed weights take no gra
 packed saves them packed, with the quantization_config, as the Hub's checkpoints are. Quantizing a float model to
 MXFP4 while loading is not supported (NotImplementedError).
 
-Offers: Mxfp4Config, dequantize_mxfp4, mxfp4_linear, mxfp4_linear_reference, keeps_mxfp4, packed_experts,
-unpack_experts, E2M1_VALUES, TRITON_ON_CPU.
+The format itself (E2M1 values, blocks of 32, dequantize_mxfp4, the torch reference) is defined once in
+kernels/packed_formats.py, beside the kernel that reads it.
+
+Offers: Mxfp4Config, mxfp4_linear, keeps_mxfp4, packed_experts, unpack_experts, TRITON_ON_CPU.
 """
 
 from __future__ import annotations
@@ -37,11 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-# E2M1 code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-BLOCK = 32  # values per E8M0 scale
+from gpuformers.kernels.packed_formats import mxfp4_linear_reference
+
 TRITON_ON_CPU = False  # tests only: mxfp4_linear takes the Triton kernel on the CPU too (TRITON_INTERPRET=1)
 
 
@@ -79,29 +79,6 @@ class Mxfp4Config:
         return dataclasses.replace(self, dequantize=None if requested is None else requested.dequantize)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 blocks (..., groups, 16) uint8 and scales (..., groups) uint8 -> values (..., groups * 32) in `dtype`.
-    Computed in float32, which holds every product exactly (module doc)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
-                         f"are (..., groups, 16) and scales (..., groups)")
-    table = _e2m1_table(blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # (..., groups, 32), low nibble first
-    values = table[codes.long()] * torch.exp2(scales.to(torch.float32) - 127.0)[..., None]
-    return values.flatten(-2).to(dtype)
-
-
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """E2M1_VALUES (float32, 16) computed on `device` from the codes (module doc), not copied there from a Python
-    list: a copy from host memory waits for the GPU, and a training forward dequantizes every expert it runs."""
-    codes = torch.arange(16, device=device)
-    exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(torch.float32)
-    magnitude = torch.where(exponent == 0, mantissa / 2, (1 + mantissa / 2) * torch.exp2(exponent - 1.0))
-    return torch.where(codes >= 8, -magnitude, magnitude)
-
-
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ W^T + bias -> (..., out) in x's dtype, W (out, in) given as MXFP4 blocks (out, in / 32, 16) and
@@ -111,12 +88,6 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
 
         return mxfp4_matmul_forward(x, blocks, scales, bias)
     return mxfp4_linear_reference(x, blocks, scales, bias)
-
-
-def mxfp4_linear_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """mxfp4_linear in torch: F.linear(x, the dequantized weight, bias), for the call only."""
-    return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def _use_triton_kernel(x: torch.Tensor, blocks: torch.Tensor) -> bool:

@@ -49,7 +49,7 @@ Their float32 and float16 paths are not vectorized and lose to dequantize-then-m
 dequantize per call on the CPU. The int4 kernel reads its own weight layout: it is built from qweight on first use
 and kept beside it (in * out / 2 more bytes, not saved), which is the price of the int4 speed on the CPU.
 
-Offers: WeightOnlyLinear, dequantize_weight, TRITON_ON_CPU.
+Offers: WeightOnlyLinear, TRITON_ON_CPU (the storage layout and dequantize_weight: kernels/packed_formats.py).
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ from torch import nn
 
 from gpuformers.kernels.checks import interpreter_on
 from gpuformers.kernels.mapping import DISABLE_ENV, kernels_available
+from gpuformers.kernels.packed_formats import INT4_MID, dequantize_weight
 
 BITS = (4, 8)
 INT8_MAX = 127
 INT4_LEVELS = 15  # q in [0, 15]
-INT4_MID = 8  # dequantize as (q - 8) * scale + zero: the layout torch's int4 CPU kernel reads
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # Rows (tokens) up to which torch's bfloat16 CPU kernels beat dequantize-then-matmul at 1 thread (1024 x 3072):
 # int8 wins 2.8x at 8 rows and loses at 32; int4 wins 4.4x at 16 rows and loses at 64.
@@ -266,26 +266,6 @@ def _triton_kernel_fits(device: torch.device, in_features: int, group_size: int 
     from gpuformers.kernels.weight_only_matmul import kernel_fits
 
     return kernel_fits(in_features, group_size)
-
-
-def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                      bits: int) -> torch.Tensor:
-    """The float weight (out, in) in scales' dtype from WeightOnlyLinear's storage (module doc); zeros for bits 4."""
-    out_features, groups = scales.shape
-    in_features = qweight.shape[1] * (2 if bits == 4 else 1)
-    if bits == 8:
-        # |q| <= 127 is exact in every float dtype, so one multiply in the compute dtype rounds once, as
-        # float32 math then a cast would. In place: a second weight-sized buffer costs its page faults too
-        # (8.7 -> 1.2 ms for 1024 x 3072 on the CPU).
-        q = qweight.to(scales.dtype).view(out_features, groups, -1)
-        return q.mul_(scales[..., None]).view(out_features, in_features)
-    q = torch.stack([qweight & 15, qweight >> 4], dim=-1)  # (out, in // 2, 2): columns 2j, 2j + 1
-    q = q.view(out_features, groups, -1).to(torch.float32)
-    # (q - 8) * scale + zero as q * scale + (zero - 8 * scale): two in-place passes over the weight, not three.
-    scale = scales.float()
-    offset = zeros.float() - INT4_MID * scale
-    w = q.mul_(scale[..., None]).add_(offset[..., None])
-    return w.view(out_features, in_features).to(scales.dtype)
 
 
 def _check_settings(in_features: int, bits: int, group_size: int | None, dtype: torch.dtype) -> None:

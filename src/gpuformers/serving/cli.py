@@ -59,7 +59,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send and /v1/models lists (default: MODEL as given)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
-    from gpuformers.generation.cli import add_quantization_argument
+    from gpuformers.models.command_line import add_quantization_argument
 
     add_quantization_argument(parser)
     parser.add_argument("--attn-implementation", default=None, choices=("sdpa", "eager"),
@@ -154,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if name in adapters:
         raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
     from gpuformers.engine.config import ContinuousBatchingConfig
-    from gpuformers.generation.cli import load_model_and_tokenizer
+    from gpuformers.models.command_line import load_model_and_tokenizer
     from gpuformers.serving.server import run_server
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gpuformers import distributed
-from gpuformers.training.data import IGNORE_INDEX
+from gpuformers.labels import IGNORE_INDEX
 from gpuformers.training.streaming import StreamBatches, is_stream
 
 

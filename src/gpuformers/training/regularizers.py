@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gpuformers import distributed
-from gpuformers.training.data import IGNORE_INDEX
+from gpuformers.labels import IGNORE_INDEX
 
 
 def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, epsilon: float,

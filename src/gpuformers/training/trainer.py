@@ -48,7 +48,8 @@ from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
                                            metric_key, update_best_metric)
 from gpuformers.training.checkpointing import Checkpointer
-from gpuformers.training.data import IGNORE_INDEX, DataCollatorForCausalLM
+from gpuformers.labels import IGNORE_INDEX
+from gpuformers.training.data import DataCollatorForCausalLM
 from gpuformers.training.evaluation import (EvalPrediction, Evaluator, PredictionOutput,  # noqa: F401 (offered)
                                             evaluation_batches)
 from gpuformers.training.model_setup import check_trainable, enable_gradient_checkpointing, wrap_for_training
