@@ -421,13 +421,13 @@ def test_writer_streams_gpu_style_tensors_and_rejects_meta(tmp_path):
 def test_no_staging_for_same_dtype_and_one_chunk_otherwise(tmp_path, monkeypatch):
     write_hf(tmp_path, reference_state())
     sizes = []
-    real_get = weights_module._Staging.get
+    real_get = weights_module.StagingBuffer.get
 
     def spy(self, nbytes):
         sizes.append(nbytes)
         return real_get(self, nbytes)
 
-    monkeypatch.setattr(weights_module._Staging, "get", spy)
+    monkeypatch.setattr(weights_module.StagingBuffer, "get", spy)
     load(tmp_path, dtype=torch.float32)
     assert sizes == []  # float32 -> float32 on the CPU: read straight into the parameters
     monkeypatch.setattr(weights_module, "CHUNK_BYTES", 256)

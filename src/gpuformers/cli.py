@@ -4,7 +4,7 @@ A verb's module is imported only when that verb runs, so `gpuformers env` starts
 `gpuformers --help` is instant. Adding a verb is one entry in VERBS, e.g.:
 
     "generate": Verb("generate text from a prompt", 'gpuformers generate Qwen/Qwen3-0.6B "Hello"',
-                     "gpuformers.generation.cli:run", "gpuformers.generation.cli:add_arguments"),
+                     "gpuformers.generate_cli:run", "gpuformers.generate_cli:add_arguments"),
 
 `run(args: argparse.Namespace) -> int | None` does the work (None means exit code 0); the optional
 `add_arguments(parser)` adds the verb's own flags. Common flags (`--gpus`) go before or after the verb and are
@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Any, Callable, NamedTuple
 
-from gpuformers.device import _DEVICE_FORMS
+from gpuformers.device import DEVICE_FORMS
 from gpuformers.sizes import format_size
 
 Flags = tuple[tuple[str, str], ...]  # (regular expression of a Python spelling, re.sub replacement naming the flag)
@@ -49,10 +49,10 @@ _DTYPE: Flags = ((r"\bdtype=torch\.(\w+)", r"--dtype \1"), (r"""\bdtype=(["'])(\
                  (r"\bdtype=(?=[\s,;])", "--dtype"))
 _GGUF_PATH: Flags = ((r"\bgguf_file=(?=[\s)])", "a path ending in .gguf"),)  # MODEL / --model takes the file itself
 _DEVICE: Flags = ((r"""\bdevice_map=(["'])(cpu|cuda(?::\d+)?|auto)\1""", r"--device \2"),
-                  (re.escape(_DEVICE_FORMS), "cpu, cuda, cuda:N or auto"))
+                  (re.escape(DEVICE_FORMS), "cpu, cuda, cuda:N or auto"))
 _QUANTIZATION: Flags = ((r"\bbits=8\b", "--quantization int8"), (r"\bbits=4\b", "--quantization int4"),
                         (r"\bquantization_config=(?=[\s,;)])", "--quantization"))
-_LOCAL_MODEL: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + _DEVICE + _QUANTIZATION  # generation/cli.py's model flags
+_LOCAL_MODEL: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + _DEVICE + _QUANTIZATION  # generate_cli.py's model flags
 _ENGINE: Flags = tuple((rf"\b{name}=", f"{flag} ") for name, flag in (  # ContinuousBatchingConfig's fields
     ("max_memory_percent", "--gpu-memory-utilization"), ("block_size", "--block-size"), ("num_blocks", "--num-blocks"),
     ("max_batch_tokens", "--max-batch-tokens"), ("max_requests_per_batch", "--max-num-seqs")))
@@ -79,10 +79,10 @@ VERBS: dict[str, Verb] = {
                    "gpuformers.cli:run_doctor", "gpuformers.cli:add_json_argument"),
     "generate": Verb("answer one prompt with a local model, streaming the reply",
                      'gpuformers generate "What is the capital of France?"',
-                     "gpuformers.generation.cli:run_generate", "gpuformers.generation.cli:add_generate_arguments",
+                     "gpuformers.generate_cli:run_generate", "gpuformers.generate_cli:add_generate_arguments",
                      _LOCAL_MODEL),
     "chat": Verb("chat with a local model in the terminal (/clear, /exit)", "gpuformers chat --temperature 0.7",
-                 "gpuformers.generation.cli:run_chat", "gpuformers.generation.cli:add_chat_arguments", _LOCAL_MODEL),
+                 "gpuformers.generate_cli:run_chat", "gpuformers.generate_cli:add_chat_arguments", _LOCAL_MODEL),
     "fit": Verb("will a model fit these GPUs? weights, KV cache, best device_map",
                 "gpuformers --gpus 0,1 fit Qwen/Qwen3-8B --context 32768 --batch 4\n"
                 "  gpuformers fit ./SmolLM2-135M-Instruct.Q4_1.gguf --max-memory 0=8GiB,cpu=16GiB",

@@ -9,6 +9,7 @@ Offers:
 - `GPUInfo` / `gpu_info()`: the GPUs as CUDA numbers them; `NvidiaGPU` / `nvidia_gpus()`: as nvidia-smi numbers them
 - `arch_supported(capability, torch.cuda.get_arch_list())`: whether this torch build has kernels for a GPU
 - `visible_devices_problems(value)`: what is wrong with a CUDA_VISIBLE_DEVICES value
+- `DEVICE_FORMS`: the device forms the errors list (the CLI rewrites that phrase into its --device values)
 
 Two numberings meet here. CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and only those that
 CUDA_VISIBLE_DEVICES lets through; nvidia-smi (NVML) always numbers every GPU in PCI bus order. The PCI bus id is the
@@ -42,8 +43,8 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 _DTYPE_CHOICES = "auto, float32, float16, bfloat16"
-_DEVICE_FORMS = ('None, "cpu", "cuda", "cuda:N", an int N (a GPU index), a torch.device, '
-                 'or a device map {"": one of these}')
+DEVICE_FORMS = ('None, "cpu", "cuda", "cuda:N", an int N (a GPU index), a torch.device, '
+                'or a device map {"": one of these}')
 # device_map strategies: they spread a model over every visible GPU, so dtype must suit all of them
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 GPUS_FLAG_VARIABLE = "GPUFORMERS_GPUS"  # set by select_gpus, so doctor can tell --gpus from a variable set by hand
@@ -149,7 +150,7 @@ def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
     if isinstance(value, dict):
         if set(value) != {""}:
             raise ValueError(f"resolve_device takes one device, not a device map over several modules "
-                             f"({sorted(value)[:3]}...); accepted: {_DEVICE_FORMS}")
+                             f"({sorted(value)[:3]}...); accepted: {DEVICE_FORMS}")
         value = value[""]
     if value is None:
         return torch.device("cpu")
@@ -160,11 +161,11 @@ def resolve_device(device_or_map: Any, *, cuda: Any = None) -> torch.device:
     elif isinstance(value, str) and (match := re.fullmatch(r"(cpu|cuda)(?::(\d+))?", value.strip().lower())):
         kind, index = match[1], None if match[2] is None else int(match[2])
     else:
-        raise ValueError(f"device {value!r} is not understood; accepted: {_DEVICE_FORMS}")
+        raise ValueError(f"device {value!r} is not understood; accepted: {DEVICE_FORMS}")
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda":
-        raise ValueError(f"device {value!r} is not supported by gpuformers; accepted: {_DEVICE_FORMS}")
+        raise ValueError(f"device {value!r} is not supported by gpuformers; accepted: {DEVICE_FORMS}")
     gpus = _cuda(cuda)
     if not gpus.is_available():
         raise RuntimeError(_no_cuda_message(value))

@@ -245,3 +245,20 @@ def test_rotary_kernel_runs_in_decode_steps_with_torch_norms(tmp_path, monkeypat
     got = fast.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert torch.equal(got, want)
     assert len(calls) == 4 * tiny["num_hidden_layers"]  # prefill + 3 decode steps, every layer
+
+
+def test_a_function_kernel_that_declines_a_call_leaves_it_to_the_torch_function(monkeypatch):
+    from gpuformers.kernels import mapping, rotary
+
+    @mapping.use_kernel_function("rotary_pos_emb")
+    def torch_rotary(q, k, cos, sin, unsqueeze_dim=1):
+        return "torch"
+
+    monkeypatch.setattr(mapping, "_ACTIVE_DEPTH", 1)
+    monkeypatch.setattr(mapping, "_functions_in_force", lambda: {"rotary_pos_emb": rotary.apply_rotary})
+    q = k = torch.randn(1, 2, 3, 8)
+    learned = torch.randn(1, 3, 8, requires_grad=True)  # tables that take a gradient: the kernel declines them
+    assert rotary.apply_rotary(q, k, learned, learned) is NotImplemented
+    assert torch_rotary(q, k, learned, learned) == "torch"
+    monkeypatch.setattr(mapping, "_functions_in_force", lambda: {"rotary_pos_emb": lambda *a, **k: "kernel"})
+    assert torch_rotary(q, k, learned, learned) == "kernel"

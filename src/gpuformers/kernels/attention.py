@@ -23,7 +23,8 @@ Under torch.compile, flash_attention calls the torch.library op gpuformers::flas
 FlashAttentionFunction; packed sequences then need max_seqlen_q / max_seqlen_k (no host sync in a graph).
 
 Offers: flash_attention, attention_reference, FlashAttentionFunction, tile_sizes (the kernels' tiles, which the
-engine's paged prefill kernel shares), LOG2E.
+engine's paged prefill kernel shares), LOG2E, and for ops.py's torch.library op AttentionProblem (one call's checked
+shapes), attention_forward and attention_backward (the kernel launches).
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return (0, t.stride(1), t.stride(0)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
-class _Problem:
+class AttentionProblem:
     """The checked shapes of one attention call."""
 
     def __init__(self, q, k, v, causal, sliding_window, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -364,7 +365,7 @@ class _Problem:
                     VARLEN=self.varlen, PRECISION=dot_precision(dtype), BLOCK_D=max(16, next_power_of_2(self.head_dim)))
 
 
-def _forward(p: _Problem, q, k, v, scale):
+def attention_forward(p: AttentionProblem, q, k, v, scale):
     if p.varlen:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
@@ -391,7 +392,7 @@ def _forward(p: _Problem, q, k, v, scale):
     return out, lse
 
 
-def _backward(p: _Problem, q, k, v, out, lse, dout, scale):
+def attention_backward(p: AttentionProblem, q, k, v, out, lse, dout, scale):
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # delta = rowsum(dout * out): (batch, heads, q_len) or (heads, total_q), laid out like lse.
@@ -426,7 +427,7 @@ def _backward(p: _Problem, q, k, v, out, lse, dout, scale):
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem, scale):
-        out, lse = _forward(problem, q, k, v, scale)
+        out, lse = attention_forward(problem, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem, ctx.scale = problem, scale
         return out
@@ -434,7 +435,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.problem, q, k, v, out, lse, dout, ctx.scale)
+        dq, dk, dv = attention_backward(ctx.problem, q, k, v, out, lse, dout, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -456,10 +457,11 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
         return ops.flash_attention(q, k, v, bool(causal), scale, int(sliding_window or 0), mask, cu_seqlens_q,
                                    cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0))[0]
-    problem = _Problem(q, k, v, causal, sliding_window, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    problem = AttentionProblem(q, k, v, causal, sliding_window, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return FlashAttentionFunction.apply(q, k, v, problem, scale)
-    return _forward(problem, q, k, v, scale)[0]
+    return attention_forward(problem, q, k, v, scale)[0]
 
 
 def attention_reference(q, k, v, *, causal=True, scale=None, sliding_window=None, mask=None):

@@ -14,7 +14,8 @@ Under torch.compile, cross_entropy and fused_linear_cross_entropy call the torch
 (gpuformers::cross_entropy, gpuformers::fused_linear_cross_entropy) instead of their autograd.Functions.
 
 Offers: cross_entropy, causal_lm_loss_triton, fused_linear_cross_entropy, linear_causal_lm_loss_triton,
-fused_linear_cross_entropy_reference, fused_forward, CrossEntropyFunction, FusedLinearCrossEntropyFunction.
+fused_linear_cross_entropy_reference, fused_forward, CrossEntropyFunction, FusedLinearCrossEntropyFunction,
+cross_entropy_rows (the kernel launch, per-row losses; ops.py's torch.library op calls it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, next_power_of_2
-from gpuformers.layers.loss import IGNORE_INDEX, shift_labels
+from gpuformers.labels import IGNORE_INDEX, shift_labels
 
 
 @triton.jit
@@ -58,8 +59,8 @@ def _cross_entropy_kernel(LOGITS, LABELS, LOSS, GRAD, SCALE, stride_logits, stri
             tl.store(GRAD + row * stride_grad + cols, (grad * scale).to(GRAD.dtype.element_ty), mask=cols < n_vocab)
 
 
-def _launch(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor | None, scale: torch.Tensor,
-            ignore_index: int) -> torch.Tensor:
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor | None, scale: torch.Tensor,
+                       ignore_index: int) -> torch.Tensor:
     """logits (rows, vocab), labels (rows,) -> per-row loss (rows,) float32; fills grad (rows, vocab) if given."""
     rows, vocab = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -102,7 +103,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, ignore_index, num_items_in_batch):
         scale = _inverse_count(labels, ignore_index, num_items_in_batch)
         grad = torch.empty_like(logits) if logits.requires_grad else None
-        loss = _launch(logits, labels, grad, scale, ignore_index).sum() * scale[0]
+        loss = cross_entropy_rows(logits, labels, grad, scale, ignore_index).sum() * scale[0]
         ctx.save_for_backward(grad)
         return loss
 
@@ -145,8 +146,8 @@ def fused_forward(hidden, weight, labels, scale, ignore_index: int, chunk_size: 
     for start in range(0, rows, chunk_size):
         h = hidden[start:start + chunk_size]  # (C, hidden)
         logits = h @ weight.t()  # (C, vocab): the only logits that ever exist
-        losses.append(_launch(logits, labels[start:start + chunk_size], logits if want_grad else None, scale,
-                              ignore_index))
+        losses.append(cross_entropy_rows(logits, labels[start:start + chunk_size], logits if want_grad else None,
+                                         scale, ignore_index))
         if dhidden is not None:
             torch.matmul(logits, weight, out=dhidden[start:start + chunk_size])
         if dweight is not None:

@@ -23,7 +23,8 @@ Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests)
 kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
 
 Offers: Mode, KernelConfig, kernelize, rekernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
-register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV.
+register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV, warn_once (a warning logged once per
+message).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ TORCH = "torch"  # the kernel name that keeps a layer's torch forward
 _WARNED: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning(message)
@@ -166,7 +167,8 @@ def _functions_in_force() -> dict[str, Callable]:
 
 
 def use_kernel_function(layer_name: str):
-    """Mark a torch function as a kernel layer: inside a kernelized model's forward, calls go to the kernel."""
+    """Mark a torch function as a kernel layer: inside a kernelized model's forward, calls go to the kernel. A
+    kernel that cannot serve a call (inputs it does not cover) returns NotImplemented, and the torch function runs."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -174,7 +176,8 @@ def use_kernel_function(layer_name: str):
             if not _ACTIVE_DEPTH:
                 return fn(*args, **kwargs)
             kernel = _functions_in_force().get(layer_name)
-            return fn(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
+            out = NotImplemented if kernel is None else kernel(*args, **kwargs)
+            return fn(*args, **kwargs) if out is NotImplemented else out
 
         dispatch.kernel_layer_name = layer_name
         dispatch.torch_function = fn
@@ -290,7 +293,7 @@ def kernelize(model: nn.Module, mode: Mode = Mode.INFERENCE, kernel_config: Kern
     target = torch.device(state.device) if state.device is not None else _model_device(model)
     available, why = kernels_available(target)
     if not available:
-        _warn_once(f"use_kernels=True keeps the torch layers: {why}")
+        warn_once(f"use_kernels=True keeps the torch layers: {why}")
         return model
     for module in model.modules():
         layer = _layer_name(module)

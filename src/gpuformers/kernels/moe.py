@@ -56,7 +56,7 @@ from torch import nn
 from torch.library import custom_op
 
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, next_power_of_2
-from gpuformers.kernels.mapping import _warn_once
+from gpuformers.kernels.mapping import warn_once
 
 # --- kernels ------------------------------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ def stacked_expert_weights(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor
         return stacked
     why = _stackable(block)
     if why:
-        _warn_once(f"SparseMoeBlock keeps its torch forward: {why}")
+        warn_once(f"SparseMoeBlock keeps its torch forward: {why}")
         return None
     experts = len(block.experts)
     gate = _projections(block, 0)[0]

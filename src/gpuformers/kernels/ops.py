@@ -228,11 +228,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     mask: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): window 0 means none; max_seqlen_* are used with cu_seqlens_* (packed sequences) only."""
-    from gpuformers.kernels.attention import _forward, _Problem
+    from gpuformers.kernels.attention import AttentionProblem, attention_forward
 
-    problem = _Problem(q, k, v, causal, window or None, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or None,
-                       max_seqlen_k or None)
-    return _forward(problem, q, k, v, scale)
+    problem = AttentionProblem(q, k, v, causal, window or None, mask, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q or None, max_seqlen_k or None)
+    return attention_forward(problem, q, k, v, scale)
 
 
 @flash_attention.register_fake
@@ -253,11 +253,11 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              mask: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                              cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
                              max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from gpuformers.kernels.attention import _backward, _Problem
+    from gpuformers.kernels.attention import AttentionProblem, attention_backward
 
-    problem = _Problem(q, k, v, causal, window or None, mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or None,
-                       max_seqlen_k or None)
-    return _backward(problem, q, k, v, out, lse, dout, scale)
+    problem = AttentionProblem(q, k, v, causal, window or None, mask, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q or None, max_seqlen_k or None)
+    return attention_backward(problem, q, k, v, out, lse, dout, scale)
 
 
 @flash_attention_backward.register_fake
@@ -291,10 +291,11 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, inv_count: torch.T
                   with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, d loss / d logits) for logits (rows, vocab); the gradient is empty unless with_grad.
     inv_count (1,) float32 is 1 / the number of counted labels (or of num_items_in_batch)."""
-    from gpuformers.kernels.fused_linear_cross_entropy import _launch
+    from gpuformers.kernels.fused_linear_cross_entropy import cross_entropy_rows
 
     grad = torch.empty_like(logits) if with_grad else _empty(logits)
-    loss = _launch(logits, labels, grad if with_grad else None, inv_count, ignore_index).sum() * inv_count[0]
+    loss = cross_entropy_rows(logits, labels, grad if with_grad else None, inv_count,
+                              ignore_index).sum() * inv_count[0]
     return loss, grad
 
 

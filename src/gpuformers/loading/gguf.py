@@ -41,11 +41,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuformers.loading.gguf_config import (_MOE_ARCHITECTURES, _NORM_PLUS_ONE, SUPPORTED_ARCHITECTURES,
+from gpuformers.loading.gguf_config import (MOE_ARCHITECTURES, NORM_PLUS_ONE_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
                                             GGUFConfigMixin)
-from gpuformers.loading.gguf_tensors import (_EXPERT_NAMES, _EXTRA_LAYER_NAMES, _LAYER_NAMES, _NOT_PARAMETERS,
-                                             _ROTARY_PERMUTED, _can_dequantize, _hf_name, _unpermute_rotary_rows,
-                                             supported_quant_types)
+from gpuformers.loading.gguf_tensors import (EXPERT_NAMES, EXTRA_LAYER_NAMES, LAYER_NAMES, NOT_PARAMETERS,
+                                             ROTARY_PERMUTED, can_dequantize, hf_parameter_name, supported_quant_types,
+                                             unpermute_rotary_rows)
 from gpuformers.loading.gguf_dequant import dequantize_blocks
 from gpuformers.loading.gguf_file import GGUFFile
 from gpuformers.loading.gguf_tokenizer import tokenizer_parts
@@ -105,11 +105,11 @@ class GGUFCheckpoint(GGUFConfigMixin):
                 f"GGUF architecture {arch!r} ({self.path.name}) is not supported; "
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if (self._meta(f"{arch}.expert_count") or 0) > 0 and arch not in _MOE_ARCHITECTURES:
+        if (self._meta(f"{arch}.expert_count") or 0) > 0 and arch not in MOE_ARCHITECTURES:
             raise ValueError(
                 f"{self.path.name} is a mixture-of-experts {arch} ({self._meta(f'{arch}.expert_count')} experts), "
                 f"as llama.cpp writes Mixtral; transformers' GGUF loader does not load it and neither does gpuformers "
-                f"(mixture-of-experts architecture: {', '.join(_MOE_ARCHITECTURES)}; all architectures: "
+                f"(mixture-of-experts architecture: {', '.join(MOE_ARCHITECTURES)}; all architectures: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         self._tensors = self._map_tensor_names()
@@ -123,19 +123,19 @@ class GGUFCheckpoint(GGUFConfigMixin):
         """HF name -> (ReaderTensor, llama.cpp name, expert index or None), refusing tensors this loader does not
         understand. A stacked expert tensor gives one HF name per expert, all pointing at the same ReaderTensor."""
         tensors, unknown = {}, []
-        layer_names = _LAYER_NAMES | _EXTRA_LAYER_NAMES.get(self.architecture, {})
+        layer_names = LAYER_NAMES | EXTRA_LAYER_NAMES.get(self.architecture, {})
         for info in self._reader.tensors:
-            experts = _EXPERT_NAMES if self.architecture in _MOE_ARCHITECTURES else {}
+            experts = EXPERT_NAMES if self.architecture in MOE_ARCHITECTURES else {}
             match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", info.name)
             if match and match.group(2) in experts:
                 for expert in range(int(info.shape[-1])):  # ggml's slowest dimension is the expert
                     module = f"mlp.experts.{expert}.{experts[match.group(2)]}"
                     tensors[f"model.layers.{match.group(1)}.{module}.weight"] = (info, info.name, expert)
                 continue
-            hf_name = _hf_name(info.name, layer_names)
+            hf_name = hf_parameter_name(info.name, layer_names)
             if hf_name is not None:
                 tensors[hf_name] = (info, info.name, None)
-            elif not _NOT_PARAMETERS.fullmatch(info.name):
+            elif not NOT_PARAMETERS.fullmatch(info.name):
                 unknown.append(info.name)
         if unknown:
             shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
@@ -147,7 +147,7 @@ class GGUFCheckpoint(GGUFConfigMixin):
 
     def _check_quant_types(self) -> None:
         for info, gguf_name, _ in self._tensors.values():
-            if not _can_dequantize(int(info.tensor_type)):
+            if not can_dequantize(int(info.tensor_type)):
                 raise ValueError(
                     f"tensor {gguf_name} in {self.path.name} is stored as {info.tensor_type.name}, which the installed "
                     f"gguf package cannot dequantize; supported types: {', '.join(supported_quant_types())}. "
@@ -194,7 +194,7 @@ class GGUFCheckpoint(GGUFConfigMixin):
             expert_rows = rows.shape[0] // int(info.shape[-1])
             rows = rows[expert * expert_rows : (expert + 1) * expert_rows]
         cols = shape[-1] if shape else 1
-        plus_one = self.architecture in _NORM_PLUS_ONE and gguf_name.endswith("norm.weight")
+        plus_one = self.architecture in NORM_PLUS_ONE_ARCHITECTURES and gguf_name.endswith("norm.weight")
         final_dtype, dtype = dtype, (torch.float32 if plus_one else dtype)  # subtract before rounding
         out = torch.empty((rows.shape[0], cols), dtype=dtype, device=device)
         step = max(1, _SLAB_ELEMENTS // cols)
@@ -213,12 +213,12 @@ class GGUFCheckpoint(GGUFConfigMixin):
         out = out.reshape(shape)
         if plus_one:
             return (out - 1.0).to(final_dtype)
-        if self.architecture not in _ROTARY_PERMUTED:
+        if self.architecture not in ROTARY_PERMUTED:
             return out
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            out = _unpermute_rotary_rows(out, self.config["num_attention_heads"])
+            out = unpermute_rotary_rows(out, self.config["num_attention_heads"])
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            out = _unpermute_rotary_rows(out, self.config["num_key_value_heads"])
+            out = unpermute_rotary_rows(out, self.config["num_key_value_heads"])
         return out
 
     def tokenizer_parts(self):

@@ -6,7 +6,7 @@ soft-caps), and the rope scaling comes back too (linear, yarn, Phi-3's longrope,
 rope_freqs tensor).
 
 Offers: `GGUFConfigMixin` (GGUFCheckpoint's metadata reader and config builders), `SUPPORTED_ARCHITECTURES`, and
-the family tables gguf.py reads (`_FAMILIES`, `_MOE_ARCHITECTURES`, `_NORM_PLUS_ONE`).
+the family tables gguf.py reads (`MOE_ARCHITECTURES`, `NORM_PLUS_ONE_ARCHITECTURES`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ _FAMILIES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
-_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w, the factor the norm multiplies by; HF keeps w.
-_NORM_PLUS_ONE = ("gemma2", "gemma3")
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
 # llama.cpp scales Gemma's queries by 1/sqrt(hidden / heads) in the 27B models (told apart by their layer count)
 # and by 1/sqrt(head_dim) in the others: the query_pre_attn_scalar of their config.json files.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -134,7 +134,7 @@ class GGUFConfigMixin:
             if original:  # longrope's pretraining length, which Phi3Config reads at the top level
                 fields["original_max_position_embeddings"] = original
             return fields
-        if arch in _NORM_PLUS_ONE:
+        if arch in NORM_PLUS_ONE_ARCHITECTURES:
             hidden, heads = config["hidden_size"], config["num_attention_heads"]
             big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
             fields = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",

@@ -1,8 +1,9 @@
 """A GGUF file's tensors in HF terms: llama.cpp's tensor names -> HF parameter names per architecture, which ggml
 types the installed `gguf` package can dequantize, and llama's q/k row order turned back into HF's.
 
-Offers: `supported_quant_types()`, and to gguf.py the name tables, `_hf_name`, `_can_dequantize`,
-`_ROTARY_PERMUTED` and `_unpermute_rotary_rows`.
+Offers: `supported_quant_types()`, and to gguf.py the name tables (`LAYER_NAMES`, `EXTRA_LAYER_NAMES`,
+`EXPERT_NAMES`, `NOT_PARAMETERS`), `hf_parameter_name`, `can_dequantize`, `ROTARY_PERMUTED` and
+`unpermute_rotary_rows`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import numpy as np
 import torch
 
 # llama.cpp's converter reorders q/k rows for llama only; it writes the others in HF order.
-_ROTARY_PERMUTED = ("llama",)
+ROTARY_PERMUTED = ("llama",)
 
 # llama.cpp block name -> HF module name inside model.layers.{i}
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -28,14 +29,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# What each architecture adds to (or renames in) _LAYER_NAMES.
+# What each architecture adds to (or renames in) LAYER_NAMES.
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # per-head RMSNorm on q, k
 _GEMMA_NORMS = {  # Gemma 2 / 3 norm both sides of attention and MLP; llama.cpp's ffn_norm is the pre-MLP one
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_EXTRA_LAYER_NAMES = {
+EXTRA_LAYER_NAMES = {
     "qwen3": _QK_NORMS,
     "qwen3moe": _QK_NORMS | {"ffn_gate_inp": "mlp.gate"},  # the router
     "qwen2moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -46,15 +47,15 @@ _EXTRA_LAYER_NAMES = {
     "gemma3": _GEMMA_NORMS | _QK_NORMS,
 }
 # Stacked experts, (experts, rows, cols) in torch order -> the per-expert module inside mlp.experts.{e}
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors with no HF parameter: rope_freqs (Llama 3) and rope_factors_long/short (Phi-3 longrope) become
 # config.rope_scaling, attn_rot_embd is an old cache.
-_NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight")
+NOT_PARAMETERS = re.compile(r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight")
 
 
 @functools.cache
-def _can_dequantize(qtype: int) -> bool:
+def can_dequantize(qtype: int) -> bool:
     """Whether the installed `gguf` package dequantizes this ggml type (probed on one zero block)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
@@ -76,10 +77,10 @@ def supported_quant_types() -> list[str]:
     """Names of the ggml tensor types the installed `gguf` package can dequantize (F32, F16, Q4_K, ...)."""
     from gguf import GGMLQuantizationType
 
-    return [t.name for t in GGMLQuantizationType if _can_dequantize(int(t))]
+    return [t.name for t in GGMLQuantizationType if can_dequantize(int(t))]
 
 
-def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
+def hf_parameter_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     """llama.cpp tensor name -> HF parameter name, or None when neither `layer_names` (llama.cpp block name ->
     HF module) nor the top-level names have a place for it."""
     stem, _, suffix = gguf_name.rpartition(".")
@@ -93,7 +94,7 @@ def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     return None
 
 
-def _unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order: per head it interleaves the two rotary halves, HF keeps them apart.
 
     A head's rows in HF order are [x0 .. x(h-1) | y0 .. y(h-1)] (h = head_dim/2, rotated as pairs (xi, yi));

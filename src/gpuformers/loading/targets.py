@@ -1,13 +1,14 @@
 """Load targets: the tensors of a meta-device model that a load fills, and where each one goes.
 
-A `_Target` is one tensor of the model under every name it is known by: a Parameter shared by two modules, or a
+A `LoadTarget` is one tensor of the model under every name it is known by: a Parameter shared by two modules, or a
 tied target -> source pair, is one target, loaded once and put in every slot. A module that defines
 `load_from_checkpoint` (a quantized Linear, say) loads itself, so its tensors are set aside rather than collected.
 Placement turns load_weights' `device` (one device, a device_map dict resolved by longest module prefix, or a
 function name -> device) into a function name -> torch.device or "disk"; a parameter placed on "disk" is written
 to the offload folder (loading/device_map.py's DiskOffload) and stays a meta tensor in the model.
 
-Offers: assign_tensor; for loading/weights.py, _Target, _collect_targets, _persistent, _placement, _assign.
+Offers: assign_tensor; for loading/weights.py, LoadTarget, collect_targets, persistent_tensors, placement,
+assign_loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 
 @dataclass
-class _Target:
+class LoadTarget:
     """One tensor of the model, under all the names it is known by (more than one when tied)."""
 
     names: list[str]
@@ -50,11 +51,11 @@ def assign_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise ValueError(
             f"cannot assign {name!r}: the model's shape is {list(old.shape)}, the tensor's {list(value.shape)}"
         )
-    slot = _Target([name], [(module, attr, is_param)], old if old is not None else value)
+    slot = LoadTarget([name], [(module, attr, is_param)], old if old is not None else value)
     slot.assign(value)
 
 
-def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def persistent_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A module's own parameters and persistent buffers (not its children's)."""
     for attr, p in module._parameters.items():
         if p is not None:
@@ -64,10 +65,10 @@ def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield attr, b
 
 
-def _collect_targets(model: nn.Module, tied: dict[str, str]) -> tuple[dict[str, _Target], dict[str, nn.Module]]:
-    """name -> _Target for every tensor to load (aliases share one _Target); and the modules with a load hook."""
-    by_id: dict[int, _Target] = {}
-    targets: dict[str, _Target] = {}
+def collect_targets(model: nn.Module, tied: dict[str, str]) -> tuple[dict[str, LoadTarget], dict[str, nn.Module]]:
+    """name -> LoadTarget for every tensor to load (aliases share one LoadTarget); and the modules with a load hook."""
+    by_id: dict[int, LoadTarget] = {}
+    targets: dict[str, LoadTarget] = {}
     hooked: dict[str, nn.Module] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         if callable(getattr(module, "load_from_checkpoint", None)):
@@ -75,9 +76,9 @@ def _collect_targets(model: nn.Module, tied: dict[str, str]) -> tuple[dict[str, 
             continue
         if any(prefix.startswith(h + ".") or h == "" for h in hooked):
             continue  # inside a module that loads itself
-        for attr, tensor in _persistent(module):
+        for attr, tensor in persistent_tensors(module):
             name = f"{prefix}.{attr}" if prefix else attr
-            target = by_id.setdefault(id(tensor), _Target([], [], tensor))
+            target = by_id.setdefault(id(tensor), LoadTarget([], [], tensor))
             target.names.append(name)
             target.slots.append((module, attr, attr in module._parameters))
             targets[name] = target
@@ -99,7 +100,7 @@ def _collect_targets(model: nn.Module, tied: dict[str, str]) -> tuple[dict[str, 
     return targets, hooked
 
 
-def _placement(device, offload) -> Callable[[str], "torch.device | str"]:
+def placement(device, offload) -> Callable[[str], "torch.device | str"]:
     """`device` as load_weights takes it -> a function tensor name -> torch.device or "disk"."""
     if isinstance(device, dict):
         from gpuformers.loading.device_map import device_for
@@ -133,7 +134,7 @@ def _placement(device, offload) -> Callable[[str], "torch.device | str"]:
     return place
 
 
-def _assign(target: _Target, value: torch.Tensor, where, offload) -> None:
+def assign_loaded(target: LoadTarget, value: torch.Tensor, where, offload) -> None:
     """Put a loaded tensor in the model; a parameter placed on "disk" goes to the offload folder, leaving meta."""
     if where == "disk" and target.slots[0][2]:
         offload.save(target.names[0], value, target.names[1:])

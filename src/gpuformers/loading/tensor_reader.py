@@ -7,7 +7,7 @@ buffer (pinned for CUDA) in chunks and are converted on copy, so a load never ho
 A shard_fn slice along dim 0 reads only those rows from a safetensors file; any other slice, or a
 pytorch_model.bin, reads the piece and copies what is needed.
 
-Offers, for loading/weights.py: _Staging, _read_tensor, _read_piece.
+Offers, for loading/weights.py: StagingBuffer, read_tensor, read_piece.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from gpuformers.loading.fan_out import Piece
 from gpuformers.loading.safetensors import SafetensorsFile, byte_view
-from gpuformers.loading.targets import _Target
+from gpuformers.loading.targets import LoadTarget
 
 
-class _Staging:
+class StagingBuffer:
     """One reusable chunk-sized CPU buffer (pinned when the destination is a GPU); `_fill` reads chunks of its size."""
 
     def __init__(self, device: torch.device, chunk_bytes: int):
@@ -39,8 +39,8 @@ class _Staging:
         return self.buffer[:nbytes]
 
 
-def _read_tensor(reader, key: str, piece: Piece, target: _Target, dtype, device, shard_fn,
-                 staging: _Staging) -> torch.Tensor:
+def read_tensor(reader, key: str, piece: Piece, target: LoadTarget, dtype, device, shard_fn,
+                 staging: StagingBuffer) -> torch.Tensor:
     """Allocate `target`'s tensor in its final dtype on `device` and fill it with `piece` of checkpoint tensor `key`
     (the whole tensor, or a run of its elements: loading/fan_out.py)."""
     stored = reader.info(key)
@@ -75,12 +75,12 @@ def _read_tensor(reader, key: str, piece: Piece, target: _Target, dtype, device,
               staging)
     else:
         # General slices, or a .bin file (already a tensor): read the piece, then copy what is needed.
-        source = _read_piece(reader, key, piece)
+        source = read_piece(reader, key, piece)
         out.copy_(source[slices] if slices is not None else source)
     return out
 
 
-def _read_piece(reader, key: str, piece: Piece) -> torch.Tensor:
+def read_piece(reader, key: str, piece: Piece) -> torch.Tensor:
     """`piece` of checkpoint tensor `key` as a CPU tensor of its stored dtype (from a safetensors file, only the
     piece's bytes are read)."""
     if not isinstance(reader, SafetensorsFile):
@@ -109,7 +109,7 @@ def _row_range(slices: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tupl
     return (start, stop) if step == 1 else None
 
 
-def _fill(reader: SafetensorsFile, start: int, stored: torch.dtype, out: torch.Tensor, staging: _Staging) -> None:
+def _fill(reader: SafetensorsFile, start: int, stored: torch.dtype, out: torch.Tensor, staging: StagingBuffer) -> None:
     """Fill contiguous `out` from the file's bytes at `start`, holding the stored dtype."""
     if out.device.type == "cpu" and out.dtype == stored:
         reader.read_bytes_into(start, byte_view(out))  # straight into the parameter's memory

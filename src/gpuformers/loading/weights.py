@@ -49,8 +49,8 @@ from gpuformers.loading.checkpoint_files import (  # noqa: F401
 )
 from gpuformers.loading.fan_out import FanOut, Piece
 from gpuformers.loading.targets import assign_tensor  # noqa: F401
-from gpuformers.loading.targets import _assign, _collect_targets, _persistent, _placement
-from gpuformers.loading.tensor_reader import _read_piece, _read_tensor, _Staging
+from gpuformers.loading.targets import assign_loaded, collect_targets, persistent_tensors, placement
+from gpuformers.loading.tensor_reader import StagingBuffer, read_piece, read_tensor
 
 # Bytes per staging chunk when a tensor must be converted or sent to a GPU: big enough that reads and
 # copies run at full speed, small next to any model. A multiple of every element size.
@@ -108,10 +108,10 @@ def load_weights(
       lacks to several of its tensors; a tensor found under its own name is never taken from a fan-out.
     Non-persistent buffers are left on the meta device: the caller computes them.
     """
-    place = _placement(device, offload)
+    place = placement(device, offload)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype {dtype} is not a floating dtype; pass torch.float32, torch.float16 or torch.bfloat16")
-    targets, hooked = _collect_targets(model, tied or {})
+    targets, hooked = collect_targets(model, tied or {})
     fan_out: tuple[FanOut, ...] = tuple(getattr(model, "checkpoint_fan_out", ()))  # any nn.Module loads
     checkpoint_keys = set(files.keys())
     info = LoadingInfo()
@@ -126,7 +126,7 @@ def load_weights(
                                if (k := rule.source_of(n)) in checkpoint_keys), None)
     _check_missing([t.names[0] for t in unique if t.key is None], ignore_missing, files)
 
-    stagings: dict[str, _Staging] = {}
+    stagings: dict[str, StagingBuffer] = {}
     many = len(files.files) > 1
     for path in _progress(files.files, "Loading checkpoint shards", progress and many):
         with files.open(path) as reader:
@@ -140,7 +140,7 @@ def load_weights(
                 for piece in pieces:
                     target = targets.get(piece.name)
                     if target is None:  # a piece of a module that loads itself, or of none (more experts than ours)
-                        if (not _hand_to_module(hooked, piece.name, lambda: _read_piece(reader, key, piece), place)
+                        if (not _hand_to_module(hooked, piece.name, lambda: read_piece(reader, key, piece), place)
                                 and key not in info.unexpected):
                             info.unexpected.append(key)
                         continue
@@ -148,9 +148,9 @@ def load_weights(
                         continue  # a tied copy, a key listed twice, or a piece the checkpoint also has on its own
                     where = place(target.names[0])
                     load_device = _CPU if where == "disk" else where
-                    staging = stagings.setdefault(load_device.type, _Staging(load_device, CHUNK_BYTES))
-                    value = _read_tensor(reader, key, piece, target, dtype, load_device, shard_fn, staging)
-                    _assign(target, value, where, offload)
+                    staging = stagings.setdefault(load_device.type, StagingBuffer(load_device, CHUNK_BYTES))
+                    value = read_tensor(reader, key, piece, target, dtype, load_device, shard_fn, staging)
+                    assign_loaded(target, value, where, offload)
                     info.num_loaded += 1
                     info.bytes_read += value.numel() * stored.dtype.itemsize
 
@@ -158,14 +158,14 @@ def load_weights(
     # and tensors a load_from_checkpoint module did not fill.
     missing = [t.names[0] for t in unique if not t.loaded]
     for prefix, module in hooked.items():
-        missing += [f"{prefix}.{n}" if prefix else n for n, t in _persistent(module) if t.is_meta]
+        missing += [f"{prefix}.{n}" if prefix else n for n, t in persistent_tensors(module) if t.is_meta]
     _check_missing(missing, ignore_missing, files)
     for target in unique:
         if not target.loaded:
             final = dtype if (dtype is not None and target.meta.is_floating_point()) else target.meta.dtype
             where = place(target.names[0])
             zeros = torch.zeros(target.meta.shape, dtype=final, device=_CPU if where == "disk" else where)
-            _assign(target, zeros, where, offload)
+            assign_loaded(target, zeros, where, offload)
     info.missing = missing
     return info
 

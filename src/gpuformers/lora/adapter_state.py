@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gpuformers.lora.config import (ALL_LINEAR, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _LORA_PARTS,
+from gpuformers.lora.config import (ALL_LINEAR, EMBEDDING_LAYER_NAMES, LEGACY_WEIGHTS_NAME, LORA_PARTS, WEIGHTS_NAME,
                                     LoraConfig)
 from gpuformers.lora.embedding import TiedLoraLinear
 from gpuformers.lora.lora_model import trained_bias_names
@@ -48,7 +48,7 @@ def get_peft_model_state_dict(model: PeftModel, state_dict: dict | None = None,
     target_modules names an embedding layer, or when the model's vocab_size differs from its base checkpoint's
     (the tokens were resized; the base is read from base_model_name_or_path, a folder or the local HF cache)."""
     state = model.state_dict() if state_dict is None else state_dict
-    adapter = {k: v for k, v in state.items() if any(p in k for p in _LORA_PARTS)}
+    adapter = {k: v for k, v in state.items() if any(p in k for p in LORA_PARTS)}
     for head_key, embedding_key in _tied_head_keys(model).items():
         adapter[head_key] = adapter[embedding_key].T.contiguous()
     config = _active_config(model)

@@ -8,7 +8,8 @@ rank_pattern / alpha_pattern give a layer its own r / lora_alpha when a key matc
 (`rank_and_alpha`).
 
 Offers: LoraConfig, CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME, ALL_LINEAR, EMBEDDING_LAYER_NAMES, TASK_TYPES,
-CLASSIFIER_MODULES.
+CLASSIFIER_MODULES, LORA_PARTS (what marks an adapter tensor's name), DEFAULT_TARGET_MODULES (peft's targets per
+model_type).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ TASK_TYPES = (None, "CAUSAL_LM", "SEQ_CLS")
 # peft's SEQ_CLS adds these to modules_to_save (PeftModelForSequenceClassification): the classifier head trains fully
 CLASSIFIER_MODULES = ("classifier", "score")
 # in the names of trained adapter tensors (an embedding's LoRA: `...embed_tokens.lora_embedding_A`, peft's key)
-_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector", ".lora_embedding_A", ".lora_embedding_B")
+LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector", ".lora_embedding_A", ".lora_embedding_B")
 # peft's names for the layers tied in language models (peft.utils.constants.EMBEDDING_LAYER_NAMES): a
 # modules_to_save or target_modules entry ending in one of them asks about weight tying.
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
@@ -39,9 +40,9 @@ EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 # peft's default targets per model_type (its table; qwen3_moe is ours, like qwen3); peft has none for phi3, granite,
 # olmo2, olmoe, smollm3, glm, glm4, exaone4, ernie4_5, seed_oss, ministral, ministral3 or starcoder2, nor do we:
 # target_modules must be given for them.
-_DEFAULT_TARGETS = {**{t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                                                         "gemma", "gemma2", "gemma3_text")},
-                    "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
+DEFAULT_TARGET_MODULES = {**{t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                                               "mixtral", "gemma", "gemma2", "gemma3_text")},
+                          "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
 
 # Fields of peft's adapter_config.json that we write with peft's defaults and read back: any other value asks
 # for a feature we do not have, and loading such an adapter would silently give other outputs.

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLinear, _broken_adapter
+from gpuformers.lora.layers import LoraLinear, broken_adapter_error
 
 
 class DoraLinear(LoraLinear):
@@ -80,7 +80,7 @@ class DoraLinear(LoraLinear):
         norm = torch.linalg.norm(updated, dim=1)  # (out,)
         merged = (self.lora_magnitude_vector.float() / norm).unsqueeze(1) * updated
         if safe_merge and not torch.isfinite(merged).all():
-            raise _broken_adapter()
+            raise broken_adapter_error()
         weight.copy_(merged)
         self._merged_norm = norm
         self.merged = True

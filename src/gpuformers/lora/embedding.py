@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.lora.config import LoraConfig
-from gpuformers.lora.layers import LoraLayer, _adapter_dtype_and_device
+from gpuformers.lora.layers import LoraLayer, adapter_dtype_and_device
 
 
 class LoraEmbedding(LoraLayer):
@@ -41,7 +41,7 @@ class LoraEmbedding(LoraLayer):
         self.base_layer = base_layer
         self.num_embeddings, self.embedding_dim = base_layer.num_embeddings, base_layer.embedding_dim
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
-        dtype, device = _adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
+        dtype, device = adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
         # peft's init_lora_weights=False keeps both at torch.randn (random adapters, for tests)
         self.lora_embedding_A = nn.Parameter(torch.randn(config.r, self.num_embeddings, dtype=dtype, device=device))
         self.lora_embedding_B = nn.Parameter(torch.randn(self.embedding_dim, config.r, dtype=dtype, device=device))

@@ -12,7 +12,8 @@ quantized layer the LoRA layer does what peft's bitsandbytes LoRA layers do:
 
 lora_model.py's LoraModel puts these layers in place of a model's target layers.
 
-Offers: LoraLayer, LoraLinear, quantized_linear_types, is_fan_in_fan_out.
+Offers: LoraLayer, LoraLinear, quantized_linear_types, adapter_dtype_and_device (the adapters' dtype and device
+over a base layer, as peft picks them), broken_adapter_error (the error of a merge that gives NaN or inf).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import torch
 from torch import nn
 
+from gpuformers.layers.linear import is_fan_in_fan_out
 from gpuformers.lora.config import LoraConfig
 
 
@@ -39,14 +41,7 @@ def quantized_linear_types() -> tuple[type, ...]:
 
 
 
-def is_fan_in_fan_out(module: nn.Module) -> bool:
-    """A linear layer whose weight is stored (in_features, out_features) (transformers' Conv1D, GPT-2's
-    GPT2Conv1D), which marks itself with `fan_in_fan_out = True`: LoRA wraps it as a Linear and merges the
-    transposed update into it (peft's fan_in_fan_out)."""
-    return getattr(type(module), "fan_in_fan_out", False) is True
-
-
-def _adapter_dtype_and_device(base_layer: nn.Module, autocast_adapter_dtype: bool) -> tuple[torch.dtype, torch.device]:
+def adapter_dtype_and_device(base_layer: nn.Module, autocast_adapter_dtype: bool) -> tuple[torch.dtype, torch.device]:
     """peft's choice (tuners_utils._move_adapter_to_device_of_base_layer, then cast_adapter_dtype): the compute
     dtype of a 4-bit layer, else the weight's dtype when it is a float (nn.Linear), else torch's default dtype (an
     int8 bitsandbytes weight); a WeightOnlyLinear counts as a Linear of its compute dtype. float16 / bfloat16 then
@@ -85,7 +80,7 @@ class LoraLayer(nn.Module):
         """merge() into a float base weight: add `delta` (the weight's shape) in place; with safe_merge, first check
         that the sum is finite (else ValueError, the weight untouched)."""
         if safe_merge and not torch.isfinite(self.base_layer.weight + delta).all():
-            raise _broken_adapter()
+            raise broken_adapter_error()
         self.base_layer.weight.add_(delta)
 
 
@@ -98,7 +93,7 @@ class LoraLinear(LoraLayer):
         self.base_layer = base_layer
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
-        dtype, device = _adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
+        dtype, device = adapter_dtype_and_device(base_layer, autocast_adapter_dtype)
         self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(self.in_features, config.r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(config.r, self.out_features, bias=False, device=device, dtype=dtype)
@@ -177,13 +172,13 @@ class LoraLinear(LoraLayer):
         own settings (its load_from_checkpoint, as the loader quantizes). Each pass rounds again: lossy."""
         weight = self.base_layer.dequantize().to(delta.dtype) + delta  # (out, in)
         if safe_merge and not torch.isfinite(weight).all():
-            raise _broken_adapter()
+            raise broken_adapter_error()
         self.base_layer.load_from_checkpoint("weight", weight)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, lora_alpha={self.lora_alpha}, scaling={self.scaling:g}"
 
 
-def _broken_adapter() -> ValueError:
+def broken_adapter_error() -> ValueError:
     return ValueError("merging this LoRA adapter gives NaN or inf weights; the adapter is broken (check its "
                       "training), so it was not merged")

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from gpuformers.device import is_offloaded, mapped_devices
-from gpuformers.lora.config import ALL_LINEAR, CLASSIFIER_MODULES, _LORA_PARTS, _DEFAULT_TARGETS, LoraConfig
+from gpuformers.lora.config import ALL_LINEAR, CLASSIFIER_MODULES, DEFAULT_TARGET_MODULES, LORA_PARTS, LoraConfig
 from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
-from gpuformers.lora.layers import LoraLayer, LoraLinear, is_fan_in_fan_out, quantized_linear_types
+from gpuformers.layers.linear import is_fan_in_fan_out
+from gpuformers.lora.layers import LoraLayer, LoraLinear, quantized_linear_types
 from gpuformers.lora.modules_to_save import (ModulesToSaveWrapper, check_tied_modules, find_modules_to_save,
                                            in_modules_to_save, peft_names)
 
@@ -83,7 +84,7 @@ class LoraModel(nn.Module):
                 _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name), tied_to=embedding_copy))
         # Only the adapters, the modules_to_save copies and the biases `bias` names train; the rest of the base stays
         # bit-identical.
-        trainable_parts = (*_LORA_PARTS, ".modules_to_save.")
+        trainable_parts = (*LORA_PARTS, ".modules_to_save.")
         biases = set(trained_bias_names(model, config.bias))
         for param_name, param in model.named_parameters():
             trained = any(p in f".{param_name}" for p in trainable_parts) or param_name in biases
@@ -273,10 +274,10 @@ def _find_targets(model: nn.Module, config: LoraConfig, strict: bool) -> list[st
     targets = config.target_modules
     if targets is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in _DEFAULT_TARGETS:
+        if model_type not in DEFAULT_TARGET_MODULES:
             raise ValueError(f"target_modules=None and peft has no default targets for model_type {model_type!r}; "
                              f"pass target_modules, some of: {', '.join(linear_suffixes)} (or \"all-linear\")")
-        targets = config.target_modules = list(_DEFAULT_TARGETS[model_type])
+        targets = config.target_modules = list(DEFAULT_TARGET_MODULES[model_type])
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         head = _output_head(model)
         names = [n for n, m in modules if _is_linear(m) and m is not head

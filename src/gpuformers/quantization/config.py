@@ -29,7 +29,8 @@ quantizes and transformers' fused FP8 experts are handled by quantization/moe.py
 Other methods transformers knows (hqq, torchao, quanto, ...) raise NotImplementedError naming the method.
 
 Offers: BitsAndBytesConfig, WeightOnlyConfig, FineGrainedFP8Config, CompressedTensorsConfig, GPTQConfig, AwqConfig,
-Mxfp4Config, quantization_config_from, checkpoint_quantization, quantize_linear_layers, finish_loading.
+Mxfp4Config, quantization_config_from, checkpoint_quantization, quantize_linear_layers, finish_loading, is_skipped
+(transformers' skip_modules rule).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpuformers.layers.linear import is_fan_in_fan_out
 from gpuformers.quantization.compressed_tensors import (
     CompressedTensorsConfig,
     finish_compressed_loading,
@@ -305,7 +307,7 @@ def _int4_group_size(in_features: int) -> int:
                      f"pass WeightOnlyConfig(bits=4, group_size=...) with a divisor of it, or use bits=8")
 
 
-def _skipped(name: str, skip: list[str]) -> bool:
+def is_skipped(name: str, skip: list[str]) -> bool:
     """transformers' rule: a module is kept when a skip entry names it or one of its enclosing modules."""
     return any(name == key or name.startswith(key + ".") or name.endswith("." + key) or f".{key}." in name
                for key in skip)
@@ -357,11 +359,10 @@ def quantize_linear_layers(model: nn.Module, config: QuantizationConfig, dtype: 
             return WeightOnlyLinear(linear.in_features, linear.out_features, linear.bias is not None, config.bits,
                                     group_size, dtype, device="meta")
 
-    from gpuformers.lora.layers import is_fan_in_fan_out
-
     tied = set(getattr(model, "tied_weights", {}))
     names = [name for name, module in model.named_modules()
-             if (type(module) is nn.Linear or is_fan_in_fan_out(module)) and not _skipped(name, config.skip_modules)]
+             if (type(module) is nn.Linear or is_fan_in_fan_out(module))
+             and not is_skipped(name, config.skip_modules)]
     conv1d_names = [name for name in names if is_fan_in_fan_out(model.get_submodule(name))]
     if conv1d_names and isinstance(config, FineGrainedFP8Config):
         raise NotImplementedError(f"FineGrainedFP8Config loads FP8 checkpoints of Linear layers; "

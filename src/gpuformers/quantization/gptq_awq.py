@@ -405,12 +405,12 @@ def swap_gptq_awq_layers(model: nn.Module, config: PackedConfig, dtype: torch.dt
                          loaded: bool = False) -> list[str]:
     """Replace every nn.Linear that `config` does not skip with a GPTQAwqLinear (model on the meta device); returns
     the names."""
-    from gpuformers.quantization.config import _skipped
+    from gpuformers.quantization.config import is_skipped
 
     if loaded:
         refuse_loaded(config, config.quant_method.upper())
     names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear and not _skipped(name, config.skip_modules)]
+             if type(module) is nn.Linear and not is_skipped(name, config.skip_modules)]
     for name in names:
         swap_in(model, name, lambda linear: GPTQAwqLinear(linear.in_features, linear.out_features,
                                                           linear.bias is not None, config, dtype, name))

@@ -43,7 +43,7 @@ def swap_routers(model: nn.Module, config, dtype: torch.dtype) -> list[str]:
     """Replace every router that pre-quantized `config` would quantize, were it an nn.Linear, with that method's
     dequantizing stand-in (model on the meta device); returns the names."""
     from gpuformers.quantization.compressed_tensors import CompressedLinear, CompressedTensorsConfig
-    from gpuformers.quantization.config import FineGrainedFP8Config, _skipped
+    from gpuformers.quantization.config import FineGrainedFP8Config, is_skipped
     from gpuformers.quantization.fp8 import FP8DequantizingLinear
     from gpuformers.quantization.gptq_awq import AwqConfig, GPTQAwqLinear, GPTQConfig
 
@@ -58,13 +58,13 @@ def swap_routers(model: nn.Module, config, dtype: torch.dtype) -> list[str]:
         dequantizing = dataclasses.replace(config, dequantize=True)  # a router is a plain weight in the model
 
         def make(name, linear):
-            if _skipped(name, config.skip_modules):
+            if is_skipped(name, config.skip_modules):
                 return None
             return GPTQAwqLinear(linear.in_features, linear.out_features, linear.bias is not None, dequantizing,
                                  dtype, name)
     elif isinstance(config, FineGrainedFP8Config):
         def make(name, linear):
-            if _skipped(name, config.skip_modules):
+            if is_skipped(name, config.skip_modules):
                 return None
             return FP8DequantizingLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                          config.weight_block_size, dtype, name, device="meta")

@@ -11,7 +11,7 @@ Offers: ChatJob.
 
 from __future__ import annotations
 
-from gpuformers.serving.job import ChoiceText, Job, _finite
+from gpuformers.serving.job import ChoiceText, Job, finite_logprob
 from gpuformers.serving.protocol import CompletionRequest
 
 
@@ -54,7 +54,7 @@ class ChatJob(Job):
         texts = self.state.token_texts
         strings = [texts[t] for t in ids]
         # per token, its top_logprobs alternatives as (text, logprob); empty lists when none were asked for
-        top_texts = [[(texts[t], _finite(lp)) for t, lp in top] for top in tops]
+        top_texts = [[(texts[t], finite_logprob(lp)) for t, lp in top] for top in tops]
         top_texts += [[] for _ in range(len(strings) - len(top_texts))]
         return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
                              "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode("utf-8"))}

@@ -3,7 +3,7 @@ chat_template_kwargs, reasoning_effort and response_format (structured output: s
 the fields completions share.
 
 Offers: parse_chat, response_format, MAX_TOP_LOGPROBS, ROLES, REASONING_EFFORTS (and, to responses_request.py,
-_message).
+parse_message).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import re
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.completion_request import _COMMON, CompletionRequest, _common
-from gpuformers.serving.request_fields import _bool, _int, _shown, _type_name
+from gpuformers.serving.completion_request import COMMON_FIELDS, CompletionRequest, parse_common
+from gpuformers.serving.request_fields import bool_field, int_field, shown_value, type_name
 from gpuformers.serving.structured_request import STRUCTURED_FIELDS, response_format, structured_output
 
 MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
-_CHAT_FIELDS = _COMMON | STRUCTURED_FIELDS | {"messages", "top_logprobs", "max_completion_tokens",
+_CHAT_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"messages", "top_logprobs", "max_completion_tokens",
                                               "response_format", "tools", "tool_choice", "chat_template_kwargs",
                                               "reasoning_effort"}
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -31,16 +31,16 @@ _SERVER_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", 
                               "tokenizer_kwargs", "sanitize_control_tokens"}
 
 
-def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...],
+def parse_message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple[str, ...],
              tool_fields: bool = False) -> dict:
     """One {role, content} message as the chat template takes it: text parts joined, developer as system; with
     `tool_fields` also an assistant's tool_calls and a tool message's tool_call_id (and name). `where` names the
     message in errors (`messages[2]`)."""
     if not isinstance(message, dict):
-        raise APIError(400, f"{where} must be an object, got {_type_name(message)}", where)
+        raise APIError(400, f"{where} must be an object, got {type_name(message)}", where)
     role = message.get("role")
     if role not in roles:
-        raise APIError(400, f"{where}.role {_shown(role)} is not one of: {', '.join(roles)}", f"{where}.role")
+        raise APIError(400, f"{where}.role {shown_value(role)} is not one of: {', '.join(roles)}", f"{where}.role")
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
         if not all(isinstance(p, dict) and p.get("type") in part_types and isinstance(p.get("text"), str)
@@ -50,7 +50,7 @@ def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple
                            f"{where}.content")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str) and not (content is None and role == "assistant"):
-        raise APIError(400, f"{where}.content must be a string, got {_type_name(content)}", f"{where}.content")
+        raise APIError(400, f"{where}.content must be a string, got {type_name(content)}", f"{where}.content")
     normalised = {"role": "system" if role == "developer" else role, "content": content or ""}
     if tool_fields and role == "assistant" and message.get("tool_calls") is not None:
         normalised["tool_calls"] = _message_tool_calls(message["tool_calls"], f"{where}.tool_calls")
@@ -58,11 +58,11 @@ def _message(message: Any, where: str, roles: tuple[str, ...], part_types: tuple
         call_id, name = message.get("tool_call_id"), message.get("name")
         if not isinstance(call_id, str) or not call_id:
             raise APIError(400, f"{where}.tool_call_id must be the id of the call this message answers, got "
-                                f"{_type_name(call_id)} {call_id!r}"[:300], f"{where}.tool_call_id")
+                                f"{type_name(call_id)} {call_id!r}"[:300], f"{where}.tool_call_id")
         normalised["tool_call_id"] = call_id
         if name is not None:  # the called function's name, which some templates print
             if not isinstance(name, str):
-                raise APIError(400, f"{where}.name must be a string, got {_type_name(name)}", f"{where}.name")
+                raise APIError(400, f"{where}.name must be a string, got {type_name(name)}", f"{where}.name")
             normalised["name"] = name
     return normalised
 
@@ -71,7 +71,7 @@ def _message_tool_calls(calls: Any, where: str) -> list[dict]:
     """An assistant message's earlier tool calls, for the chat template. Arguments that are a JSON object are
     given to it as a dict, as vLLM does: some templates iterate over them (others print a string as it is)."""
     if not isinstance(calls, list):
-        raise APIError(400, f"{where} must be a list of {{id, type, function}} objects, got {_type_name(calls)}",
+        raise APIError(400, f"{where} must be a list of {{id, type, function}} objects, got {type_name(calls)}",
                        where)
     normalised = []
     for i, call in enumerate(calls):
@@ -95,15 +95,15 @@ def _message_tool_calls(calls: Any, where: str) -> list[dict]:
 
 def parse_chat(body: Any) -> CompletionRequest:
     """A validated /v1/chat/completions request."""
-    request = _common(body, _CHAT_FIELDS, chat=True)
+    request = parse_common(body, _CHAT_FIELDS, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}"[:300],
                        "messages")
-    request.messages = [_message(m, f"messages[{i}]", ROLES, ("text",), tool_fields=True)
+    request.messages = [parse_message(m, f"messages[{i}]", ROLES, ("text",), tool_fields=True)
                         for i, m in enumerate(messages)]
-    request.logprobs = _bool(body, "logprobs")
-    request.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    request.logprobs = bool_field(body, "logprobs")
+    request.top_logprobs = int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     request.structured_output = structured_output(body, request.min_tokens,
@@ -115,7 +115,7 @@ def parse_chat(body: Any) -> CompletionRequest:
     if effort is not None:
         # OpenAI's field; the chat template reads it under the same name (gpt-oss's does; others ignore it)
         if effort not in REASONING_EFFORTS:
-            raise APIError(400, f"reasoning_effort {_shown(effort)} is not one of: {', '.join(REASONING_EFFORTS)}",
+            raise APIError(400, f"reasoning_effort {shown_value(effort)} is not one of: {', '.join(REASONING_EFFORTS)}",
                            "reasoning_effort")
         request.chat_template_kwargs = {"reasoning_effort": effort, **request.chat_template_kwargs}
     return request
@@ -128,7 +128,7 @@ def _chat_template_kwargs(value: Any) -> dict:
         return {}
     if not isinstance(value, dict):
         raise APIError(400, 'chat_template_kwargs must be an object of template variables (e.g. '
-                            f'{{"enable_thinking": false}}), got {_type_name(value)} {value!r}'[:300],
+                            f'{{"enable_thinking": false}}), got {type_name(value)} {value!r}'[:300],
                        "chat_template_kwargs")
     clashes = sorted(set(value) & _SERVER_TEMPLATE_ARGUMENTS)
     if clashes:
@@ -150,15 +150,15 @@ def _tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise APIError(400, f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, got "
-                            f"{_type_name(tools)}", "tools")
+                            f"{type_name(tools)}", "tools")
     names = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise APIError(400, f"{where} must be an object, got {_type_name(tool)}", where)
+            raise APIError(400, f"{where} must be an object, got {type_name(tool)}", where)
         if tool.get("type") != "function":
-            raise APIError(400, f"{where}.type {_shown(tool.get('type'))} is not supported: only \"function\" tools "
-                                "are", f"{where}.type")
+            raise APIError(400, f"{where}.type {shown_value(tool.get('type'))} is not supported: only \"function\" "
+                                "tools are", f"{where}.type")
         unknown = sorted(set(tool) - {"type", "function"})
         if unknown:
             raise APIError(400, f"{where} has unknown field(s): {', '.join(unknown)}; known: function, type",
@@ -166,7 +166,7 @@ def _tools(tools: Any) -> list[dict] | None:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise APIError(400, f"{where}.function must be an object with name (and description, parameters), got "
-                                f"{_type_name(function)}", f"{where}.function")
+                                f"{type_name(function)}", f"{where}.function")
         unknown = sorted(set(function) - set(_FUNCTION_FIELDS))
         if unknown:
             raise APIError(400, f"{where}.function has unknown field(s): {', '.join(unknown)}; known: "
@@ -175,7 +175,7 @@ def _tools(tools: Any) -> list[dict] | None:
             value = function.get(name)
             if (value is not None or name == "name") and not isinstance(value, kind):
                 raise APIError(400, f"{where}.function.{name} must be {'an object' if kind is dict else kind.__name__}"
-                                    f", got {_type_name(value)} {value!r}"[:300], f"{where}.function.{name}")
+                                    f", got {type_name(value)} {value!r}"[:300], f"{where}.function.{name}")
         if not _FUNCTION_NAME.fullmatch(function["name"]) or function["name"] in names:
             raise APIError(400, f"{where}.function.name {function['name']!r} must be 1-64 letters, digits, "
                                 "underscores or dashes, and unique among the tools"[:300], f"{where}.function.name")
@@ -198,10 +198,10 @@ def _check_parameters(schema: dict, where: str) -> None:
     properties = schema.get("properties", {})
     if not isinstance(properties, dict):
         raise APIError(400, f"{where}.properties must be an object of argument name -> schema, got "
-                            f"{_type_name(properties)}", f"{where}.properties")
+                            f"{type_name(properties)}", f"{where}.properties")
     for name, sub in properties.items():
         if not isinstance(sub, (dict, bool)):
-            raise APIError(400, f"{where}.properties.{name} must be a schema (an object), got {_type_name(sub)}"[:300],
+            raise APIError(400, f"{where}.properties.{name} must be a schema (an object), got {type_name(sub)}"[:300],
                            f"{where}.properties.{name}")
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):

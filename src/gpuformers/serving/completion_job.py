@@ -8,7 +8,7 @@ Offers: CompletionJob.
 
 from __future__ import annotations
 
-from gpuformers.serving.job import ChoiceText, Job, _finite
+from gpuformers.serving.job import ChoiceText, Job, finite_logprob
 from gpuformers.serving.protocol import APIError
 
 
@@ -39,10 +39,10 @@ class CompletionJob(Job):
                     continue
                 alternatives: dict[str, float] = {}
                 for token_id, logprob in top:  # best first: a later token with the same text keeps the first
-                    alternatives.setdefault(texts[token_id], _finite(logprob))
-                alternatives.setdefault(string, _finite(value))
+                    alternatives.setdefault(texts[token_id], finite_logprob(logprob))
+                alternatives.setdefault(string, finite_logprob(value))
                 top_dicts.append(alternatives)
-        return {"tokens": strings, "token_logprobs": [_finite(v) for v in values], "top_logprobs": top_dicts,
+        return {"tokens": strings, "token_logprobs": [finite_logprob(v) for v in values], "top_logprobs": top_dicts,
                 "text_offset": offsets}
 
     def _echo_text(self) -> str:

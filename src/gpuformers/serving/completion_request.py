@@ -4,7 +4,7 @@ The fields completions and chat share (sampling, logit adjustments, n, stop, str
 the Responses API add theirs in chat_request.py and responses_request.py.
 
 Offers: CompletionRequest, parse_completion, MAX_N, MAX_COMPLETION_LOGPROBS, SEED_MIN, SEED_MAX (and, to the other
-request modules, _common, _sampling, _COMMON).
+request modules, parse_common (the fields every endpoint shares), sampling_fields, COMMON_FIELDS).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.request_fields import _bool, _float, _int, _model, _shown, _stop, _type_name
+from gpuformers.serving.request_fields import (bool_field, float_field, int_field, model_field, shown_value, stop_field,
+                                              type_name)
 from gpuformers.serving.structured_request import STRUCTURED_FIELDS, structured_output
 
 MAX_N = 16  # choices per request: each is a full engine request
@@ -78,54 +79,54 @@ class CompletionRequest:
 # suffix would, and is refused in parse_completion).
 _IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", "best_of", "suffix"}
 _ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-           "logprobs", "ignore_eos"} | _ADJUSTMENTS
-_COMPLETION_FIELDS = _COMMON | STRUCTURED_FIELDS | {"prompt", "echo"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+                 "stream_options", "logprobs", "ignore_eos"} | _ADJUSTMENTS
+_COMPLETION_FIELDS = COMMON_FIELDS | STRUCTURED_FIELDS | {"prompt", "echo"}
 
 
-def _common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
-    model = _model(body, allowed, _IGNORED)
-    max_tokens = _int(body, "max_tokens", 1)
+def parse_common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
+    model = model_field(body, allowed, _IGNORED)
+    max_tokens = int_field(body, "max_tokens", 1)
     if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", 1)
+        max_tokens = int_field(body, "max_completion_tokens", 1)
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
             raise APIError(400, f"stream_options must be an object with only include_usage, got "
-                                f"{_shown(stream_options)}", "stream_options")
+                                f"{shown_value(stream_options)}", "stream_options")
         if not body.get("stream"):
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
-        include_usage = _bool(stream_options, "include_usage")
-    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=_int(body, "n", 1, MAX_N, 1),
-                             stop=_stop(body), stream=_bool(body, "stream"), include_usage=include_usage,
-                             **_sampling(body), **_adjustments(body, max_tokens))
+        include_usage = bool_field(stream_options, "include_usage")
+    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=int_field(body, "n", 1, MAX_N, 1),
+                             stop=stop_field(body), stream=bool_field(body, "stream"), include_usage=include_usage,
+                             **sampling_fields(body), **_adjustments(body, max_tokens))
 
 
-def _sampling(body: dict) -> dict:
+def sampling_fields(body: dict) -> dict:
     """The sampling fields of every endpoint (top_k, seed and ignore_eos are extensions to OpenAI's)."""
-    return dict(temperature=_float(body, "temperature", 0.0, 2.0, None),
-                top_p=_float(body, "top_p", 0.0, 1.0, None, low_open=True),
-                top_k=_int(body, "top_k", -1, None, None) if body.get("top_k") != -1 else 0,
-                seed=_int(body, "seed", SEED_MIN, SEED_MAX, None), ignore_eos=_bool(body, "ignore_eos"))
+    return dict(temperature=float_field(body, "temperature", 0.0, 2.0, None),
+                top_p=float_field(body, "top_p", 0.0, 1.0, None, low_open=True),
+                top_k=int_field(body, "top_k", -1, None, None) if body.get("top_k") != -1 else 0,
+                seed=int_field(body, "seed", SEED_MIN, SEED_MAX, None), ignore_eos=bool_field(body, "ignore_eos"))
 
 
 def _adjustments(body: dict, max_tokens: int | None) -> dict:
     """The logit adjustments of completions and chat: OpenAI's frequency_penalty, presence_penalty (in [-2, 2])
     and logit_bias ({"token id": bias in [-100, 100]}), and vLLM's repetition_penalty (in [0.01, 2]), min_p and
     min_tokens (at most max_tokens). Each is None when not sent."""
-    min_tokens = _int(body, "min_tokens", 0)
-    repetition_penalty = _float(body, "repetition_penalty", 0.0, 2.0, None, low_open=True)
+    min_tokens = int_field(body, "min_tokens", 0)
+    repetition_penalty = float_field(body, "repetition_penalty", 0.0, 2.0, None, low_open=True)
     if repetition_penalty is not None and repetition_penalty < MIN_REPETITION_PENALTY:
         raise APIError(400, f"repetition_penalty={repetition_penalty} is below {MIN_REPETITION_PENALTY}: it would "
                             f"scale the logits of seen tokens past float range; use a value in "
                             f"[{MIN_REPETITION_PENALTY}, 2] (1.0 turns it off)", "repetition_penalty")
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise APIError(400, f"min_tokens={min_tokens} must be at most max_tokens ({max_tokens})", "min_tokens")
-    return dict(frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, None),
-                presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, None), logit_bias=_logit_bias(body),
+    return dict(frequency_penalty=float_field(body, "frequency_penalty", -2.0, 2.0, None),
+                presence_penalty=float_field(body, "presence_penalty", -2.0, 2.0, None), logit_bias=_logit_bias(body),
                 repetition_penalty=repetition_penalty,
-                min_p=_float(body, "min_p", 0.0, 1.0, None), min_tokens=min_tokens)
+                min_p=float_field(body, "min_p", 0.0, 1.0, None), min_tokens=min_tokens)
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
@@ -133,7 +134,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise APIError(400, f'logit_bias must be an object of {{"token id": bias}}, got {_type_name(value)}',
+        raise APIError(400, f'logit_bias must be an object of {{"token id": bias}}, got {type_name(value)}',
                        "logit_bias")
     bias = {}
     for key, amount in value.items():
@@ -148,7 +149,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
 
 def parse_completion(body: Any) -> CompletionRequest:
     """A validated /v1/completions request; `prompt` is a string or a list of token ids (one prompt)."""
-    request = _common(body, _COMPLETION_FIELDS, chat=False)
+    request = parse_common(body, _COMPLETION_FIELDS, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
@@ -164,10 +165,10 @@ def parse_completion(body: Any) -> CompletionRequest:
     else:
         raise APIError(400, f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:300],
                        "prompt")
-    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    logprobs = int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if logprobs is not None:
         request.logprobs, request.top_logprobs = True, logprobs
-    request.echo = _bool(body, "echo")
+    request.echo = bool_field(body, "echo")
     if body.get("suffix"):  # ignored, the answer would silently not be the insertion the client asked for
         raise APIError(400, f"suffix {body['suffix']!r} is not supported: this server completes the prompt only (no "
                             "fill-in-the-middle); leave suffix out, or put the text in the prompt"[:300], "suffix")

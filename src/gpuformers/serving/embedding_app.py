@@ -25,7 +25,7 @@ from gpuformers.serving.http import add_unexpected_error_handler, check_api_key,
 from gpuformers.serving.job import now
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.prompt_chars import PromptChars
-from gpuformers.serving.request_fields import _shown
+from gpuformers.serving.request_fields import shown_value
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/embeddings"
@@ -100,7 +100,7 @@ def build_embedding_app(embedder: Embedder, model_name: str, api_key: str | None
         check_auth(request)
         parsed = parse_embedding(await read_json(request))
         if parsed.model != model_name:
-            raise APIError(404, f"model {_shown(parsed.model)} does not exist here; this server serves "
+            raise APIError(404, f"model {shown_value(parsed.model)} does not exist here; this server serves "
                                 f"{model_name!r}", "model", code="model_not_found")
         embedder.check_dimensions(parsed.dimensions)
         truncate_to = embedder.truncation_length(parsed.truncate_prompt_tokens)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.request_fields import _int, _model, _shown, _type_name
+from gpuformers.serving.request_fields import int_field, model_field, shown_value, type_name
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 ENCODING_FORMATS = ("float", "base64")
@@ -41,13 +41,13 @@ class EmbeddingRequest:
 
 
 def parse_embedding(body: Any) -> EmbeddingRequest:
-    model = _model(body, _FIELDS, ignored={"user"})
+    model = model_field(body, _FIELDS, ignored={"user"})
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
-        raise APIError(400, f"encoding_format {_shown(encoding_format)} is not one of: {', '.join(ENCODING_FORMATS)}",
-                       "encoding_format")
-    dimensions = _int(body, "dimensions", low=1)
-    truncate = _int(body, "truncate_prompt_tokens", low=-1)
+        raise APIError(400, f"encoding_format {shown_value(encoding_format)} is not one of: "
+                            f"{', '.join(ENCODING_FORMATS)}", "encoding_format")
+    dimensions = int_field(body, "dimensions", low=1)
+    truncate = int_field(body, "truncate_prompt_tokens", low=-1)
     if truncate == 0:  # vLLM answers an empty list; an input of no tokens has no vector
         raise APIError(400, "truncate_prompt_tokens=0 would leave no tokens to embed; give -1 (the server's maximum "
                             "input length) or a number of tokens >= 1", "truncate_prompt_tokens")
@@ -61,7 +61,7 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
-        raise APIError(400, f"input must be {forms}, got {_type_name(value)}", "input")
+        raise APIError(400, f"input must be {forms}, got {type_name(value)}", "input")
     if not value:
         raise APIError(400, "input is an empty list; give at least one string or token id list", "input")
     if all(_is_token_id(item) for item in value):  # one tokenized input
@@ -71,8 +71,8 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     if isinstance(value[0], str):
         for index, item in enumerate(value):
             if not isinstance(item, str):
-                raise APIError(400, f"input[{index}] is {_type_name(item)} {_shown(item)} among strings: the inputs "
-                                    "must all be strings or all be token id lists", "input")
+                raise APIError(400, f"input[{index}] is {type_name(item)} {shown_value(item)} among strings: the "
+                                    "inputs must all be strings or all be token id lists", "input")
             if not item:
                 raise APIError(400, f"input[{index}] is an empty string; every input needs at least one token",
                                "input")
@@ -80,7 +80,7 @@ def _inputs(value: Any) -> list[str] | list[list[int]]:
     for index, item in enumerate(value):
         if not isinstance(item, list) or not all(_is_token_id(token) for token in item):
             raise APIError(400, f"input[{index}] must be a list of token ids (integers >= 0) like the other inputs, "
-                                f"got {_type_name(item)} {str(item)[:100]}", "input")
+                                f"got {type_name(item)} {str(item)[:100]}", "input")
         if not item:
             raise APIError(400, f"input[{index}] is an empty token list; every input needs at least one token",
                            "input")

@@ -13,7 +13,8 @@ which frees its KV blocks. A client that disconnects cancels its requests the sa
     token ids -> Engine.submit (n engine requests) -> ChoiceText -> [ChatJob: reasoning parser, tool-call parser]
               -> Job.whole (JSON) or Job.sse (SSE)
 
-Offers: Engine, ChoiceText, Job, now, JSON (json.dumps(..., ensure_ascii=False) as one encoder).
+Offers: Engine, ChoiceText, Job, now, JSON (json.dumps(..., ensure_ascii=False) as one encoder), finite_logprob (a
+logprob as JSON can carry it: a masked token's -inf becomes MASKED_LOGPROB).
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ class Job:
         if not self.parsed.logprobs:
             return None
         end = choice.num_tokens_kept() if end is None else end
-        ids, values = choice.token_ids[start:end], [_finite(v) for v in choice.logprobs[start:end]]
+        ids, values = choice.token_ids[start:end], [finite_logprob(v) for v in choice.logprobs[start:end]]
         return self._logprobs_object(ids, values, choice.top_logprobs[start:end], offset)
 
     def _logprobs_object(self, ids: list[int], values: list[float | None],
@@ -411,5 +412,5 @@ class Job:
 MASKED_LOGPROB = -9999.0
 
 
-def _finite(logprob: float | None) -> float | None:
+def finite_logprob(logprob: float | None) -> float | None:
     return logprob if logprob is None or logprob > MASKED_LOGPROB else MASKED_LOGPROB

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.chat_request import MAX_TOP_LOGPROBS, _message, response_format
-from gpuformers.serving.completion_request import CompletionRequest, _sampling
-from gpuformers.serving.request_fields import _bool, _int, _model, _shown, _type_name
+from gpuformers.serving.chat_request import MAX_TOP_LOGPROBS, parse_message, response_format
+from gpuformers.serving.completion_request import CompletionRequest, sampling_fields
+from gpuformers.serving.request_fields import bool_field, int_field, model_field, shown_value, type_name
 
 RESPONSE_ROLES = ("system", "user", "assistant", "developer")  # the Responses API's messages have no tool role
 
@@ -45,7 +45,7 @@ _STATEFUL = {
 def parse_response(body: Any) -> CompletionRequest:
     """A validated /v1/responses request, as a chat request: `instructions` becomes a first system message, `input`
     (a string, or a list of text messages) the rest. One output, text only."""
-    model = _model(body, _RESPONSE_FIELDS, _RESPONSE_IGNORED)
+    model = model_field(body, _RESPONSE_FIELDS, _RESPONSE_IGNORED)
     for name, why in _STATEFUL.items():
         if body.get(name) is not None:
             raise APIError(400, f"{name} is not supported: {why}", name)
@@ -55,8 +55,8 @@ def parse_response(body: Any) -> CompletionRequest:
     _no_tools(body)
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice {_shown(tool_choice)} needs tools, which this server does not support; leave "
-                            "tool_choice out", "tool_choice")
+        raise APIError(400, f"tool_choice {shown_value(tool_choice)} needs tools, which this server does not support; "
+                            "leave tool_choice out", "tool_choice")
     text = body.get("text")
     structured_output = None
     if text is not None:
@@ -69,10 +69,10 @@ def parse_response(body: Any) -> CompletionRequest:
     if body.get("include"):
         raise APIError(400, f"include {body['include']!r} is not supported: this server adds nothing to the output "
                             "(no logprobs, no reasoning items); leave include out"[:400], "include")
-    if _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0):
+    if int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0):
         raise APIError(400, "top_logprobs is not supported on /v1/responses yet; use /v1/chat/completions with "
                             "logprobs=true and top_logprobs", "top_logprobs")
-    stream = _bool(body, "stream")
+    stream = bool_field(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None:  # include_obfuscation pads events against side channels: nothing to pad here
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_obfuscation"}:
@@ -86,14 +86,14 @@ def parse_response(body: Any) -> CompletionRequest:
         raise APIError(400, f"metadata must be an object of string values, got {metadata!r}"[:300], "metadata")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise APIError(400, f"instructions must be a string, got {_type_name(instructions)}", "instructions")
+        raise APIError(400, f"instructions must be a string, got {type_name(instructions)}", "instructions")
     messages = [{"role": "system", "content": instructions}] if instructions else []
     messages += _input_messages(body.get("input"))
     request = CompletionRequest(model=model, chat=True, responses=True, messages=messages, stream=stream,
-                                max_tokens=_int(body, "max_output_tokens", 1), **_sampling(body))
+                                max_tokens=int_field(body, "max_output_tokens", 1), **sampling_fields(body))
     request.response_fields = {"instructions": instructions, "max_output_tokens": request.max_tokens,
                                "metadata": metadata or {}, "tool_choice": tool_choice or "auto",
-                               "parallel_tool_calls": _bool(body, "parallel_tool_calls", True)}
+                               "parallel_tool_calls": bool_field(body, "parallel_tool_calls", True)}
     if structured_output is not None:
         request.response_fields["text"] = {"format": text["format"]}  # the Response object repeats it
     request.structured_output = structured_output
@@ -116,8 +116,8 @@ def _input_messages(value: Any) -> list[dict]:
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else "message"
         if kind != "message":
-            raise APIError(400, f"input[{i}].type {_shown(kind)} is not supported: this server takes text messages "
-                                "only (no tool calls or outputs, reasoning items or item references)",
+            raise APIError(400, f"input[{i}].type {shown_value(kind)} is not supported: this server takes text "
+                                "messages only (no tool calls or outputs, reasoning items or item references)",
                            f"input[{i}].type")
-        messages.append(_message(item, f"input[{i}]", RESPONSE_ROLES, ("input_text", "output_text")))
+        messages.append(parse_message(item, f"input[{i}]", RESPONSE_ROLES, ("input_text", "output_text")))
     return messages

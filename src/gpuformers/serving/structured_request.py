@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuformers.serving.api_error import APIError
-from gpuformers.serving.request_fields import _type_name
+from gpuformers.serving.request_fields import type_name
 
 _FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_FIELDS = {"name": str, "description": str, "schema": dict, "strict": bool}
@@ -60,7 +60,7 @@ def response_format(spec: Any, param: str, flat: bool = False) -> dict | None:
         value = fields.get(name)
         if value is not None and not isinstance(value, kind_of):
             what = {dict: "an object (the JSON schema)", bool: "true or false", str: "a string"}[kind_of]
-            raise APIError(400, f"{where}.{name} must be {what}, got {_type_name(value)} {value!r}"[:300],
+            raise APIError(400, f"{where}.{name} must be {what}, got {type_name(value)} {value!r}"[:300],
                            f"{where}.{name}")
     if fields.get("schema") is None:
         return {"type": "json_object"}
@@ -98,7 +98,7 @@ def structured_output(body: dict, min_tokens: int | None, from_response_format: 
 def _vllm_spec(value: Any) -> dict | None:
     if not isinstance(value, dict):
         raise APIError(400, f"structured_outputs must be an object with one of {', '.join(_VLLM_KINDS)}, got "
-                            f"{_type_name(value)}", "structured_outputs")
+                            f"{type_name(value)}", "structured_outputs")
     unknown = sorted(set(value) - set(_VLLM_KINDS))
     if unknown:
         raise APIError(400, f"structured_outputs has unknown or unsupported field(s) {', '.join(unknown)}; "
@@ -119,7 +119,7 @@ def _spec(kind: str, value: Any, param: str) -> dict:
     if kind == "json":
         if not isinstance(value, (dict, str)):
             raise APIError(400, f"{param} must be a JSON schema (an object, or its JSON text), got "
-                                f"{_type_name(value)}", param)
+                                f"{type_name(value)}", param)
         return {"type": "json_schema", "name": None, "schema": value}
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
@@ -127,5 +127,5 @@ def _spec(kind: str, value: Any, param: str) -> dict:
         return {"type": "choice", "choices": list(value)}
     if not isinstance(value, str) or not value:
         what = "a regular expression" if kind == "regex" else "an EBNF grammar"
-        raise APIError(400, f"{param} must be a non-empty string ({what}), got {_type_name(value)}", param)
+        raise APIError(400, f"{param} must be a non-empty string ({what}), got {type_name(value)}", param)
     return {"type": kind, kind: value}

@@ -4,7 +4,7 @@ Templates are rendered the way transformers renders them (sandboxed Jinja with t
 `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, `{% generation %}` blocks for
 assistant masks; see gpuformers.chat_template), so a prompt is byte-for-byte the one the model was trained on.
 
-Offers: ChatTemplateMixin (get_chat_template, apply_chat_template), and _normalise_chat_template.
+Offers: ChatTemplateMixin (get_chat_template, apply_chat_template), and normalise_chat_template.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class ChatTemplateMixin:
         return out
 
 
-def _normalise_chat_template(template: str | dict | list | None) -> str | dict | None:
+def normalise_chat_template(template: str | dict | list | None) -> str | dict | None:
     """A template, a {name: template} dict, or the [{"name", "template"}] list that configs store."""
     if template is None or isinstance(template, str):
         return template

@@ -4,7 +4,7 @@ The `tokenizers` backend does the work; each call sets the padding and truncatio
 backend (under a lock) and clears them afterwards, as transformers does.
 
 Offers: EncodingMixin (tokenize, encode, __call__, pad, decode, batch_decode), VERY_LARGE_INTEGER,
-LARGE_INTEGER, PADDING_STRATEGIES, TRUNCATION_STRATEGIES, and _ids_as_list.
+LARGE_INTEGER, PADDING_STRATEGIES, TRUNCATION_STRATEGIES, and ids_as_list.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PADDING_STRATEGIES = ("longest", "max_length", "do_not_pad")
 TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second", "do_not_truncate")
 
 
-def _ids_as_list(ids: Any) -> list[int]:
+def ids_as_list(ids: Any) -> list[int]:
     """Token ids given as an int, a list, a torch tensor or a numpy array -> a flat list of ints."""
     if type(ids) is not list:  # a plain list, the common case (a streaming server decodes per token), is none of these
         if isinstance(ids, Mapping):
@@ -338,7 +338,7 @@ class EncodingMixin:
     ) -> str:
         """Ids -> text. Byte-level BPE pieces are joined as bytes before decoding, so multi-byte characters
         (CJK, emoji) come out whole; a sequence cut inside a character ends in U+FFFD, never in a wrong letter."""
-        text = self._tokenizer.decode(_ids_as_list(token_ids), skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(ids_as_list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._clean_up(text, clean_up_tokenization_spaces)
 
     def batch_decode(
@@ -347,7 +347,7 @@ class EncodingMixin:
         if hasattr(sequences, "tolist"):
             sequences = sequences.tolist()
         texts = self._tokenizer.decode_batch(
-            [_ids_as_list(s) for s in sequences], skip_special_tokens=skip_special_tokens
+            [ids_as_list(s) for s in sequences], skip_special_tokens=skip_special_tokens
         )
         return [self._clean_up(text, clean_up_tokenization_spaces) for text in texts]
 

@@ -19,7 +19,7 @@ import tokenizers
 from gpuformers.chat_template import note_template_source
 from gpuformers.hub import TOKENIZER_PATTERNS, HubKwargs, resolve_model_dir
 from gpuformers.tokenization.encoding import VERY_LARGE_INTEGER
-from gpuformers.tokenization.vocabulary import _added_token_state, _as_added_token
+from gpuformers.tokenization.vocabulary import added_token_state, as_added_token
 
 if TYPE_CHECKING:
     from gpuformers.tokenization.tokenizer_fast import PreTrainedTokenizerFast
@@ -85,7 +85,7 @@ class PretrainedMixin:
         config.pop("additional_special_tokens", None)
         for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
             if isinstance(config.get(key), Mapping):
-                config[key] = _as_added_token(config[key])
+                config[key] = as_added_token(config[key])
         if config.get("model_max_length") is None:
             config["model_max_length"] = config.pop("max_len", None) or VERY_LARGE_INTEGER
         return cls(backend, **config)
@@ -101,7 +101,7 @@ class PretrainedMixin:
         config.update(
             {
                 "added_tokens_decoder": {
-                    str(index): _added_token_state(token) for index, token in sorted(self.added_tokens_decoder.items())
+                    str(index): added_token_state(token) for index, token in sorted(self.added_tokens_decoder.items())
                 },
                 "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
                 "model_max_length": self.model_max_length,

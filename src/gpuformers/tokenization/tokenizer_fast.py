@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 import tokenizers
 from tokenizers import AddedToken
 
-from gpuformers.tokenization.chat import ChatTemplateMixin, _normalise_chat_template
+from gpuformers.tokenization.chat import ChatTemplateMixin, normalise_chat_template
 from gpuformers.tokenization.encoding import VERY_LARGE_INTEGER, EncodingMixin
 from gpuformers.tokenization.pretrained import PretrainedMixin
-from gpuformers.tokenization.vocabulary import VocabularyMixin, _as_added_token
+from gpuformers.tokenization.vocabulary import VocabularyMixin, as_added_token
 
 
 # Config keys that are read into attributes (or are meaningless once loaded) rather than kept as extras.
@@ -95,7 +95,7 @@ class PreTrainedTokenizerFast(VocabularyMixin, EncodingMixin, ChatTemplateMixin,
         self.split_special_tokens = bool(extra.pop("split_special_tokens", False))
         self.model_input_names = list(extra.pop("model_input_names", None) or ["input_ids", "attention_mask"])
         self.tokenizer_class = extra.pop("tokenizer_class", None)
-        self.chat_template = _normalise_chat_template(chat_template)
+        self.chat_template = normalise_chat_template(chat_template)
 
         # The backend's own padding / truncation (from tokenizer.json) would apply to every call; each call
         # sets what it asks for instead, as transformers does. A pad token stored there is still honoured.
@@ -107,25 +107,25 @@ class PreTrainedTokenizerFast(VocabularyMixin, EncodingMixin, ChatTemplateMixin,
 
         # Named tokens in transformers' order, which all_special_tokens keeps; model-specific ones follow.
         self._special_tokens: dict[str, AddedToken | str | None] = {
-            "bos_token": _as_added_token(bos_token),
-            "eos_token": _as_added_token(eos_token),
-            "unk_token": _as_added_token(unk_token),
-            "sep_token": _as_added_token(extra.pop("sep_token", None)),
-            "pad_token": _as_added_token(pad_token),
-            "cls_token": _as_added_token(extra.pop("cls_token", None)),
-            "mask_token": _as_added_token(extra.pop("mask_token", None)),
+            "bos_token": as_added_token(bos_token),
+            "eos_token": as_added_token(eos_token),
+            "unk_token": as_added_token(unk_token),
+            "sep_token": as_added_token(extra.pop("sep_token", None)),
+            "pad_token": as_added_token(pad_token),
+            "cls_token": as_added_token(extra.pop("cls_token", None)),
+            "mask_token": as_added_token(extra.pop("mask_token", None)),
         }
         extra_special = extra.pop("extra_special_tokens", None)
         if isinstance(extra_special, Mapping):
             extra.update(extra_special)  # named model-specific tokens, e.g. {"image_token": "<image>"}
             extra_special = None
         extra_special = extra_special if extra_special is not None else additional_special_tokens
-        self._extra_special_tokens = [_as_added_token(t) for t in (extra_special or [])]
+        self._extra_special_tokens = [as_added_token(t) for t in (extra_special or [])]
         for key in [k for k, v in extra.items() if k.endswith("_token") and isinstance(v, (str, AddedToken))]:
-            self._special_tokens[key] = _as_added_token(extra.pop(key))
+            self._special_tokens[key] = as_added_token(extra.pop(key))
 
         added_tokens_decoder = {
-            int(index): _as_added_token(token)
+            int(index): as_added_token(token)
             for index, token in (extra.pop("added_tokens_decoder", None) or {}).items()
         }
         self._register_added_tokens(added_tokens_decoder)

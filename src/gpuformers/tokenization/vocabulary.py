@@ -6,7 +6,7 @@ they are never split and `decode(skip_special_tokens=True)` drops them.
 
 Offers: VocabularyMixin (bos_token / bos_token_id and the other named tokens, special_tokens_map,
 all_special_tokens, add_tokens, add_special_tokens, convert_tokens_to_ids, ...), and for the other tokenizer
-modules _as_added_token and _added_token_state.
+modules as_added_token and added_token_state.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken
 
-from gpuformers.tokenization.encoding import _ids_as_list
+from gpuformers.tokenization.encoding import ids_as_list
 
 
-def _as_added_token(value: Any, *, special: bool | None = None) -> AddedToken | str | None:
+def as_added_token(value: Any, *, special: bool | None = None) -> AddedToken | str | None:
     """A token given as a string, an AddedToken, or the dict that tokenizer_config.json stores it as."""
     if value is None or isinstance(value, str):
         return value
@@ -36,7 +36,7 @@ def _as_added_token(value: Any, *, special: bool | None = None) -> AddedToken | 
     raise TypeError(f"a special token must be a string, an AddedToken or a {{'content': ...}} dict, got {value!r}")
 
 
-def _added_token_state(token: AddedToken) -> dict:
+def added_token_state(token: AddedToken) -> dict:
     return {
         "content": token.content,
         "lstrip": token.lstrip,
@@ -53,7 +53,7 @@ def _named_token(name: str) -> property:
         return None if value is None else str(value)
 
     def set(self, value) -> None:
-        self._special_tokens[name] = _as_added_token(value)
+        self._special_tokens[name] = as_added_token(value)
 
     return property(get, set, doc=f"The {name.replace('_', ' ')} as a string, or None when the tokenizer has none.")
 
@@ -165,7 +165,7 @@ class VocabularyMixin:
 
     @extra_special_tokens.setter
     def extra_special_tokens(self, tokens: Sequence[str | AddedToken] | None) -> None:
-        self._extra_special_tokens = [_as_added_token(t) for t in (tokens or [])]
+        self._extra_special_tokens = [as_added_token(t) for t in (tokens or [])]
 
     additional_special_tokens = extra_special_tokens  # the transformers 4 name
 
@@ -198,7 +198,7 @@ class VocabularyMixin:
                 self.extra_special_tokens = list(value)
                 added += self.add_tokens(list(value), special_tokens=True)
             elif name.endswith("_token"):
-                self._special_tokens[name] = _as_added_token(value)
+                self._special_tokens[name] = as_added_token(value)
                 added += self.add_tokens([value], special_tokens=True)
             else:
                 raise ValueError(
@@ -219,7 +219,7 @@ class VocabularyMixin:
         if isinstance(ids, int):
             return self._tokenizer.id_to_token(ids)
         skip = set(self.all_special_ids) if skip_special_tokens else set()
-        return [self._tokenizer.id_to_token(i) for i in _ids_as_list(ids) if i not in skip]
+        return [self._tokenizer.id_to_token(i) for i in ids_as_list(ids) if i not in skip]
 
     def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
         decoder = self._tokenizer.decoder

@@ -15,7 +15,7 @@ model must learn to stop. Templates that rewrite earlier turns (Qwen3 drops old 
 only the header position and the content are matched.
 
 Offers: DataCollatorForCausalLM, DataCollatorForLanguageModeling, tokenize_text, tokenize_chat, assistant_spans, end_of_turn, load_jsonl,
-tokenize_rows, IGNORE_INDEX.
+tokenize_rows, token_ids_as_list (a row's input_ids or labels, a list or a tensor, as a list of ints).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from gpuformers.labels import IGNORE_INDEX
 
 
 class DataCollatorForCausalLM:
@@ -51,8 +51,8 @@ class DataCollatorForCausalLM:
         if "input_ids" not in rows[0]:
             raise ValueError(f"rows need token ids under 'input_ids' but have {sorted(rows[0])}; tokenize them first "
                              "(gpuformers.training.data.tokenize_rows for {'text'} / {'messages'} rows)")
-        ids = [_as_list(row["input_ids"], "input_ids") for row in rows]
-        labels = [_as_list(row["labels"], "labels") if row.get("labels") is not None else list(i)
+        ids = [token_ids_as_list(row["input_ids"], "input_ids") for row in rows]
+        labels = [token_ids_as_list(row["labels"], "labels") if row.get("labels") is not None else list(i)
                   for row, i in zip(rows, ids)]
         if self.max_length is not None:
             ids, labels = [i[: self.max_length] for i in ids], [l[: self.max_length] for l in labels]
@@ -104,7 +104,7 @@ class DataCollatorForLanguageModeling(DataCollatorForCausalLM):
         return batch
 
 
-def _as_list(value: Any, name: str) -> list[int]:
+def token_ids_as_list(value: Any, name: str) -> list[int]:
     if torch.is_tensor(value):
         return value.tolist()
     if not isinstance(value, (list, tuple)):

@@ -19,15 +19,16 @@ from typing import Any, Sequence
 
 import torch
 
-from gpuformers.training.data import IGNORE_INDEX, _as_list
+from gpuformers.labels import IGNORE_INDEX
+from gpuformers.training.data import token_ids_as_list
 
 
 def pack_examples(rows: Sequence[dict[str, Any]], max_length: int) -> list[dict[str, list[int]]]:
     """Greedily fill rows of up to max_length tokens with whole examples, in order (longer ones are truncated)."""
     packed, current = [], {"input_ids": [], "labels": [], "position_ids": []}
     for row in rows:
-        ids = _as_list(row["input_ids"], "input_ids")[:max_length]
-        labels = _as_list(row["labels"], "labels")[:max_length] if row.get("labels") is not None else list(ids)
+        ids = token_ids_as_list(row["input_ids"], "input_ids")[:max_length]
+        labels = token_ids_as_list(row["labels"], "labels")[:max_length] if row.get("labels") is not None else list(ids)
         if current["input_ids"] and len(current["input_ids"]) + len(ids) > max_length:
             packed.append(current)
             current = {"input_ids": [], "labels": [], "position_ids": []}
@@ -48,7 +49,7 @@ class PackedCollator:
         self.pad_token_id, self.max_length = pad_token_id, max_length
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        limit = self.max_length or sum(len(_as_list(r["input_ids"], "input_ids")) for r in rows)
+        limit = self.max_length or sum(len(token_ids_as_list(r["input_ids"], "input_ids")) for r in rows)
         packed = pack_examples(rows, limit)
         width = self.max_length or max(len(p["input_ids"]) for p in packed)  # a fixed width suits torch.compile
         batch = {"input_ids": torch.full((len(packed), width), self.pad_token_id, dtype=torch.long),
