@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from gpuformers.engine.sampler import device_tensor
+from gpuformers.layers.blocks import replace_submodule
 
 if TYPE_CHECKING:
     from gpuformers.lora.config import LoraConfig
@@ -273,19 +274,19 @@ class AdapterBank:
                 for module, lora in adapter.pairs.items():
                     wanted.setdefault(module, {})[adapter.name] = lora
             for module in [m for m in self._wrappers if m not in wanted]:
-                _replace(self.model, module, self._wrappers.pop(module).base_layer)
+                replace_submodule(self.model, module, self._wrappers.pop(module).base_layer)
             for module, loras in wanted.items():
                 wrapper = self._wrappers.get(module)
                 if wrapper is None:
                     wrapper = self._wrappers[module] = MultiLoraLinear(self.model.get_submodule(module))
-                    _replace(self.model, module, wrapper)
+                    replace_submodule(self.model, module, wrapper)
                 wrapper.adapters = loras
 
     def uninstall(self) -> None:
         """Put the model's own layers back (the adapters stay loaded; the next step that needs them wraps again)."""
         with self._lock:
             for module, wrapper in self._wrappers.items():
-                _replace(self.model, module, wrapper.base_layer)
+                replace_submodule(self.model, module, wrapper.base_layer)
             self._wrappers = {}
 
     # --- one step ---------------------------------------------------------------------------------------------
@@ -336,8 +337,3 @@ def _split_key(key: str) -> tuple[str, str | None]:
         if name.endswith(suffix):
             return name[:-len(suffix)], part
     return key, None
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)

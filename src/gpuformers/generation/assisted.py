@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from gpuformers.generation.cache import DynamicCache
 from gpuformers.generation.config import GenerationConfig
-from gpuformers.generation.generate import GenerateDecoderOnlyOutput, _length_criteria, greedy_tokens
+from gpuformers.generation.generate import GenerateDecoderOnlyOutput, count_length_criteria, greedy_tokens
 
 
 class CandidateGenerator:
@@ -254,7 +254,7 @@ def assisted_decoding(model, assistant_model, input_ids: torch.Tensor, step_inpu
     sequences = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)
     sequences[:, :prompt_length] = input_ids
     can_stop_early = bool(config.eos_token_ids or config.stop_strings or config.max_time is not None
-                          or len(criteria) > _length_criteria(criteria))
+                          or len(criteria) > count_length_criteria(criteria))
     scores_out = [] if config.return_dict_in_generate and config.output_scores else None
     logits_out = [] if config.return_dict_in_generate and config.output_logits else None
     if streamer is not None:

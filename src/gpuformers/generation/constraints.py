@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from gpuformers.generation import sampling_ops
-from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor, _as_list, _TokenMask
+from gpuformers.generation.logits_processor import NEG_INF, LogitsProcessor, token_id_list, TokenMask
 from gpuformers.generation.stop_rules import before_min_tokens
 
 
@@ -27,7 +27,7 @@ class MinLengthLogitsProcessor(LogitsProcessor):
         if not isinstance(min_length, int) or min_length < 0:
             raise ValueError(f"min_length must be an integer >= 0, got {min_length!r}")
         self.min_length = min_length
-        self.eos = _TokenMask(eos_token_id)
+        self.eos = TokenMask(eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if not before_min_tokens(input_ids.shape[-1], self.min_length):
@@ -43,7 +43,7 @@ class MinNewTokensLengthLogitsProcessor(LogitsProcessor):
             raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
         self.prompt_length_to_skip = prompt_length_to_skip
         self.min_new_tokens = min_new_tokens
-        self.eos = _TokenMask(eos_token_id)
+        self.eos = TokenMask(eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if not before_min_tokens(input_ids.shape[-1] - self.prompt_length_to_skip, self.min_new_tokens):
@@ -70,7 +70,7 @@ class ForcedEOSTokenLogitsProcessor(LogitsProcessor):
 
     def __init__(self, max_length: int, eos_token_id: int | list[int]):
         self.max_length = max_length
-        self.eos = _TokenMask(eos_token_id)
+        self.eos = TokenMask(eos_token_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.max_length - 1:
@@ -102,7 +102,7 @@ class ExponentialDecayLengthPenalty(LogitsProcessor):
                 and isinstance(pair[1], (int, float))):
             raise ValueError(f"exponential_decay_length_penalty must be a pair (start_index, decay_factor), e.g. "
                              f"(15, 1.6), got {pair!r}")
-        eos = _as_list(eos_token_id)
+        eos = token_id_list(eos_token_id)
         if not eos or any(t < 0 for t in eos):
             raise ValueError(f"exponential_decay_length_penalty raises the eos scores, so it needs eos token ids >= 0, "
                              f"got {eos_token_id!r}; set eos_token_id")
@@ -132,7 +132,7 @@ class SuppressTokensLogitsProcessor(LogitsProcessor):
     """Never produce the given tokens."""
 
     def __init__(self, suppress_tokens: Sequence[int]):
-        self.tokens = _TokenMask(list(suppress_tokens))
+        self.tokens = TokenMask(list(suppress_tokens))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         return sampling_ops.ban_tokens(scores, self.tokens.mask(scores.shape[-1], scores.device))
@@ -142,7 +142,7 @@ class SuppressTokensAtBeginLogitsProcessor(LogitsProcessor):
     """Never produce the given tokens as the first generated token (when the sequence is `begin_index` long)."""
 
     def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int):
-        self.tokens = _TokenMask(list(begin_suppress_tokens))
+        self.tokens = TokenMask(list(begin_suppress_tokens))
         self.begin_index = begin_index
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:

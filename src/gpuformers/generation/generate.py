@@ -216,7 +216,7 @@ class GenerationMixin(GenerationPreparation):
         # Only eos pads finished rows (transformers' rule); rows stopped by other criteria keep their tokens.
         pad = config.pad_token_id if config.eos_token_ids else None
         can_stop_early = bool(config.eos_token_ids or config.stop_strings or config.max_time is not None
-                              or len(criteria) > _length_criteria(criteria))
+                              or len(criteria) > count_length_criteria(criteria))
         interval = _stop_check_interval(device, streamer)
         unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         any_unfinished = []  # per step, a 0-d bool tensor (read once at the end when checks were spaced out)
@@ -316,6 +316,6 @@ def _select_tokens(scores: torch.Tensor) -> torch.Tensor:
     return probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
-def _length_criteria(criteria) -> int:
+def count_length_criteria(criteria) -> int:
     """How many of the stopping criteria only enforce the length limit (which the loop bound already does)."""
     return sum(1 for c in criteria if type(c).__name__ in ("MaxLengthCriteria", "MaxNewTokensCriteria"))

@@ -5,7 +5,7 @@ A processor is a callable `(input_ids (batch, seq) LongTensor, scores (batch, vo
 its own module so that logits.py can re-export the warpers while warpers.py subclasses LogitsProcessor, without the
 two importing each other.
 
-Offers: LogitsProcessor, LogitsProcessorList, NEG_INF, and for the processor modules _TokenMask and _as_list.
+Offers: LogitsProcessor, LogitsProcessorList, NEG_INF, and for the processor modules TokenMask and token_id_list.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ class LogitsProcessorList(list):
         return scores
 
 
-class _TokenMask:
+class TokenMask:
     """A fixed set of token ids as a (vocab,) bool mask, built once per vocab size and device, so each step costs one
     `torch.where` instead of a `torch.isin`."""
 
     def __init__(self, token_ids: Sequence[int] | int | torch.Tensor):
-        self.token_ids = _as_list(token_ids)  # a tensor is read once, before decoding starts
+        self.token_ids = token_id_list(token_ids)  # a tensor is read once, before decoding starts
         self._mask: torch.Tensor | None = None
 
     def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _TokenMask:
         return self._mask
 
 
-def _as_list(token_ids: int | Sequence[int] | torch.Tensor | None) -> list[int]:
+def token_id_list(token_ids: int | Sequence[int] | torch.Tensor | None) -> list[int]:
     """Token ids given as an int, a sequence or a tensor, as a list of ints (empty for None)."""
     if token_ids is None:
         return []

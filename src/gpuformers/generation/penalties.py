@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gpuformers.generation.config import sequence_bias_as_dict
-from gpuformers.generation.logits_processor import LogitsProcessor, _as_list, _TokenMask
+from gpuformers.generation.logits_processor import LogitsProcessor, token_id_list, TokenMask
 from gpuformers.generation.sampling_ops import ban_tokens, repetition_penalty_rule
 
 
@@ -84,10 +84,10 @@ class NoBadWordsLogitsProcessor(LogitsProcessor):
         ):
             raise ValueError(f"bad_words_ids must be a non-empty list of non-empty lists of token ids, "
                              f"got {bad_words_ids!r}")
-        eos = set(_as_list(eos_token_id))
+        eos = set(token_id_list(eos_token_id))
         sequences = [list(seq) for seq in bad_words_ids if not (len(seq) == 1 and seq[0] in eos)]
         self._ids = sorted({t for seq in sequences for t in seq})
-        self.single = _TokenMask([seq[0] for seq in sequences if len(seq) == 1])
+        self.single = TokenMask([seq[0] for seq in sequences if len(seq) == 1])
         # longer entries grouped by prefix length: (prefixes (k, prefix_len), last tokens (k,)), moved on first use
         by_length: dict[int, list[list[int]]] = {}
         for seq in sequences:

@@ -5,7 +5,7 @@ A model names the classes of its blocks in `decoder_layer_classes` (PreTrainedMo
 is a decoder layer, a user's subclass swapped into the stack included: the unit that device_map keeps whole, FSDP2
 shards one at a time and activation checkpointing recomputes. Nothing here knows a model family.
 
-Offers: decoder_layers, checkpoint_decoder_layers, uncheckpoint_decoder_layers.
+Offers: decoder_layers, checkpoint_decoder_layers, uncheckpoint_decoder_layers, replace_submodule.
 """
 
 from __future__ import annotations
@@ -67,3 +67,10 @@ def _checkpointed_call(forward, offload: bool, checkpoint_kwargs: dict, *args, *
     device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
     with torch.autograd.graph.save_on_cpu(pin_memory=device == "cuda"):
         return run()
+
+
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in `model` at the dotted path `name` ("model.layers.0.mlp.down_proj"), in place of what was there
+    (LoRA wrapping and unwrapping, quantized layers swapped in, dequantized ones swapped back)."""
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)

@@ -22,6 +22,7 @@ from gpuformers.device import is_offloaded, mapped_devices
 from gpuformers.lora.config import ALL_LINEAR, CLASSIFIER_MODULES, DEFAULT_TARGET_MODULES, LORA_PARTS, LoraConfig
 from gpuformers.lora.dora import DoraLinear
 from gpuformers.lora.embedding import LoraEmbedding, TiedLoraLinear
+from gpuformers.layers.blocks import replace_submodule
 from gpuformers.layers.linear import is_fan_in_fan_out
 from gpuformers.lora.layers import LoraLayer, LoraLinear, quantized_linear_types
 from gpuformers.lora.modules_to_save import (ModulesToSaveWrapper, check_tied_modules, find_modules_to_save,
@@ -73,15 +74,15 @@ class LoraModel(nn.Module):
             module = model.get_submodule(name)
             layer_class = (LoraEmbedding if type(module) is nn.Embedding else DoraLinear if config.use_dora
                            else LoraLinear)
-            _replace(model, name, layer_class(module, _config_for(model, config, name), autocast_adapter_dtype))
+            replace_submodule(model, name, layer_class(module, _config_for(model, config, name), autocast_adapter_dtype))
         for name in heads_to_tie:  # after the embedding's LoRA layer, whose tensors the tied heads use
-            _replace(model, name, TiedLoraLinear(model.get_submodule(name), model.get_input_embeddings(), config))
+            replace_submodule(model, name, TiedLoraLinear(model.get_submodule(name), model.get_input_embeddings(), config))
         for name in to_save:
-            _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name)))
+            replace_submodule(model, name, ModulesToSaveWrapper(model.get_submodule(name)))
         if to_tie:  # after the embedding's wrapper: the tied modules share its copy's weight
             embedding_copy = model.get_input_embeddings().modules_to_save
             for name in to_tie:
-                _replace(model, name, ModulesToSaveWrapper(model.get_submodule(name), tied_to=embedding_copy))
+                replace_submodule(model, name, ModulesToSaveWrapper(model.get_submodule(name), tied_to=embedding_copy))
         # Only the adapters, the modules_to_save copies and the biases `bias` names train; the rest of the base stays
         # bit-identical.
         trainable_parts = (*LORA_PARTS, ".modules_to_save.")
@@ -126,7 +127,7 @@ class LoraModel(nn.Module):
             for part in module.adapter_parameters() if lora else module.modules_to_save.parameters():
                 if part.device != device:
                     part.data = part.data.to(device)
-            _replace(self.model, name, module)
+            replace_submodule(self.model, name, module)
         self._parked = []
         inference_mode = self.peft_config[self.active_adapter].inference_mode
         self._unpack_hooks = [] if inference_mode else _unpack_4bit_weights_for_backward(self.model)
@@ -149,10 +150,10 @@ class LoraModel(nn.Module):
         for name, layer in self.lora_layers():
             if merge:
                 layer.merge(safe_merge)
-            _replace(self.model, name, layer.base_layer)
+            replace_submodule(self.model, name, layer.base_layer)
         wrappers = self.modules_to_save_wrappers()
         for name, wrapper in wrappers:
-            _replace(self.model, name, wrapper.modules_to_save if keep_trained_copies else wrapper.original_module)
+            replace_submodule(self.model, name, wrapper.modules_to_save if keep_trained_copies else wrapper.original_module)
         if wrappers and keep_trained_copies:
             _untie_config_if_diverged(self.model)
         return self.model
@@ -174,11 +175,6 @@ def trained_bias_names(model: nn.Module, bias: str) -> list[str]:
 def _is_tied_target(name: str, tied: list[str]) -> bool:
     """peft's _check_tied_module_exists: the module is one of the heads tied to the LoRA embedding."""
     return any(name == t or name.endswith("." + t) for t in tied)
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)
 
 
 def _untie_config_if_diverged(model: nn.Module) -> None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpuformers.layers.blocks import replace_submodule
 from gpuformers.layers.linear import is_fan_in_fan_out
 from gpuformers.quantization.mxfp4 import unpack_experts
-from gpuformers.quantization.packed import _replace
 
 ORIGINAL = "_original_module"  # the float layer a quantized layer replaced (meta), kept out of the module tree
 
@@ -48,7 +48,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     unpack_experts(model, dtype, trainable)
     for name, module in list(model.named_modules()):
         if isinstance(module, layer_types):
-            _replace(model, name, _float_layer(module, dtype, trainable))
+            replace_submodule(model, name, _float_layer(module, dtype, trainable))
     model.quantization_config = None
     model.config.extra.pop("quantization_config", None)
     return model

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpuformers.layers.blocks import replace_submodule
 from gpuformers.layers.moe import TopKRouter
 from gpuformers.loading.fan_out import FanOut, Piece
-from gpuformers.quantization.packed import PackedStandIn, _replace
+from gpuformers.quantization.packed import PackedStandIn
 
 
 def swap_routers(model: nn.Module, config, dtype: torch.dtype) -> list[str]:
@@ -83,7 +84,7 @@ def swap_routers(model: nn.Module, config, dtype: torch.dtype) -> list[str]:
             continue
         # Kept outside the module tree (not a child): neither loaded, sized by a device_map, nor saved.
         object.__setattr__(stand_in, "replaced_router", router)
-        _replace(model, name, stand_in)
+        replace_submodule(model, name, stand_in)
         swapped.append(name)
     return swapped
 
@@ -98,7 +99,7 @@ def restore_routers(model: nn.Module) -> None:
         router.weight = nn.Parameter(linear.weight.detach())
         if linear.bias is not None:
             router.bias = nn.Parameter(linear.bias.detach())
-        _replace(model, name, router)
+        replace_submodule(model, name, router)
 
 
 @dataclass

@@ -26,6 +26,8 @@ from typing import Callable, NoReturn
 import torch
 from torch import nn
 
+from gpuformers.layers.blocks import replace_submodule
+
 
 def unpack_fields(words: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """The 32 / bits values of each int32 (or int64 holding 32 bits) word, lowest bits first, laid out along `dim`:
@@ -109,12 +111,7 @@ def swap_in(model: nn.Module, name: str, make: Callable[[nn.Linear], nn.Module],
         raise ValueError(f"{name} shares its weight with the embeddings (tied), but the checkpoint quantizes it; "
                          f"untie it (tie_word_embeddings=false){untie_hint}")
     with torch.device("meta"):
-        _replace(model, name, make(model.get_submodule(name)))
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent), attr, module)
+        replace_submodule(model, name, make(model.get_submodule(name)))
 
 
 def install_finished_layers(model: nn.Module, finished: dict[str, nn.Module]):
@@ -123,7 +120,7 @@ def install_finished_layers(model: nn.Module, finished: dict[str, nn.Module]):
     from gpuformers.quantization.config import WeightOnlyConfig
 
     for name, new in finished.items():
-        _replace(model, name, new)
+        replace_submodule(model, name, new)
     kinds = {(m.bits, m.group_size) for m in finished.values() if not isinstance(m, nn.Linear)}
     if not kinds:
         model.config.extra.pop("quantization_config", None)
