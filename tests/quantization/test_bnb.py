@@ -1,6 +1,6 @@
-"""bitsandbytes layers (quantization/bnb.py) against transformers' own bitsandbytes load of the same checkpoint:
-quantize-on-load and pre-quantized checkpoints give the same logits and tokens, the storage is 4-bit / int8, and a
-saved layer loads back.
+"""bitsandbytes layers (quantization/bnb.py, bnb_layers.py) against transformers' own bitsandbytes load of the same
+checkpoint: quantize-on-load and pre-quantized checkpoints give the same logits and tokens, the storage is 4-bit /
+int8, and a saved layer loads back.
 
 The layers are swapped in here by hand (every nn.Linear but lm_head, as transformers does), so that these tests
 hold the layer to transformers without depending on from_pretrained's wiring (test_from_pretrained.py tests that).
@@ -134,7 +134,7 @@ def test_odd_shapes_keep_the_portable_kernel():
 
 @pytest.mark.parametrize("name", ["nf4", "nf4-double-quant"])
 def test_4bit_layers_store_two_weights_per_byte(checkpoint, name):
-    from gpuformers.quantization.bnb import BnbLinear4bit
+    from gpuformers.quantization.bnb_layers import BnbLinear4bit
 
     ours = _ours(checkpoint, CONFIGS[name])
     layers = {n: m for n, m in ours.named_modules() if isinstance(m, BnbLinear4bit)}
@@ -149,7 +149,7 @@ def test_4bit_layers_store_two_weights_per_byte(checkpoint, name):
 
 
 def test_int8_layers_store_int8_rows_and_a_scale_per_row(checkpoint):
-    from gpuformers.quantization.bnb import BnbLinear8bitLt
+    from gpuformers.quantization.bnb_layers import BnbLinear8bitLt
 
     ours = _ours(checkpoint, CONFIGS["int8"])
     layer = ours.model.layers[0].mlp.down_proj

@@ -35,9 +35,9 @@ def quantized_linear_types() -> tuple[type, ...]:
 
     if "bitsandbytes" not in sys.modules:
         return (WeightOnlyLinear,)
-    from gpuformers.quantization import bnb
+    from gpuformers.quantization.bnb_layers import BnbLinear4bit, BnbLinear8bitLt
 
-    return WeightOnlyLinear, bnb.BnbLinear4bit, bnb.BnbLinear8bitLt
+    return WeightOnlyLinear, BnbLinear4bit, BnbLinear8bitLt
 
 
 

@@ -203,10 +203,10 @@ def _unpack_4bit_weights_for_backward(model: nn.Module) -> list:
     before a forward whose input needs a gradient; evaluation repacks it as before, so outputs stay bitsandbytes'."""
     if "bitsandbytes" not in sys.modules:
         return []
-    from gpuformers.quantization import bnb
+    from gpuformers.quantization.bnb_layers import BnbLinear4bit
 
     return [m.register_forward_pre_hook(_unpack_if_grad_needed) for m in model.modules()
-            if isinstance(m, bnb.BnbLinear4bit)]
+            if isinstance(m, BnbLinear4bit)]
 
 
 def _unpack_if_grad_needed(module: nn.Module, args: tuple) -> None:

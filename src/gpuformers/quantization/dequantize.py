@@ -62,9 +62,9 @@ def _quantized_layer_types() -> tuple[type, ...]:
 
     types = (WeightOnlyLinear, FP8Linear)
     if "bitsandbytes" in sys.modules:  # a model holding its layers has imported it; asking costs no import
-        from gpuformers.quantization import bnb
+        from gpuformers.quantization.bnb_layers import BnbLinear4bit, BnbLinear8bitLt
 
-        types += (bnb.BnbLinear4bit, bnb.BnbLinear8bitLt)
+        types += (BnbLinear4bit, BnbLinear8bitLt)
     return types
 
 

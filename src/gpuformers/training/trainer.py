@@ -28,6 +28,7 @@ clip_grad_norm).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -65,6 +66,31 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict[str, float]
+
+
+class _RunPlan(NamedTuple):
+    """How long one train() runs, in optimizer steps: in all, per epoch (a stream: per pass), and epochs (passes)."""
+    max_steps: int
+    updates_per_epoch: int
+    num_epochs: int
+    stream: bool  # the train_dataset is a stream without a length
+
+
+class _Start(NamedTuple):
+    """Where one train() starts: the epoch, the optimizer step in it, and a resumed checkpoint's RNG state (or None)."""
+    epoch: int
+    update: int
+    rng: Any
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What one train() sums from start_time on: loss since the last log and in all, steps, this process's tokens."""
+    start_time: float
+    since_log: dict = dataclasses.field(default_factory=lambda: {"loss": 0.0, "steps": 0})
+    loss: Any = 0.0  # a tensor on the device after the first step: no sync until the end
+    steps: int = 0
+    tokens: int = 0
 
 
 def set_seed(seed: int) -> None:
@@ -368,36 +394,62 @@ class Trainer:
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
 
     def train(self, resume_from_checkpoint: str | os.PathLike | bool | None = None, **kwargs) -> TrainOutput:
+        """Train on train_dataset, resumed from a checkpoint-N when `resume_from_checkpoint` names one (True: the last
+        one in output_dir). The steps, in order:
+
+            _plan_run           how many optimizer steps: in all, per epoch (a stream's pass), epochs
+            _set_up             the model wrapped, optimizer / scheduler / scaler / state made, a checkpoint loaded
+            _begin_training     compile, train mode, NEFTune, on_train_begin
+            _train_epoch        per epoch: _start_epoch (its loader, a checkpoint's RNG state restored), then
+                                _train_step per optimizer step (_update: its micro-batches accumulated and one
+                                optimizer step; then _log_save_evaluate), then the epoch-end hooks
+            _finish             the run's metrics logged, the best model loaded, on_train_end
+        """
         if kwargs:
             raise TypeError(f"train() got unexpected arguments: {', '.join(sorted(kwargs))}")
-        args = self.args
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs train_dataset")
-        accum, stream, self._lengths = args.gradient_accumulation_steps, is_stream(self.train_dataset), None
-        if stream:  # no length: as many passes over the stream as max_steps takes
+        self._lengths = None  # group_by_length's row lengths: read once per train()
+        plan = self._plan_run()
+        start = self._set_up(resume_from_checkpoint, plan)
+        model, neftune = self._begin_training()
+        progress = _Progress(time.perf_counter())
+        for epoch in range(start.epoch, plan.num_epochs):
+            first = epoch == start.epoch
+            skip = start.update if first and not self.args.ignore_data_skip else 0
+            self._train_epoch(model, epoch, skip, start.rng if first else None, plan, progress)
+            if self.control.should_training_stop:
+                break
+        return self._finish(progress, neftune)
+
+    def _plan_run(self) -> _RunPlan:
+        """The run's length from max_steps or num_train_epochs and the batches of an epoch (a stream: max_steps)."""
+        args = self.args
+        if is_stream(self.train_dataset):  # no length: as many passes over the stream as max_steps takes
             if args.max_steps <= 0:
                 raise ValueError(f"train_dataset ({type(self.train_dataset).__name__}) is a stream without a length, so"
                                  f" the number of steps is unknown: set max_steps > 0 (it is {args.max_steps})")
-            max_steps = updates_per_epoch = args.max_steps
-            num_epochs = sys.maxsize
-        else:
-            batches_per_epoch = len(self._train_batches(0))
-            if batches_per_epoch == 0:
-                raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
-                                 f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
-            updates_per_epoch = math.ceil(batches_per_epoch / accum)
-            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
-            num_epochs = math.ceil(max_steps / updates_per_epoch)
+            return _RunPlan(args.max_steps, args.max_steps, sys.maxsize, stream=True)
+        batches_per_epoch = len(self._train_batches(0))
+        if batches_per_epoch == 0:
+            raise ValueError(f"train_dataset gives no batch ({len(self.train_dataset)} rows, batch size "
+                             f"{args.train_batch_size}, dataloader_drop_last={args.dataloader_drop_last})")
+        updates_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+        return _RunPlan(max_steps, updates_per_epoch, math.ceil(max_steps / updates_per_epoch), stream=False)
+
+    def _set_up(self, resume_from_checkpoint, plan: _RunPlan) -> _Start:
+        """The model wrapped; optimizer, scheduler, scaler and state made, a checkpoint's loaded; -> where it starts."""
+        args = self.args
         if resume_from_checkpoint is True:
             resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
         self._wrap_model(resume_from_checkpoint)
-        self.create_optimizer_and_scheduler(max_steps)  # after sharding: FSDP2 replaces the parameters
+        self.create_optimizer_and_scheduler(plan.max_steps)  # after sharding: FSDP2 replaces the parameters
         if args.mixed_precision == torch.float16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(args.device.type)
-
-        self.state = cb.TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
+        self.state = cb.TrainerState(max_steps=plan.max_steps, num_train_epochs=plan.num_epochs,
                                      train_batch_size=args.train_batch_size, logging_steps=args.logging_steps,
                                      eval_steps=args.eval_steps, save_steps=args.save_steps,
                                      is_local_process_zero=args.local_rank <= 0,
@@ -407,65 +459,79 @@ class Trainer:
             rng = self.checkpointer.resume(resume_from_checkpoint, self.state, self.optimizer, self.lr_scheduler,
                                            self.scaler, self.callback_handler.callbacks)
         # a stream's passes may end early: its place is in state.epoch = pass + updates in that pass / max_steps
-        start_epoch, start_update = divmod(round(self.state.epoch * max_steps) if stream else self.state.global_step,
-                                           updates_per_epoch)
+        epoch, update = divmod(round(self.state.epoch * plan.max_steps) if plan.stream else self.state.global_step,
+                               plan.updates_per_epoch)
+        return _Start(epoch, update, rng)
 
+    def _begin_training(self):
+        """Train mode, NEFTune, on_train_begin; -> (the model the steps run, compiled under torch_compile; the hook)."""
+        args = self.args
         model = self.model_wrapped
         model = torch.compile(model, mode=args.torch_compile_mode) if args.torch_compile else model
         self.model.train()
         neftune = add_neftune_noise(self.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
         self.control.should_training_stop = False  # as transformers: a second train() on this Trainer trains again
         self.control = self._call("on_train_begin")
-        since_log = {"loss": 0.0, "steps": 0}
-        total_loss, total_steps, tokens, start_time = 0.0, 0, 0, time.perf_counter()
-        for epoch in range(start_epoch, num_epochs):
-            skip = start_update if epoch == start_epoch and not args.ignore_data_skip else 0
-            if rng is not None and not skip:
-                # A checkpoint at the end of an epoch was written before this epoch's loader (iter(DataLoader) draws
-                # its workers' seed from the global generator) and its callbacks: restored before them, so that
-                # they draw what they drew in the uninterrupted run (transformers restores here too).
-                ckpt.restore_rng_state(rng)
-                rng = None
-            loader = self._epoch_loader(epoch, skip * accum)
-            self.callback_handler.train_dataloader = loader
-            self.control = self._call("on_epoch_begin")
-            iterator = iter(loader)
-            if rng is not None:  # inside an epoch: written after that draw, so restored after it, before the next batch
-                ckpt.restore_rng_state(rng)
-                rng = None
-            for update in range(skip, updates_per_epoch):
-                if self.state.global_step >= max_steps:  # resumed from the last checkpoint: nothing left
-                    self.control.should_training_stop = True
-                    break
-                micro = [b for _, b in zip(range(accum), iterator)]
-                if not micro:
-                    # a stream that gives nothing (not even after a resume's skip) would start over forever
-                    self.control.should_training_stop |= stream and update == 0
-                    break
-                loss, step_tokens, grad_norm, learning_rate = self._update(model, micro)
-                self.state.global_step += 1
-                self.state.epoch = epoch + (update + 1) / updates_per_epoch
-                tokens += step_tokens
-                since_log["loss"] += loss  # a tensor on the device: no sync until it is logged
-                since_log["steps"] += 1
-                total_loss, total_steps = total_loss + loss, total_steps + 1
-                self.control = self._call("on_step_end")
-                self._log_save_evaluate(since_log, grad_norm, learning_rate, epoch_end=False)
-                if self.state.global_step >= max_steps or self.control.should_training_stop:
-                    self.control.should_training_stop = True
-                    break
-                if self.control.should_epoch_stop:
-                    break
-            self.control.should_epoch_stop = False
-            self.control = self._call("on_epoch_end")
-            self._log_save_evaluate(since_log, None, self.lr_scheduler.get_last_lr()[0], epoch_end=True)
-            if self.control.should_training_stop:
-                break
+        return model, neftune
 
-        runtime = time.perf_counter() - start_time
+    def _train_epoch(self, model, epoch: int, skip: int, rng, plan: _RunPlan, progress: _Progress) -> None:
+        """One epoch: its optimizer steps from the `skip`-th on, then on_epoch_end and the epoch's log / eval / save."""
+        iterator = self._start_epoch(epoch, skip, rng)
+        for update in range(skip, plan.updates_per_epoch):
+            if not self._train_step(model, iterator, epoch, update, plan, progress):
+                break
+        self.control.should_epoch_stop = False
+        self.control = self._call("on_epoch_end")
+        self._log_save_evaluate(progress.since_log, None, self.lr_scheduler.get_last_lr()[0], epoch_end=True)
+
+    def _start_epoch(self, epoch: int, skip: int, rng):
+        """The epoch's batch iterator, on_epoch_begin called, a checkpoint's RNG state (`rng`) restored where saved."""
+        if rng is not None and not skip:
+            # A checkpoint at the end of an epoch was written before this epoch's loader (iter(DataLoader) draws
+            # its workers' seed from the global generator) and its callbacks: restored before them, so that
+            # they draw what they drew in the uninterrupted run (transformers restores here too).
+            ckpt.restore_rng_state(rng)
+            rng = None
+        loader = self._epoch_loader(epoch, skip * self.args.gradient_accumulation_steps)
+        self.callback_handler.train_dataloader = loader
+        self.control = self._call("on_epoch_begin")
+        iterator = iter(loader)
+        if rng is not None:  # inside an epoch: written after that draw, so restored after it, before the next batch
+            ckpt.restore_rng_state(rng)
+        return iterator
+
+    def _train_step(self, model, iterator, epoch: int, update: int, plan: _RunPlan, progress: _Progress) -> bool:
+        """One optimizer step of the epoch and its log / eval / save; -> whether the epoch goes on."""
+        if self.state.global_step >= plan.max_steps:  # resumed from the last checkpoint: nothing left
+            self.control.should_training_stop = True
+            return False
+        micro = [b for _, b in zip(range(self.args.gradient_accumulation_steps), iterator)]
+        if not micro:
+            # a stream that gives nothing (not even after a resume's skip) would start over forever
+            self.control.should_training_stop |= plan.stream and update == 0
+            return False
+        loss, step_tokens, grad_norm, learning_rate = self._update(model, micro)
+        self.state.global_step += 1
+        self.state.epoch = epoch + (update + 1) / plan.updates_per_epoch
+        progress.tokens += step_tokens
+        progress.since_log["loss"] += loss  # a tensor on the device: no sync until it is logged
+        progress.since_log["steps"] += 1
+        progress.loss, progress.steps = progress.loss + loss, progress.steps + 1
+        self.control = self._call("on_step_end")
+        self._log_save_evaluate(progress.since_log, grad_norm, learning_rate, epoch_end=False)
+        if self.state.global_step >= plan.max_steps or self.control.should_training_stop:
+            self.control.should_training_stop = True
+            return False
+        return not self.control.should_epoch_stop
+
+    def _finish(self, progress: _Progress, neftune) -> TrainOutput:
+        """The run's metrics logged, the best model loaded (and kept alone with save_total_limit=1), on_train_end."""
+        args = self.args
+        runtime = time.perf_counter() - progress.start_time
+        tokens = progress.tokens
         if self._data_parallel[0] > 1:  # every process's input tokens
             tokens = int(distributed.all_reduce_sum(tokens, args.device))
-        train_loss = self._global_loss(total_loss) / max(1, total_steps)
+        train_loss = self._global_loss(progress.loss) / max(1, progress.steps)
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
