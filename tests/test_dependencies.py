@@ -118,6 +118,8 @@ def _core_closure() -> set[str]:
 # fail with ModuleNotFoundError naming a package of that extra, and nothing else.
 NEEDS_EXTRA = {
     "gpuformers.serving": "serve",
+    # The bitsandbytes layers subclass bitsandbytes' own; quantization/bnb.py imports this module only once it found it.
+    "gpuformers.quantization.bnb_layers": "quant",
     # Triton programs (`@triton.jit` needs a source file): imported only once kernels/checks.py found Triton.
     **{f"gpuformers.{name}": "kernels" for name in (
         "engine.paged_attention_triton", "kernels.attention", "kernels.fused_linear_cross_entropy", "kernels.moe",
