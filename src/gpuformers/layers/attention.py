@@ -117,7 +117,7 @@ class AttentionInterface:
     # Backends defined in other modules, imported the first time someone asks for them.
     _lazy: dict[str, str] = {
         name: "gpuformers.layers.flash_attention"
-        for name in ("flash_attention_2", "flash_attention_3", "flex_attention", "triton")
+        for name in ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention", "triton")
     }
 
     @classmethod

@@ -1,13 +1,15 @@
 """The attention backends beyond eager and sdpa: "triton" (our FlashAttention-style kernel, kernels/attention.py),
-"flash_attention_2" / "flash_attention_3" (the flash-attn package, when installed and the GPU supports it) and
-"flex_attention" (torch's, when this torch has it: compiled once per process on CUDA, with one block mask per
-forward shared by the layers). Importing this file registers them with AttentionInterface.
+"flash_attention_2" / "flash_attention_3" (the flash-attn package, when installed and the GPU supports it),
+"flash_attention_4" (FlashAttention CuTe, `flash_attn.cute`, on Hopper and Blackwell) and "flex_attention" (torch's,
+when this torch has it: compiled once per process on CUDA, with one block mask per forward shared by the layers).
+Importing this file registers them with AttentionInterface.
 
-Asking for flash_attention_2/3 without the package (or on a GPU it does not support) falls back to "triton" with one
-warning; asking for them on the CPU is an error. flash-attn has no boolean-mask input, so a forward with a padding
-mask goes to the triton kernel too (same numbers, no fallback warning needed).
+Asking for flash_attention_2/3/4 without the package (or on a GPU it does not support) falls back to "triton" with one
+warning naming why; asking for them on the CPU is an error. flash-attn has no boolean-mask input, so a forward with a
+padding mask goes to the triton kernel too (same numbers, no fallback warning needed); so does float32.
 
-Offers: triton_attention, flash_attention_2, flash_attention_3, flex_attention, check_backend_device.
+Offers: triton_attention, flash_attention_2, flash_attention_3, flash_attention_4, flex_attention,
+check_backend_device, flash_attn_usable (why a flash backend cannot run on a device, or '').
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ from collections import OrderedDict
 
 import torch
 
-from gpuformers.layers.attention import AttentionInterface
+from gpuformers.layers.attention import AttentionInterface, build_attention_mask, eager_attention
 
 logger = logging.getLogger(__name__)
 
-_INSTALL = "pip install flash-attn --no-build-isolation"
-_MIN_CAPABILITY = {"flash_attention_2": (8, 0), "flash_attention_3": (9, 0)}  # Ampere / Hopper
-_PACKAGE = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+_INSTALL = {
+    "flash_attention_2": "pip install flash-attn --no-build-isolation",
+    "flash_attention_3": "build the hopper/ folder of the flash-attention repository: it has no PyPI package",
+    # PyPI's flash-attn-cute 0.0.1 is an empty placeholder: the CuTe build comes from the repository's sources
+    "flash_attention_4": "pip install the flash_attn/cute folder of the flash-attention repository (FlashAttention-4)",
+}
+# (oldest, first unsupported) compute capability: Ampere+ / Hopper / Hopper and Blackwell (sm_90 to sm_11x)
+_CAPABILITY = {"flash_attention_2": ((8, 0), None), "flash_attention_3": ((9, 0), (10, 0)),
+               "flash_attention_4": ((9, 0), (12, 0))}
+_PACKAGE = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface",
+            "flash_attention_4": "flash_attn.cute"}
+_GPU_WORDS = {"flash_attention_2": "an Ampere or newer GPU", "flash_attention_3": "a Hopper GPU",
+              "flash_attention_4": "a Hopper or Blackwell GPU"}
 _warned: set[str] = set()
 # (name, device) -> _flash_attn_usable's answer, asked once: every layer of every step calls the backend, and the
 # question (a search of sys.path for the package, a query of the GPU) would cost more than a decode step's attention
@@ -52,22 +64,52 @@ def triton_attention(module, query, key, value, attention_mask, *, scaling, drop
 
 def check_backend_device(name: str, device: torch.device | str) -> None:
     """Raise a clear error when `name` cannot run on `device` at all (flash-attn on the CPU)."""
-    if name in _MIN_CAPABILITY and torch.device(device).type != "cuda":
+    if name in _CAPABILITY and torch.device(device).type != "cuda":
         raise ValueError(
             f"attn_implementation={name!r} needs an NVIDIA GPU but the model is on {torch.device(device)}; "
             f"use attn_implementation='sdpa' (or 'triton' with TRITON_INTERPRET=1 for tests)"
         )
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # "flash_attn.cute" without flash_attn, or a module with no spec
+        return False
+
+
+def flash_attn_usable(name: str, capability: tuple[int, int] | None) -> str:
+    """'' when the package behind flash backend `name` is installed and a GPU of `capability` (None: no GPU)
+    supports it, else why not, in words that name the fix."""
+    if not _installed(_PACKAGE[name]):
+        return f"the {_PACKAGE[name]} package is not installed ({_INSTALL[name]})"
+    if capability is None:
+        return f"{name} needs {_GPU_WORDS[name]} and there is none"
+    oldest, too_new = _CAPABILITY[name]
+    if tuple(capability) < oldest or (too_new is not None and tuple(capability) >= too_new):
+        return (f"{name} needs {_GPU_WORDS[name]} (compute capability {'.'.join(map(str, oldest))}"
+                f"{'' if too_new is None else ' up to ' + str(too_new[0] - 1) + '.x'}), this one is "
+                f"{'.'.join(map(str, capability))}")
+    return ""
+
+
 def _flash_attn_usable(name: str, device: torch.device) -> str:
     """'' when the flash-attn package for `name` can run on `device`, else why not (in words)."""
-    if importlib.util.find_spec(_PACKAGE[name]) is None:
-        return f"the {_PACKAGE[name]} package is not installed ({_INSTALL})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < _MIN_CAPABILITY[name]:
-        need = ".".join(map(str, _MIN_CAPABILITY[name]))
-        return f"{name} needs a GPU of compute capability {need} or newer, this one is {major}.{minor}"
-    return ""
+    return flash_attn_usable(name, torch.cuda.get_device_capability(device))
+
+
+def _fallback(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs):
+    """The triton kernel for a call flash-attn cannot take; "eager" for a soft-capped call (Gemma 2's softcap
+    reaches flash_attention_4 only, and the triton kernel has no soft-cap), which applies the cap and the window."""
+    if kwargs.get("softcap") is not None:
+        mask = attention_mask
+        if mask is None and (sliding_window or query.shape[2] > 1):
+            mask = build_attention_mask(None, query.shape[2], key.shape[2], key.shape[2] - query.shape[2],
+                                        sliding_window, device=query.device)
+        return eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
+                               softcap=kwargs["softcap"])
+    return triton_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                            sliding_window=sliding_window)
 
 
 def _flash_backend(name: str):
@@ -80,33 +122,49 @@ def _flash_backend(name: str):
             if name not in _warned:
                 _warned.add(name)
                 logger.warning("attn_implementation=%r falls back to 'triton': %s", name, why)
-            return triton_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                    sliding_window=sliding_window)
+            return _fallback(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs)
         if attention_mask is not None or query.dtype not in (torch.float16, torch.bfloat16):
             # Padding masks and float32 are outside flash-attn's interface; the triton kernel gives the same result.
-            return triton_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                    sliding_window=sliding_window)
+            return _fallback(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs)
         # flash-attn takes (batch, seq, heads, head_dim); window_size=(left, right) keys around each query.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        causal = query.shape[2] > 1  # flash-attn aligns the diagonal bottom-right, as the KV cache needs
         if name == "flash_attention_2":
             from flash_attn import flash_attn_func
 
+            window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
             out = flash_attn_func(q, k, v, dropout_p=dropout if module.training else 0.0, softmax_scale=scaling,
-                                  causal=query.shape[2] > 1, window_size=window)
-        else:
+                                  causal=causal, window_size=window)
+        elif name == "flash_attention_3":
             from flash_attn_interface import flash_attn_func
 
-            out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=query.shape[2] > 1, window_size=window)
-            out = out[0] if isinstance(out, tuple) else out
-        return out, None
+            window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+            out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window)
+        else:
+            out = _flash_attention_4(module, q, k, v, scaling=scaling, dropout=dropout, causal=causal,
+                                     sliding_window=sliding_window, softcap=kwargs.get("softcap"))
+        return (out[0] if isinstance(out, tuple) else out), None
 
     backend.__name__ = name
     return backend
 
 
+def _flash_attention_4(module, q, k, v, *, scaling, dropout, causal, sliding_window, softcap):
+    """FlashAttention CuTe's flash_attn_func on (batch, seq, heads, head_dim) inputs: grouped-query attention as is
+    (kv_heads divides heads), None for an unbounded side of the window, softcap 0.0 for none."""
+    from flash_attn.cute import flash_attn_func  # optional: FlashAttention-4, found by flash_attn_usable
+
+    if dropout and module is not None and module.training:
+        raise NotImplementedError(f"attention dropout ({dropout}) is not implemented by flash_attention_4; set "
+                                  f"config.attention_dropout=0 or use attn_implementation='flash_attention_2'")
+    window = (sliding_window - 1, 0) if sliding_window else (None, None)
+    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                           softcap=float(softcap or 0.0))
+
+
 flash_attention_2 = _flash_backend("flash_attention_2")
 flash_attention_3 = _flash_backend("flash_attention_3")
+flash_attention_4 = _flash_backend("flash_attention_4")
 
 
 # torch.compile'd flex_attention and create_block_mask, made on the first CUDA call (making them imports torch's
@@ -210,5 +268,6 @@ def flex_attention(module, query, key, value, attention_mask, *, scaling, dropou
 AttentionInterface.register("triton", triton_attention)
 AttentionInterface.register("flash_attention_2", flash_attention_2)
 AttentionInterface.register("flash_attention_3", flash_attention_3)
+AttentionInterface.register("flash_attention_4", flash_attention_4)
 if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
     AttentionInterface.register("flex_attention", flex_attention)

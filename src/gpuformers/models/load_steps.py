@@ -137,7 +137,7 @@ def add_generation_config(options: LoadOptions, state: LoadState) -> None:
 def apply_kernels(options: LoadOptions, state: LoadState) -> None:
     """Check the attention backend can run where the model is, then swap in Triton kernels for use_kernels=True."""
     model = state.model
-    if options.attn_implementation in ("flash_attention_2", "flash_attention_3"):
+    if options.attn_implementation in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
         from gpuformers.layers.flash_attention import check_backend_device
 
         check_backend_device(options.attn_implementation, model.device)
