@@ -156,12 +156,16 @@ def test_kernel_config_chooses_per_layer(qwen3_dir):
 
 
 def test_kernel_config_errors_list_the_valid_choices():
-    with pytest.raises(ValueError, match="layer 'LayerNorm', which is not one of: AddRMSNorm, ForCausalLMLoss, LinearForCausalLMLoss, RMSNorm, SiLU"):
+    with pytest.raises(ValueError, match="layer 'LayerNorm', which has no built-in kernel \\(those that have: AddRMSNorm, ForCausalLMLoss, LinearForCausalLMLoss, RMSNorm, SiLU.*name a Hub kernel"):
         KernelConfig(kernel_mapping={"LayerNorm": "triton"})
-    with pytest.raises(ValueError, match="device 'rocm', which is not one of: cuda, cpu"):
-        KernelConfig(kernel_mapping={"RMSNorm": {"rocm": "triton"}})
+    with pytest.raises(ValueError, match="device 'gpu', which is not one of: cuda, cpu, rocm"):
+        KernelConfig(kernel_mapping={"RMSNorm": {"gpu": "triton"}})
     with pytest.raises(ValueError, match="is 'liger', which is not one of: triton, torch"):
         KernelConfig(kernel_mapping={"RMSNorm": {"cuda": "liger"}})
+    with pytest.raises(ValueError, match="mode 'eval' is not one of: inference, training"):
+        KernelConfig(kernel_mapping={"RMSNorm": {"cuda": {"eval": "triton"}}})
+    # transformers' other device keys are accepted (and never apply on NVIDIA GPUs or the CPU)
+    assert KernelConfig(kernel_mapping={"RMSNorm": {"rocm": "triton"}}).kernel_for("RMSNorm", "cuda") is not None
 
 
 def test_bad_mode_and_lonely_kernel_config(qwen3_dir):

@@ -20,11 +20,13 @@ stacked expert weights outside the graph (one break per block; its torch forward
 `model.train()` / `model.eval()` call kernelize again for the new mode.
 
 Kernels run on NVIDIA GPUs, and on the CPU only under TRITON_INTERPRET=1 (tests); elsewhere the torch layers are
-kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off.
+kept and a warning says so once. GPUFORMERS_DISABLE_KERNELS=1 turns every kernel off. A KernelConfig may also name a
+Hub or local kernel for a module layer ("org/repo:Layer", kernels/hub_kernels.py): its class's forward replaces the
+layer's the same way, on any device the kernel supports (no Triton needed), per device and per mode.
 
-Offers: Mode, KernelConfig, kernelize, rekernelize, unkernelize, kernels_available, use_kernel_function, LayerKernel,
-register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV, warn_once (a warning logged once per
-message).
+Offers: Mode, KernelConfig, HubLayerKernel, kernelize, rekernelize, unkernelize, kernels_available,
+use_kernel_function, LayerKernel, register_layer_kernel, layer_names, active_kernel_functions, DISABLE_ENV,
+warn_once (a warning logged once per message).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class LayerKernel:
     inference: str
     training: str
     is_function: bool = False
+    is_hub = False  # (not a field) a built-in kernel, unlike HubLayerKernel
 
     def forward_for(self, mode: Mode) -> Callable:
         import importlib
@@ -189,47 +192,129 @@ def use_kernel_function(layer_name: str):
 # --- configuration ------------------------------------------------------------------------------------------
 
 @dataclass
-class KernelConfig:
-    """Which kernel each layer uses, per device: {"RMSNorm": {"cuda": "triton"}, "SwiGLUMLP": "torch", ...}.
+class HubLayerKernel:
+    """A module layer's forward from a Hub repo or a local folder (kernels/hub_kernels.py), loaded when applied."""
 
-    A plain string applies to every device. "torch" keeps that layer's torch forward. Layers not named keep the
-    default (the Triton kernel).
+    spec: object  # hub_kernels.HubKernelSpec
+    is_function: bool = False
+    is_hub: bool = True
+
+    def forward_for(self, mode: Mode, layer_class: type | None = None) -> Callable:
+        from gpuformers.kernels.hub_kernels import kernel_layer_forward
+
+        return kernel_layer_forward(self.spec, layer_class or nn.Module)
+
+
+# Device keys transformers accepts in a kernel_mapping; those other than DEVICES are accepted and never apply here.
+OTHER_DEVICES = ("rocm", "xpu", "npu", "neuron", "tpu", "mps")
+MODES = ("inference", "training")
+
+
+def _mode_key(key) -> str:
+    """"inference" / "training" from a string or a Mode (ours or the kernels package's, TORCH_COMPILE ignored)."""
+    name = key.lower() if isinstance(key, str) else str(getattr(key, "name", "") or key).lower()
+    for mode in MODES:
+        if mode in name:
+            return mode
+    raise ValueError(f"kernel mapping mode {key!r} is not one of: {', '.join(MODES)} (or Mode.INFERENCE / "
+                     f"Mode.TRAINING)")
+
+
+@dataclass
+class KernelConfig:
+    """Which kernel each layer uses, per device and mode, with transformers' spellings:
+
+        {"RMSNorm": "triton", "SwiGLUMLP": "torch"}                      our Triton kernel / the torch forward
+        {"RMSNorm": "kernels-community/liger-kernels:LigerRMSNorm"}      a Hub kernel (the `kernels` package)
+        {"RMSNorm": ("org/repo:Layer", {"version": 1, "trust_remote_code": True})}
+        {"RMSNorm": {"cuda": "...", "rocm": "...", "cpu": "..."}}        per device
+        {"RMSNorm": {"cuda": {"inference": "...", "training": "..."}}}   per mode (also Mode.INFERENCE keys)
+        KernelConfig({"RMSNorm": "/path/to/kernel:Layer"}, use_local_kernel=True)   a local kernel folder
+
+    A plain value applies to every device and both modes; a per-mode dict leaves the modes it does not name on
+    the torch forward. Layers not named keep the default (our Triton kernel). On the CPU without a "cpu" entry
+    the "cuda" one applies. Device keys rocm/xpu/npu/neuron/tpu/mps are accepted and never apply (NVIDIA and CPU
+    only). Hub and local kernels replace module layers only, and are checked and loaded when applied.
     """
 
     kernel_mapping: dict = field(default_factory=dict)
+    use_local_kernel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kernel_mapping, dict):
             raise TypeError(
                 f"kernel_mapping must be a dict of layer name -> kernel, got {type(self.kernel_mapping).__name__}"
             )
-        normalised = {}
-        for layer, choice in self.kernel_mapping.items():
-            if layer not in _REGISTRY:
-                raise ValueError(
-                    f"kernel_mapping names layer {layer!r}, which is not one of: {', '.join(layer_names())}"
-                )
-            per_device = {device: choice for device in DEVICES} if isinstance(choice, str) else choice
-            if not isinstance(per_device, dict):
-                raise TypeError(f"kernel_mapping[{layer!r}] must be a kernel name or a dict of device -> kernel name")
-            for device, kernel in per_device.items():
-                if device not in DEVICES:
-                    raise ValueError(
-                        f"kernel_mapping[{layer!r}] names device {device!r}, which is not one of: {', '.join(DEVICES)}"
-                    )
-                valid = sorted(_REGISTRY[layer]) + [TORCH]
-                if kernel not in valid:
-                    raise ValueError(
-                        f"kernel_mapping[{layer!r}][{device!r}] is {kernel!r}, which is not one of: {', '.join(valid)}"
-                    )
-            normalised[layer] = dict(per_device)
-        self.kernel_mapping = normalised
+        self.kernel_mapping = {layer: self._per_device(layer, choice) for layer, choice in self.kernel_mapping.items()}
 
-    def kernel_for(self, layer: str, device_type: str) -> LayerKernel | None:
-        """The kernel `layer` uses on `device_type`, or None to keep the torch layer."""
+    def _per_device(self, layer: str, choice) -> dict:
+        if isinstance(choice, dict) and choice and all(k in DEVICES + OTHER_DEVICES for k in choice):
+            per_device = dict(choice)
+        elif isinstance(choice, dict) and choice and all(_is_mode(k) for k in choice):
+            per_device = {device: choice for device in DEVICES}
+        elif isinstance(choice, (str, tuple)):
+            per_device = {device: choice for device in DEVICES}
+        elif isinstance(choice, dict):
+            bad = [k for k in choice if k not in DEVICES + OTHER_DEVICES and not _is_mode(k)]
+            raise ValueError(f"kernel_mapping[{layer!r}] names device {bad[0]!r}, which is not one of: "
+                             f"{', '.join(DEVICES + OTHER_DEVICES)} (or a mode: {', '.join(MODES)})")
+        else:
+            raise TypeError(f"kernel_mapping[{layer!r}] must be a kernel name, 'org/repo:Layer', or a dict of "
+                            f"device -> kernel")
+        return {device: self._per_mode(layer, device, value) for device, value in per_device.items()}
+
+    def _per_mode(self, layer: str, device: str, value) -> dict:
+        if isinstance(value, dict):
+            return {_mode_key(mode): self._kernel(layer, device, kernel) for mode, kernel in value.items()}
+        kernel = self._kernel(layer, device, value)
+        return {mode: kernel for mode in MODES}
+
+    def _kernel(self, layer: str, device: str, kernel):
+        from gpuformers.kernels.hub_kernels import looks_like_hub_kernel, parse_kernel
+
+        built_in = isinstance(kernel, str) and (kernel == TORCH or kernel in _REGISTRY.get(layer, {}))
+        if looks_like_hub_kernel(kernel) or (self.use_local_kernel and not built_in):
+            if layer in _REGISTRY and all(k.is_function for k in _REGISTRY[layer].values()):
+                raise NotImplementedError(f"kernel_mapping[{layer!r}]: {layer} is a function layer; Hub and local "
+                                          f"kernels replace module layers only (use 'triton' or 'torch')")
+            return HubLayerKernel(parse_kernel(kernel, local=self.use_local_kernel))
+        if layer not in _REGISTRY:
+            raise ValueError(
+                f"kernel_mapping names layer {layer!r}, which has no built-in kernel (those that have: "
+                f"{', '.join(layer_names())}); name a Hub kernel 'org/repo:Layer' for it instead"
+            )
+        valid = sorted(_REGISTRY[layer]) + [TORCH]
+        if kernel not in valid:
+            raise ValueError(
+                f"kernel_mapping[{layer!r}][{device!r}] is {kernel!r}, which is not one of: {', '.join(valid)} "
+                f"(or a Hub kernel 'org/repo:Layer')"
+            )
+        return kernel
+
+    def kernel_for(self, layer: str, device_type: str, mode: Mode = Mode.INFERENCE):
+        """The kernel `layer` uses on `device_type` in `mode` (a LayerKernel or HubLayerKernel), or None to keep the
+        torch layer."""
         per_device = self.kernel_mapping.get(layer, {})
-        name = per_device.get(device_type, per_device.get("cuda", "triton"))
-        return None if name == TORCH else _REGISTRY[layer].get(name)
+        per_mode = per_device.get(device_type, per_device.get("cuda"))  # the CPU takes the "cuda" entry
+        # a device not named keeps the default; a mode not named in a per-mode dict keeps the torch forward
+        choice = "triton" if per_mode is None else per_mode.get("training" if Mode.TRAINING in mode else "inference",
+                                                                TORCH)
+        if isinstance(choice, HubLayerKernel):
+            return choice
+        return None if choice == TORCH else _REGISTRY.get(layer, {}).get(choice)
+
+    def hub_layers(self) -> set[str]:
+        """The layer names that some device or mode maps to a Hub or local kernel."""
+        return {layer for layer, per_device in self.kernel_mapping.items()
+                if any(isinstance(k, HubLayerKernel) for per_mode in per_device.values() for k in per_mode.values())}
+
+
+def _is_mode(key) -> bool:
+    try:
+        _mode_key(key)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -291,20 +376,32 @@ def kernelize(model: nn.Module, mode: Mode = Mode.INFERENCE, kernel_config: Kern
     _restore_torch_forwards(model, state)
 
     target = torch.device(state.device) if state.device is not None else _model_device(model)
-    available, why = kernels_available(target)
-    if not available:
-        warn_once(f"use_kernels=True keeps the torch layers: {why}")
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        warn_once(f"use_kernels=True keeps the torch layers: {DISABLE_ENV} is set")
         return model
+    triton_ok, why = kernels_available(target)
+    found: set[str] = set()
     for module in model.modules():
         layer = _layer_name(module)
-        if layer is None or layer not in _REGISTRY:
+        if layer is None:
             continue
-        kernel = state.config.kernel_for(layer, target.type)
-        if kernel is not None and not kernel.is_function:
-            module.forward = types.MethodType(kernel.forward_for(mode), module)
-            module._kernel_mode = mode
+        found.add(layer)
+        kernel = state.config.kernel_for(layer, target.type, mode)
+        if kernel is None or kernel.is_function or not (triton_ok or getattr(kernel, "is_hub", False)):
+            continue
+        forward = (kernel.forward_for(mode, type(module)) if getattr(kernel, "is_hub", False)
+                   else kernel.forward_for(mode))
+        module.forward = types.MethodType(forward, module)
+        module._kernel_mode = mode
+    missing = state.config.hub_layers() - found
+    if missing:
+        raise ValueError(f"kernel_config maps {', '.join(sorted(missing))} to a Hub kernel, but this model has no such "
+                         f"layer; its kernel layers are: {', '.join(sorted(found)) or 'none'}")
+    if not triton_ok:
+        warn_once(f"use_kernels=True keeps the torch layers for the Triton kernels: {why}")
+        return model
     for layer in _REGISTRY:  # function layers: routed while this model's forward runs (see _enter_functions)
-        kernel = state.config.kernel_for(layer, target.type)
+        kernel = state.config.kernel_for(layer, target.type, mode)
         if kernel is not None and kernel.is_function:
             state.functions[layer] = kernel.forward_for(mode)
     return model

@@ -140,12 +140,17 @@ class AttentionInterface:
             import importlib
 
             importlib.import_module(cls._lazy[name])  # registers itself
+        elif name not in cls._functions and "/" in name:  # a Hub kernel, "org/repo[@rev][:function]"
+            from gpuformers.layers.flash_attention import register_hub_attention
+
+            register_hub_attention(name)
         try:
             return cls._functions[name]
         except KeyError:
             raise ValueError(
                 f"attn_implementation {name!r} is not known; available: {', '.join(cls.names())} "
-                f"(register your own with AttentionInterface.register(name, fn))"
+                f"(register your own with AttentionInterface.register(name, fn), or name a Hub kernel "
+                f"'org/repo')"
             ) from None
 
 

@@ -9,7 +9,8 @@ warning naming why; asking for them on the CPU is an error. flash-attn has no bo
 padding mask goes to the triton kernel too (same numbers, no fallback warning needed); so does float32.
 
 Offers: triton_attention, flash_attention_2, flash_attention_3, flash_attention_4, flex_attention,
-check_backend_device, flash_attn_usable (why a flash backend cannot run on a device, or '').
+check_backend_device, flash_attn_usable (why a flash backend cannot run on a device, or ''),
+register_hub_attention (attn_implementation="org/repo": a Hub attention kernel through the `kernels` package).
 """
 
 from __future__ import annotations
@@ -165,6 +166,48 @@ def _flash_attention_4(module, q, k, v, *, scaling, dropout, causal, sliding_win
 flash_attention_2 = _flash_backend("flash_attention_2")
 flash_attention_3 = _flash_backend("flash_attention_3")
 flash_attention_4 = _flash_backend("flash_attention_4")
+
+
+def register_hub_attention(name: str, *, allow_all_kernels: bool = False):
+    """attn_implementation="org/repo" (or "org/repo@rev", "org/repo:function"): an attention kernel from the Hub
+    through the `kernels` package (kernels/hub_kernels.py, trust rule included), registered under `name`.
+
+    A kernel with flash-attn 2's `flash_attn_func` is called as flash_attention_2 calls it ((batch, seq, heads,
+    head_dim), causal bottom-right, window (left, 0)); a named function is used as an AttentionInterface backend
+    itself. Calls with a padding mask (flash-attn has no mask input), attention sinks or a soft-cap go to "sdpa"
+    ("eager" for the last two), which the kernel could not compute."""
+    from gpuformers.kernels.hub_kernels import load_kernel_module, parse_kernel
+
+    spec = parse_kernel(name, need_name=False)
+    kernel = load_kernel_module(spec, allow_all_kernels=allow_all_kernels)
+    if spec.name is not None:
+        backend = getattr(kernel, spec.name, None)
+        if not callable(backend):
+            raise ValueError(f"attention kernel {name!r} has no function {spec.name!r}")
+    elif callable(getattr(kernel, "flash_attn_func", None)):
+        backend = _flash_attn_func_backend(name, kernel.flash_attn_func)
+    else:
+        raise ValueError(f"attention kernel {name!r} has no flash_attn_func; name the backend function in it as "
+                         f"'{spec.source}:function'")
+    AttentionInterface.register(name, backend)
+    return backend
+
+
+def _flash_attn_func_backend(name: str, flash_attn_func):
+    def backend(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None, **kwargs):
+        if attention_mask is not None or kwargs.get("softcap") is not None or kwargs.get("sinks") is not None:
+            from gpuformers.layers.attention import sdpa_attention
+
+            return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"))
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seq, heads, head_dim)
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        out = flash_attn_func(q, k, v, dropout_p=dropout if module is not None and module.training else 0.0,
+                              softmax_scale=scaling, causal=query.shape[2] > 1, window_size=window)
+        return (out[0] if isinstance(out, tuple) else out), None
+
+    backend.__name__ = name
+    return backend
 
 
 # torch.compile'd flex_attention and create_block_mask, made on the first CUDA call (making them imports torch's

@@ -181,6 +181,7 @@ class LoadOptions:
     low_cpu_mem_usage: bool | None = None  # always true here; accepted for transformers compatibility
     use_kernels: bool = False
     kernel_config: Any = None
+    allow_all_kernels: bool = False  # attn_implementation="org/repo" outside kernels-community (runs its code)
     max_memory: dict | None = None
     offload_folder: str | os.PathLike | None = None
     quantization_config: Any = None

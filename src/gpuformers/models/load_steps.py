@@ -115,7 +115,12 @@ def finish(options: LoadOptions, state: LoadState) -> None:
     model = state.model
     model.tie_weights()
     model.reset_buffers(state.device)
-    model.set_attn_implementation(options.attn_implementation or "sdpa")
+    name = options.attn_implementation or "sdpa"
+    if options.allow_all_kernels and "/" in name:  # a Hub attention kernel the user trusts explicitly
+        from gpuformers.layers.flash_attention import register_hub_attention
+
+        register_hub_attention(name, allow_all_kernels=True)
+    model.set_attn_implementation(name)
     model.name_or_path = str(state.name_or_path)
     model.hf_device_map = {"": str(state.device)}
     state.model = model.eval()
