@@ -1,0 +1,117 @@
+"""The Mamba2 mixer: the token-mixing layer of Mamba2 and of the hybrid families' mamba layers, in torch.
+
+    hidden (batch, seq, hidden)
+      -> in_proj -> z (gate, intermediate) | xBC (intermediate + 2 * groups * state) | dt (heads)
+      -> xBC: causal depthwise conv1d over the sequence (its last conv_kernel - 1 inputs are the conv state), silu
+      -> x (heads, head_dim), B, C (groups, state) -> SSD scan over the prompt, or one state step in decode
+      -> gated RMSNorm: norm(y * silu(z)) per group of intermediate / groups channels
+      -> out_proj -> (batch, seq, hidden)
+
+With a cache (generation/state_cache.py) the layer reads its conv and SSM states, continues from them and writes the
+new ones: a prompt (or a prefill chunk) runs the chunked scan from the cached state, a single token the state step.
+Without a cache both start from zeros. Padding (a 0 in the attention mask) is zeroed before in_proj and after the
+conv, as transformers does, so left padding leaves the state untouched.
+
+`kernel_layer_name` marks the mixer replaceable by a fused kernel (`use_kernels=True`); its parts (the scan and the
+state step, layers/ssd.py) are marked one by one too. No kernel is registered for them yet.
+
+Offers: Mamba2Mixer, GatedRMSNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuformers.layers.ssd import ssd_chunk_scan, ssm_state_step
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of `group_size` channels, in float32, cast back to y's dtype before the
+    weight (transformers' MambaRMSNormGated)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        gated = hidden_states.float() * F.silu(gate.float())  # (..., channels)
+        groups = gated.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
+        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * normed.flatten(-2).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.variance_epsilon}"
+
+
+class Mamba2Mixer(nn.Module):
+    """Module doc. Parameter names are transformers' (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
+
+    Sizes come from the family's config: hidden_size, num_heads (SSM heads), head_dim, state_size, n_groups,
+    expand (intermediate = expand * hidden = heads * head_dim), conv_kernel, chunk_size, time_step_limit,
+    use_bias, use_conv_bias, layer_norm_epsilon; a hybrid family passes its own spellings as keywords."""
+
+    kernel_layer_name = "Mamba2Mixer"
+
+    def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, head_dim: int, state_size: int,
+                 n_groups: int, conv_kernel: int, chunk_size: int, time_step_limit: tuple[float, float],
+                 use_bias: bool, use_conv_bias: bool, norm_eps: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
+        self.intermediate_size = num_heads * head_dim
+        self.chunk_size = chunk_size
+        self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.conv_dim = self.intermediate_size + 2 * n_groups * state_size  # x, B, C go through the conv
+        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=use_bias)
+        # No padding: the layer puts the conv state (or zeros) in front of the inputs itself.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))  # A = -exp(A_log): each head's (negative) decay rate
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=norm_eps)
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """hidden_states (batch, seq, hidden); attention_mask (batch, seq) over these tokens, or None; cache: a
+        RecurrentCache or None."""
+        batch, seq, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        if attention_mask is not None:
+            hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
+        gate, xbc, dt = self.in_proj(hidden_states).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        conv_state = cache.conv_state(self.layer_idx) if cache is not None else None
+        ssm_state = cache.ssm_state(self.layer_idx) if cache is not None else None
+
+        # causal conv over [conv state | new inputs]: exactly seq outputs, each from its conv_kernel last inputs
+        xbc = xbc.transpose(1, 2)  # (batch, conv_dim, seq)
+        if conv_state is None:
+            conv_state = xbc.new_zeros(batch, self.conv_dim, self.conv1d.kernel_size[0] - 1)
+        window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=-1)  # (batch, conv_dim, kernel - 1 + seq)
+        xbc = F.silu(self.conv1d(window)).transpose(1, 2)  # (batch, seq, conv_dim)
+        if attention_mask is not None:
+            xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
+        x, B, C = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
+                             self.n_groups * self.state_size], dim=-1)
+
+        A = -torch.exp(self.A_log.float())  # (heads,)
+        if seq == 1 and ssm_state is not None:  # decode: one step of the recurrence
+            y, ssm_state = ssm_state_step(ssm_state, x.view(batch, self.num_heads, self.head_dim), dt[:, 0], A,
+                                          B.view(batch, self.n_groups, self.state_size),
+                                          C.view(batch, self.n_groups, self.state_size), self.D, self.dt_bias)
+        else:  # a prompt or prefill chunk, from the cached state if any
+            y, ssm_state = ssd_chunk_scan(x.view(batch, seq, self.num_heads, self.head_dim), dt, A,
+                                          B.view(batch, seq, self.n_groups, self.state_size),
+                                          C.view(batch, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
+                                          self.chunk_size, self.time_step_limit, ssm_state)
+        if cache is not None:
+            cache.update_state(self.layer_idx, window[:, :, window.shape[-1] - conv_state.shape[-1]:], ssm_state,
+                               seq)
+        y = self.norm(y.reshape(batch, seq, self.intermediate_size), gate)
+        return self.out_proj(y.to(dtype))
