@@ -19,12 +19,14 @@ FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "Mo
                   "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
                   "ernie4_5": "Ernie4_5Config", "seed_oss": "SeedOssConfig", "starcoder2": "Starcoder2Config",
                   "exaone4": "Exaone4Config", "gpt_neox": "GPTNeoXConfig",
-                  "gpt2": "GPT2Config"}
+                  "gpt2": "GPT2Config", "mamba2": "Mamba2Config"}
+# An attention-free family's sizes (Mamba2: num_heads * head_dim = expand * hidden_size)
+_SIZES = {"mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2)}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CLASSES))
 def test_each_model_type_reads_into_its_class_and_its_model_names_it(model_type, tmp_path):
-    config = ModelConfig.from_dict({"model_type": model_type, **SIZES})
+    config = ModelConfig.from_dict({"model_type": model_type, **_SIZES.get(model_type, SIZES)})
     assert type(config).__name__ == FAMILY_CLASSES[model_type]
     assert model_class_for(config).config_class is type(config)
     # What save_pretrained writes reads back into the same class, through ModelConfig and the family's class alike.

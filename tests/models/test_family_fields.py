@@ -18,7 +18,9 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2)
 _SIZES = {"gpt2": dict(vocab_size=128, n_embd=64, n_layer=4, n_head=4),  # GPT-2's spelling
           "gpt_neox": {k: v for k, v in SIZES.items() if k != "num_key_value_heads"},
-          "olmoe": {k: v for k, v in SIZES.items() if k != "num_key_value_heads"}}
+          "olmoe": {k: v for k, v in SIZES.items() if k != "num_key_value_heads"},
+          # Mamba2: num_heads * head_dim = expand * hidden_size, for the defaults (128 heads, expand 2) and NON_DEFAULT's
+          "mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, head_dim=1)}
 
 # A value other than the default for every own field, that both libraries accept
 NON_DEFAULT = {
@@ -48,6 +50,10 @@ NON_DEFAULT = {
     "seed_oss": dict(attention_out_bias=True, residual_dropout=0.0),
     "gpt_neox": dict(layer_norm_eps=1e-6, use_parallel_residual=False, hidden_dropout=0.1, classifier_dropout=0.2),
     "starcoder2": dict(residual_dropout=0.1, embedding_dropout=0.1),
+    "mamba2": dict(num_heads=64, state_size=32, expand=1, conv_kernel=3, n_groups=4, chunk_size=64,
+                   layer_norm_epsilon=1e-6, use_bias=True, use_conv_bias=False, residual_in_fp32=False,
+                   time_step_limit=[0.001, 0.5], time_step_rank=8, time_step_min=0.002, time_step_max=0.2,
+                   time_step_floor=1e-3, rescale_prenorm_residual=True),
     "gpt2": dict(n_inner=96, layer_norm_epsilon=1e-6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                  scale_attn_weights=False),
 }

@@ -56,6 +56,11 @@ class ContinuousBatchingManager:
                  adapters: dict[str, str] | None = None):
         from gpuformers.generation.config import GenerationConfig
 
+        if getattr(model, "is_stateful", False):  # (test doubles of a model need not say)
+            raise NotImplementedError(
+                f"continuous batching is not implemented for {type(model).__name__}, a state-space model: the engine "
+                f"keeps paged keys and values, not the per-sequence conv and SSM states its mamba layers need; use "
+                f"model.generate() (greedy, sampling, beam search), which batches prompts of one call")
         base = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
         self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
         check_honoured(self.generation_config)  # here, not at the first request

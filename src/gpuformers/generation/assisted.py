@@ -183,6 +183,12 @@ def check_assisted_generation(model, assistant_model, config: GenerationConfig, 
             f"both: each is a way to draft tokens"
         )
     how = "assistant_model=" if assistant_model is not None else "prompt_lookup_num_tokens="
+    for role, m in (("model", model), ("assistant_model", assistant_model)):
+        if getattr(m, "is_stateful", False):
+            raise NotImplementedError(
+                f"assisted generation ({how}) is not implemented for {role} {type(m).__name__}, a state-space model: "
+                f"rejecting drafted tokens needs its conv and SSM states rolled back (state rollback), which its "
+                f"cache does not keep; drop {how}")
     if config.num_beams > 1:
         raise NotImplementedError(
             f"assisted generation ({how}) does not support beam search (num_beams={config.num_beams}), as in "

@@ -18,7 +18,8 @@ max_time, user criteria), and on an accelerator only every `STOP_CHECK_INTERVAL`
 padding tokens that are cut off at the end, so the output equals checking every step. A streamer needs the tokens
 on the host anyway, so with one the check runs every step.
 
-Offers: GenerationMixin (generate, compute_transition_scores), GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL,
+Offers: GenerationMixin (generate, compute_transition_scores; the hooks supports_compiled_decode, is_stateful,
+make_cache, position_limit, cache_must_be_rebuilt), GenerateDecoderOnlyOutput, STOP_CHECK_INTERVAL,
 step_logits, greedy_tokens (and, from beam_search.py, GenerateBeamDecoderOnlyOutput).
 """
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 # GenerateBeamDecoderOnlyOutput is re-exported: both output types of generate() can be imported from here
 from gpuformers.generation.beam_search import GenerateBeamDecoderOnlyOutput, beam_search  # noqa: F401
-from gpuformers.generation.cache import Cache
+from gpuformers.generation.cache import Cache, DynamicCache
 from gpuformers.generation.config import GenerationConfig
 from gpuformers.generation.preparation import GenerationPreparation
 from gpuformers.generation.step_inputs import StepInputs
@@ -71,6 +72,21 @@ class GenerationMixin(GenerationPreparation):
     # as an int is recompiled at every new length (torch.compile guards on the int), which costs far more than
     # CUDA graphs save.
     supports_compiled_decode: bool = False
+    # True in a model whose cache carries recurrent state (Mamba2's conv and SSM states, make_cache): such a state
+    # cannot be rolled back, so assisted decoding refuses the model, and the continuous-batching engine, which keeps
+    # only paged keys and values, refuses it too.
+    is_stateful: bool = False
+
+    def make_cache(self) -> Cache:
+        """The cache generate() (cache_implementation "dynamic", the default) and a forward with use_cache=True fill
+        when none is passed: keys and values in a DynamicCache; a state-space model returns its RecurrentCache."""
+        return DynamicCache()
+
+    @property
+    def position_limit(self) -> int | None:
+        """How many positions the model handles (max_position_embeddings), which caps generate()'s default length;
+        None for a model without positions (a state-space model)."""
+        return self.config.max_position_embeddings
 
     def cache_must_be_rebuilt(self, past_length: int, length: int) -> bool:
         """True when a forward that takes the cache from `past_length` tokens to `length` tokens (padded lengths)

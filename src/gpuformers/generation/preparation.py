@@ -108,7 +108,7 @@ class GenerationPreparation:
     def _prepare_max_length(self, config: GenerationConfig, prompt_length: int) -> int:
         """The total length (prompt + new tokens) this call stops at, written into `config` as max_length (with
         max_new_tokens cleared), once: the stop criteria and the loop bounds read it from there."""
-        max_length = config.max_length_for(prompt_length, self.config.max_position_embeddings)
+        max_length = config.max_length_for(prompt_length, self.position_limit)
         if max_length <= prompt_length:
             raise ValueError(
                 f"max_length={max_length} leaves no room for new tokens after a prompt of {prompt_length} tokens; "
@@ -150,7 +150,12 @@ class GenerationPreparation:
                 f"cache_implementation {name!r} is not supported by generate(); supported: {', '.join(_CACHES)}"
             )
         if name == "dynamic":
-            return DynamicCache()
+            return self.make_cache()
+        if self.is_stateful:
+            raise NotImplementedError(
+                f"cache_implementation={name!r} is not implemented for {type(self).__name__}, a state-space model: "
+                f"its recurrent cache is already of fixed size, but a compiled decode step over it is not written "
+                f"yet; leave cache_implementation unset (the dynamic default)")
         size = config.max_cache_len or max_length
         if size < max_length:
             raise ValueError(

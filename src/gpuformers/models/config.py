@@ -17,7 +17,8 @@ Every numeric field a model reads is type- and range-checked when the config is 
 config_checks.py); a bad one raises ConfigFieldError naming the file, the field, the value and the fix.
 
 Offers: ModelConfig (from_dict, from_pretrained, to_dict, save_pretrained; the hooks family_defaults, _prepare_dict,
-_check_family, _fill_layer_types, _normalise_rope, partial_rotary, field_spelling), SUPPORTED_MODEL_TYPES,
+_check_family, _derive_attention_shapes, _fill_layer_types, _normalise_rope, partial_rotary, field_spelling,
+required_fields), SUPPORTED_MODEL_TYPES,
 ROPE_TYPES, ConfigFieldError.
 """
 
@@ -69,13 +70,17 @@ class ModelConfig:
     # Our field name -> the family's config.json name, where they differ (GPT-2's n_positions): errors name the key
     # the user has to fix.
     field_spelling: ClassVar[dict[str, str]] = {}
+    # The fields a config.json of the family must have (the others have defaults). An attention-free family
+    # (Mamba2) has no num_attention_heads and drops it here; its _derive_attention_shapes then derives nothing.
+    required_fields: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size",
+                                                  "num_hidden_layers", "num_attention_heads")
 
     model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
-    num_attention_heads: int
+    num_attention_heads: int | None = None  # None only in an attention-free family (required_fields)
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
@@ -114,6 +119,17 @@ class ModelConfig:
         # Before anything computes with them: a bad number fails here, not in the first forward.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         self._check_numbers({**self.extra, **fields}, TOP_LEVEL_FIELDS)
+        self._derive_attention_shapes()
+        self._check_family()
+        self._normalise_sliding_window()
+        self._check_rope()
+
+    def _derive_attention_shapes(self) -> None:
+        """num_key_value_heads and head_dim where config.json leaves them out, and their checks; an attention-free
+        family overrides this with nothing to derive."""
+        if self.num_attention_heads is None:
+            raise ConfigFieldError("num_attention_heads is missing or null; it must be a positive integer: fix the "
+                                   "file")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -128,9 +144,6 @@ class ModelConfig:
                     f"({self.num_attention_heads}); set head_dim explicitly in config.json"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self._check_family()
-        self._normalise_sliding_window()
-        self._check_rope()
 
     # --- derived values -------------------------------------------------------------------------------------
 
@@ -310,7 +323,7 @@ class ModelConfig:
         if not issubclass(family, cls):
             raise ValueError(f"{cls.__name__}.from_dict was given a {model_type!r} config, which {family.__name__} "
                              f"reads; use ModelConfig.from_dict (or AutoConfig) for any model_type")
-        data = family._prepare_dict(dict(data))
+        data = family._prepare_dict(_decode_special_floats(dict(data)))
         # Old spellings -> new.
         if "torch_dtype" in data:
             data.setdefault("dtype", data.pop("torch_dtype"))
@@ -330,7 +343,7 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(family)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
         extra = {k: v for k, v in data.items() if k not in names}
-        for required in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for required in family.required_fields:
             if required not in known:
                 raise ValueError(f"config.json is missing the required field {required!r}")
         return family(**known, extra=extra)
@@ -385,3 +398,15 @@ class ModelConfig:
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _decode_special_floats(value: Any) -> Any:
+    """transformers 5 writes an infinite or NaN float in config.json as {"__float__": "Infinity"} (Mamba2's
+    time_step_limit); older files and ours write JSON's extension Infinity, which json reads as a float. Both -> float."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].lower().replace("infinity", "inf"))
+        return {k: _decode_special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_special_floats(v) for v in value]
+    return value

@@ -61,6 +61,11 @@ _TOKEN_IDS = _Rule("an integer or a list of integers",
                    lambda v: _is_int(v) or (isinstance(v, list) and bool(v) and all(map(_is_int, v))))
 _POSITIVE_LIST = _Rule("a list of positive numbers",
                        lambda v: isinstance(v, list) and all(_is_number(x) and x > 0 for x in v))
+# Mamba2's clamp of its step sizes: [low, high], 0 <= low <= high, high may be Infinity (no upper clamp)
+_DT_LIMIT = _Rule("a list [low, high] of numbers with 0 <= low <= high (high may be Infinity)",
+                  lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+                  and all((_is_int(x) or isinstance(x, float)) and not math.isnan(x) for x in v)
+                  and 0 <= v[0] <= v[1] and math.isfinite(v[0]))
 # EXAONE 4 also spells the pattern as a string of L and G, which its config class checks itself, and transformers
 # writes 0 there for a model without sliding layers
 _PATTERN = _Rule("a non-negative integer", lambda v: isinstance(v, str) or (_is_int(v) and v >= 0))
@@ -73,7 +78,7 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "hidden_size": (_POSITIVE_INT, False),
     "intermediate_size": (_POSITIVE_INT, False),
     "num_hidden_layers": (_POSITIVE_INT, False),
-    "num_attention_heads": (_POSITIVE_INT, False),
+    "num_attention_heads": (_POSITIVE_INT, True),  # null: an attention-free family (ModelConfig.required_fields)
     "num_key_value_heads": (_POSITIVE_INT, True),  # null: one k/v head per query head
     "head_dim": (_POSITIVE_INT, True),  # null: hidden_size / num_attention_heads
     "max_position_embeddings": (_POSITIVE_INT, False),
@@ -116,6 +121,17 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "router_aux_loss_coef": (_NON_NEGATIVE, False),
     "router_jitter_noise": (_NON_NEGATIVE, False),
     "no_rope_layer_interval": (_POSITIVE_INT, False),
+    # state-space (Mamba2) mixers
+    "num_heads": (_POSITIVE_INT, False),
+    "state_size": (_POSITIVE_INT, False),
+    "expand": (_POSITIVE_INT, False),
+    "conv_kernel": (_POSITIVE_INT, False),
+    "n_groups": (_POSITIVE_INT, False),
+    "chunk_size": (_POSITIVE_INT, False),
+    "time_step_min": (_POSITIVE, False),
+    "time_step_max": (_POSITIVE, False),
+    "time_step_floor": (_NON_NEGATIVE, False),
+    "time_step_limit": (_DT_LIMIT, False),
     # special tokens
     "bos_token_id": (_TOKEN_ID, True),
     "pad_token_id": (_TOKEN_ID, True),

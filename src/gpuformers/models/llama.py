@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpuformers.generation.cache import Cache, DynamicCache
+from gpuformers.generation.cache import Cache
 from gpuformers.layers.attention import AttentionInterface, build_attention_mask, build_attention_mask_at
 from gpuformers.kernels.mapping import active_kernel_functions
 from gpuformers.layers.loss import causal_lm_loss, linear_causal_lm_loss, logits_needed
@@ -217,13 +217,13 @@ class LlamaForCausalLM(PreTrainedModel):
         return type(self).compute_logits is LlamaForCausalLM.compute_logits
 
     def _forward_cache(self, use_cache: bool | None, past_key_values: Cache | None) -> Cache | None:
-        """The KV cache a forward fills and returns (this class's and the task heads'): None without use_cache
-        (default: config.use_cache, outside training), else past_key_values or a new DynamicCache."""
+        """The cache a forward fills and returns (this class's and the task heads'): None without use_cache
+        (default: config.use_cache, outside training), else past_key_values or a new one (make_cache)."""
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if not use_cache:
             return None
-        return DynamicCache() if past_key_values is None else past_key_values
+        return self.make_cache() if past_key_values is None else past_key_values
 
     def forward(
         self,

@@ -46,6 +46,7 @@ MODEL_TYPES = {
     "starcoder2": ("gpuformers.models.starcoder2:Starcoder2ForCausalLM",
                    "gpuformers.models.starcoder2:Starcoder2Config"),
     "gpt2": ("gpuformers.models.gpt2:GPT2LMHeadModel", "gpuformers.models.gpt2:GPT2Config"),
+    "mamba2": ("gpuformers.models.mamba2:Mamba2ForCausalLM", "gpuformers.models.mamba2:Mamba2Config"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to

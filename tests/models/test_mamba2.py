@@ -1,0 +1,207 @@
+"""Mamba2 against transformers' Mamba2ForCausalLM on tiny random checkpoints with n_groups > 1 and chunk sizes that do
+not divide the prompts: module names, logits and loss (float32 < 1e-4), gradients, the recurrent cache (prefill then
+decode, a prefill continued from a state, chunked prefill), greedy, sampling and beam search tokens, the bare model,
+saving for transformers, LoRA on in_proj / out_proj against peft, the Trainer's loss, the config checks, and the
+refusals (engine, assisted decoding, static cache, cropping a state)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
+
+SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, expand=2)
+CASES = {
+    # 2 groups of 4 heads; chunks of 5 over prompts of 16, 10, 7 tokens
+    "groups": dict(n_groups=2, chunk_size=5),
+    # 4 groups, chunks of 3, biases, a tied head, and a time_step_limit that clamps some steps of the scan
+    "tied-limit": dict(n_groups=4, chunk_size=3, use_bias=True, tie_word_embeddings=True,
+                       time_step_limit=(0.0, 0.05)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """case -> (folder, transformers model)."""
+    return checkpoint_cases(tmp_path_factory, "mamba2", CASES, **SHAPES)
+
+
+def test_modules_and_keys_are_transformers(checkpoints):
+    folder, hf = checkpoints["groups"]
+    ours = load(folder)
+    assert type(ours).__name__ == "Mamba2ForCausalLM"
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
+        {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert ours.no_split_modules == ("Mamba2Block",)
+    assert ours.config.num_attention_heads is None and ours.config.intermediate_size == 128
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(checkpoints, case):
+    folder, hf = checkpoints[case]
+    assert max_logit_diff(load(folder), hf, *left_padded()) < 1e-4
+
+
+def test_loss_and_gradients_match_transformers(checkpoints):
+    folder, hf = checkpoints["groups"]
+    ours, hf = load(folder).train(), copy.deepcopy(hf).train()
+    ids, mask = left_padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    expected = hf(ids, attention_mask=mask, labels=labels).loss
+    got = ours(ids, attention_mask=mask, labels=labels).loss  # the chunked LM-head loss of training mode
+    assert abs(got.item() - expected.item()) < 1e-5
+    expected.backward(), got.backward()
+    theirs = dict(hf.named_parameters())
+    for name, param in ours.named_parameters():
+        reference = theirs[name].grad
+        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-7, name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_then_decode_equals_the_full_forward(checkpoints, case):
+    """7 prompt tokens (no multiple of the chunk), a 4-token chunk continued from the cached state, then one token at
+    a time: every position's logits equal one forward over the whole sequence. The decode steps only with the default
+    time_step_limit: transformers' decode step does not clamp dt (its scan does), and we match its tokens (above)."""
+    from gpuformers.generation.state_cache import RecurrentCache
+
+    ours = load(checkpoints[case][0])
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = ours(ids).logits
+        cache = RecurrentCache()
+        pieces = [ours(ids[:, :7], past_key_values=cache, use_cache=True).logits,
+                  ours(ids[:, 7:11], past_key_values=cache, use_cache=True).logits]
+        pieces += [ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(11, 16)]
+    assert cache.get_seq_length() == 16
+    compared = 16 if CASES[case].get("time_step_limit") is None else 11
+    assert (torch.cat(pieces, dim=1) - full)[:, :compared].abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_match_transformers(checkpoints, case):
+    folder, hf = checkpoints[case]
+    ours = load(folder)
+    ids, mask = left_padded(seq=10, pad=3)
+    greedy = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = hf.generate(ids, **greedy)
+    assert torch.equal(ours.generate(ids, **greedy), expected)
+    # a chunked prefill carries the state from chunk to chunk: the same tokens
+    assert torch.equal(ours.generate(ids, prefill_chunk_size=4, **greedy), expected)
+
+
+def test_sampling_and_beam_search_match_transformers(checkpoints):
+    folder, hf = checkpoints["groups"]
+    ours = load(folder)
+    ids, mask = left_padded(seq=10, pad=3)
+    common = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    sampled = []
+    for model in (ours, hf):
+        torch.manual_seed(11)
+        sampled.append(model.generate(ids, do_sample=True, top_k=20, temperature=0.9, **common))
+    assert torch.equal(*sampled)
+    # beam search reorders the conv and SSM states with the beams it keeps
+    beams = dict(num_beams=3, num_return_sequences=2, do_sample=False, **common)
+    assert torch.equal(ours.generate(ids, **beams), hf.generate(ids, **beams))
+
+
+def test_bare_model_matches_transformers(checkpoints):
+    import transformers
+
+    from gpuformers import AutoModel
+
+    folder, _ = checkpoints["groups"]
+    ids, mask = left_padded()
+    ours = AutoModel.from_pretrained(folder, progress=False)
+    theirs = transformers.AutoModel.from_pretrained(folder).eval()
+    assert type(ours).__name__ == "Mamba2Model"
+    with torch.no_grad():
+        diff = ours(ids, attention_mask=mask).last_hidden_state - theirs(ids, attention_mask=mask).last_hidden_state
+    assert diff[mask.bool()].abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transformers_loads_what_we_save(checkpoints, case, tmp_path):
+    import transformers
+
+    folder, hf = checkpoints[case]
+    load(folder).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["Mamba2ForCausalLM"] and saved["n_groups"] == CASES[case]["n_groups"]
+    assert not {"num_attention_heads", "intermediate_size", "rope_theta", "layer_types"} & set(saved)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert list(reloaded.config.time_step_limit) == list(hf.config.time_step_limit)
+    assert max_logit_diff(reloaded, hf, *left_padded()) == 0.0
+
+
+def test_lora_on_in_proj_matches_peft(checkpoints):
+    """peft refuses out_proj (and conv1d) on Mamba models, which transformers' fused kernel reads directly: in_proj."""
+    from tests.test_lora import _peft_pair
+
+    hf = checkpoints["groups"][1]
+    ours, theirs = _peft_pair(checkpoints["groups"], r=4, lora_alpha=8, target_modules=["in_proj"])
+    assert max_logit_diff(ours, theirs, *left_padded()) < 1e-4
+    assert max_logit_diff(ours, hf, *left_padded()) > 1e-2  # the adapters took part
+
+
+def test_trainer_loss_matches_transformers(checkpoints, tmp_path):
+    """One Trainer step at learning rate 0: the logged training loss is transformers' loss on the same batch."""
+    from gpuformers.training import Trainer
+    from tests.training.helpers import make_rows, tiny_args
+
+    folder, hf = checkpoints["groups"]
+    rows = make_rows(count=4, seed=3)
+    trainer = Trainer(load(folder), tiny_args(tmp_path, max_steps=1, learning_rate=0.0, lr_scheduler_type="constant"),
+                      train_dataset=rows)
+    trainer.train()
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([r["input_ids"] + [0] * (longest - len(r["input_ids"])) for r in rows])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"])) for r in rows])
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.item()
+    assert len(logged) == 1 and abs(logged[0] - expected) < 1e-4
+
+
+def test_refusals_name_what_is_missing(checkpoints):
+    from gpuformers.generation.state_cache import RecurrentCache
+
+    ours = load(checkpoints["groups"][0])
+    ids = torch.tensor([[5, 9, 23, 42, 7]])
+    with pytest.raises(NotImplementedError, match="state-space model"):
+        ours.generate_batch([[5, 9, 23]], max_new_tokens=2, progress_bar=False)
+    with pytest.raises(NotImplementedError, match="state-space model"):
+        ours.init_continuous_batching()
+    with pytest.raises(NotImplementedError, match="state rollback"):
+        ours.generate(ids, prompt_lookup_num_tokens=2, max_new_tokens=3)
+    with pytest.raises(NotImplementedError, match="state-space model"):
+        ours.generate(ids, cache_implementation="static", max_new_tokens=3)
+    cache = RecurrentCache()
+    with torch.no_grad():
+        ours(ids, past_key_values=cache, use_cache=True)
+    cache.crop(5)  # nothing to forget
+    with pytest.raises(NotImplementedError, match="cannot be cropped from 5 to 3"):
+        cache.crop(3)
+    cache.crop(0)
+    assert cache.get_seq_length() == 0 and cache.ssm_state(0) is None
+
+
+def test_config_reads_transformers_spellings_and_refuses_bad_values():
+    from gpuformers.models.config import ModelConfig
+    from gpuformers.models.config_checks import ConfigFieldError
+
+    base = dict(model_type="mamba2", hidden_size=64, num_heads=8, head_dim=16, n_groups=2)
+    config = ModelConfig.from_dict({**base, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert list(config.time_step_limit) == [0.0, float("inf")] and config.vocab_size == 32768  # transformers' default
+    assert config.chunk_size == 256 and config.state_size == 128 and config.residual_in_fp32
+    with pytest.raises(ConfigFieldError, match=r"time_step_limit is \[0.1, 0.01\]; it must be a list \[low, high\]"):
+        ModelConfig.from_dict({**base, "time_step_limit": [0.1, 0.01]})
+    with pytest.raises(ConfigFieldError, match="n_groups is 0; it must be a positive integer"):
+        ModelConfig.from_dict({**base, "n_groups": 0})
+    with pytest.raises(ValueError, match=r"num_heads \(8\) must be a multiple of n_groups \(3\)"):
+        ModelConfig.from_dict({**base, "n_groups": 3})
+    with pytest.raises(ValueError, match=r"hidden_size \* expand \(64 \* 2\) must equal num_heads \* head_dim"):
+        ModelConfig.from_dict({**base, "head_dim": 8})
