@@ -205,3 +205,29 @@ def test_config_reads_transformers_spellings_and_refuses_bad_values():
         ModelConfig.from_dict({**base, "n_groups": 3})
     with pytest.raises(ValueError, match=r"hidden_size \* expand \(64 \* 2\) must equal num_heads \* head_dim"):
         ModelConfig.from_dict({**base, "head_dim": 8})
+
+
+def test_old_embedding_name_and_the_classifier_load(checkpoints, tmp_path):
+    """mamba_ssm's checkpoints name the embeddings backbone.embedding (transformers renames them on load, as we do);
+    AutoModelForSequenceClassification (which transformers does not have for Mamba2) pools the bare model's last
+    non-padding state through its score."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from gpuformers import AutoModel, AutoModelForSequenceClassification
+
+    folder, hf = checkpoints["groups"]
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert max_logit_diff(load(tmp_path), hf, *left_padded()) < 1e-4
+
+    ids = torch.tensor([[5, 9, 23, 42, 7, 8], [0, 0, 11, 12, 13, 14]])  # left padding with pad_token_id 0
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, progress=False, num_labels=3,
+                                                                    pad_token_id=0)
+    states = AutoModel.from_pretrained(folder, progress=False)(ids, attention_mask=(ids != 0).long()).last_hidden_state
+    with torch.no_grad():
+        logits = classifier(ids, attention_mask=(ids != 0).long()).logits
+        assert (logits - classifier.score(states[:, -1])).abs().max() < 1e-5
