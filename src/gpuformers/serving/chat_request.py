@@ -2,8 +2,8 @@
 chat_template_kwargs, reasoning_effort and response_format (structured output: structured_request.py), on top of
 the fields completions share.
 
-Offers: parse_chat, response_format, MAX_TOP_LOGPROBS, ROLES, REASONING_EFFORTS (and, to responses_request.py,
-parse_message).
+Offers: parse_chat, response_format, MAX_TOP_LOGPROBS, ROLES, REASONING_EFFORTS (and, to responses_request.py and
+routes_tokenize.py, parse_message, tools_field, chat_template_kwargs_field).
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def parse_chat(body: Any) -> CompletionRequest:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     request.structured_output = structured_output(body, request.min_tokens,
                                                   response_format(body.get("response_format"), "response_format"))
-    request.tools = _tools(body.get("tools"))
+    request.tools = tools_field(body.get("tools"))
     request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
-    request.chat_template_kwargs = _chat_template_kwargs(body.get("chat_template_kwargs"))
+    request.chat_template_kwargs = chat_template_kwargs_field(body.get("chat_template_kwargs"))
     effort = body.get("reasoning_effort")
     if effort is not None:
         # OpenAI's field; the chat template reads it under the same name (gpt-oss's does; others ignore it)
@@ -121,7 +121,7 @@ def parse_chat(body: Any) -> CompletionRequest:
     return request
 
 
-def _chat_template_kwargs(value: Any) -> dict:
+def chat_template_kwargs_field(value: Any) -> dict:
     """vLLM's chat_template_kwargs: an object of extra chat template variables ({"enable_thinking": false} for
     Qwen3), none of them one the server sets itself."""
     if value is None:
@@ -142,7 +142,7 @@ def _chat_template_kwargs(value: Any) -> dict:
 _FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}
 
 
-def _tools(tools: Any) -> list[dict] | None:
+def tools_field(tools: Any) -> list[dict] | None:
     """Chat's `tools`: function tools {"type": "function", "function": {name, description?, parameters?, strict?}},
     kept as sent (the chat template renders them). `strict` is accepted but not enforced: calls are not constrained
     (response_format is)."""

@@ -76,7 +76,7 @@ class CompletionRequest:
 
 
 # Fields an OpenAI client may send that we accept and ignore (they do not change the tokens we produce; a non-empty
-# suffix would, and is refused in parse_completion).
+# suffix would, and is refused in parse_completion; a best_of other than n would, and is refused in parse_common).
 _IGNORED = {"user", "parallel_tool_calls", "store", "metadata", "service_tier", "best_of", "suffix"}
 _ADJUSTMENTS = {"frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens"}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
@@ -98,7 +98,15 @@ def parse_common(body: Any, allowed: set[str], chat: bool) -> CompletionRequest:
         if not body.get("stream"):
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         include_usage = bool_field(stream_options, "include_usage")
-    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=int_field(body, "n", 1, MAX_N, 1),
+    n = int_field(body, "n", 1, MAX_N, 1)
+    best_of = int_field(body, "best_of", 1)
+    if best_of is not None and best_of != n:
+        # best_of > n means n of best_of sampled candidates, chosen by their log-probability: silently answering the
+        # first n would not be what was asked (vLLM's V1 engine refuses it too)
+        raise APIError(400, f"best_of={best_of} is not supported: this server answers exactly n={n} choices and "
+                            f"does not rank extra candidates; leave best_of out (or equal to n), or ask for "
+                            f"n={best_of} choices with logprobs and rank them yourself", "best_of")
+    return CompletionRequest(model=model, chat=chat, max_tokens=max_tokens, n=n,
                              stop=stop_field(body), stream=bool_field(body, "stream"), include_usage=include_usage,
                              **sampling_fields(body), **_adjustments(body, max_tokens))
 

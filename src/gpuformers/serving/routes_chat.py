@@ -28,9 +28,11 @@ async def chat_completions(request: Request):
     return await serve_job(request, parsed, PATH, ChatJob, chat_prompt_ids)
 
 
-def chat_prompt_ids(state: ServerState, parsed: CompletionRequest) -> list[int]:
+def chat_prompt_ids(state: ServerState, parsed: CompletionRequest, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
     """The chat template's token ids for the messages (and tools); messages of more characters than can fit are
-    refused before any rendering."""
+    refused before any rendering. /tokenize passes the template's two flags (a chat request always starts a new
+    assistant message)."""
     state.prompt_chars.check(sum(len(m["content"]) for m in parsed.messages), parsed.prompt_field,
                              f"text of the {parsed.prompt_field}")
     tokenizer = state.tokenizer
@@ -38,8 +40,9 @@ def chat_prompt_ids(state: ServerState, parsed: CompletionRequest) -> list[int]:
         raise APIError(400, f"model {state.model_name!r} has no chat template; use /v1/completions")
     tools = _tools_of(state, parsed)
     try:
-        ids = tokenizer.apply_chat_template(parsed.messages, tools=tools, add_generation_prompt=True,
-                                            return_dict=False, **parsed.chat_template_kwargs)
+        ids = tokenizer.apply_chat_template(parsed.messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, return_dict=False,
+                                            **parsed.chat_template_kwargs)
     except Exception as error:  # the template's own checks (role order, ...) raise template errors
         raise APIError(400, f"the chat template rejected these messages: {error}", parsed.prompt_field) from None
     return list(ids)

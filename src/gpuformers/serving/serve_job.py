@@ -22,7 +22,6 @@ from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
 from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
 from gpuformers.serving.job import Job
-from gpuformers.serving.request_fields import shown_value
 from gpuformers.serving.server_state import ServerState
 
 # A temperature below this is greedy decoding (vLLM's _SAMPLING_EPS), and a top_p below it is raised to it (which
@@ -44,11 +43,7 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     if parsed.n > state.engine.max_pending:  # a 429 would have the client retry a request that can never fit
         raise APIError(400, f"n={parsed.n} choices are {parsed.n} engine requests, more than this server ever "
                             f"holds at once ({state.engine.max_pending}, --max-pending); lower n", "n")
-    adapter = None if parsed.model == state.model_name else parsed.model  # a LoRA adapter's name, or unknown
-    if adapter is not None and adapter not in state.manager.adapters:
-        served = ", ".join(map(repr, [state.model_name, *state.manager.adapters]))
-        raise APIError(404, f"model {shown_value(parsed.model)} does not exist here; this server serves {served}",
-                       "model", code="model_not_found")
+    adapter = state.adapter_of(parsed.model)  # None for the base model, else a LoRA adapter's name
     state.sampling_defaults.fill(parsed)  # before the Job: a Response object repeats the values used
     # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
     # that other clients' streams keep flowing meanwhile

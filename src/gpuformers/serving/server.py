@@ -1,5 +1,5 @@
 """The FastAPI app of `gpuformers serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions and
-/v1/responses on the continuous batching engine, plus /health and /metrics; and `run_server`, which serves it with
+/v1/responses on the continuous batching engine, plus /health, /metrics, /tokenize and /detokenize; and `run_server`, which serves it with
 uvicorn. A request whose "model" names one of the engine's LoRA adapters (--lora-modules) runs with it.
 
 build_app only assembles the app: its shared state (server_state.ServerState, on `app.state.serving`), the routes of
@@ -10,6 +10,7 @@ each endpoint family from their own modules, the error handlers and the lifespan
     routes_completions.py  POST /v1/completions       -> serve_job.py -> completion_job.CompletionJob
     routes_chat.py         POST /v1/chat/completions  -> serve_job.py -> chat_job.ChatJob
     routes_responses.py    POST /v1/responses         -> serve_job.py -> responses.ResponseJob
+    routes_tokenize.py     POST /tokenize, /detokenize (vLLM's shapes: the tokenizer and chat template alone)
 
 Offers: build_app, run_server, serve_app.
 """
@@ -23,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuformers.serving import routes_admin, routes_chat, routes_completions, routes_responses
+from gpuformers.serving import routes_admin, routes_chat, routes_completions, routes_responses, routes_tokenize
 from gpuformers.serving.api_error import APIError, error_body
 from gpuformers.serving.http import add_unexpected_error_handler, check_api_key_setting
 from gpuformers.serving.lora_routes import add_lora_routes
@@ -56,6 +57,7 @@ def build_app(manager, tokenizer, model_name: str, max_model_len: int | None = N
     routes_completions.add_routes(app)
     routes_chat.add_routes(app)
     routes_responses.add_routes(app)
+    routes_tokenize.add_routes(app)
     return app
 
 

@@ -2,7 +2,7 @@
 handler reads it from `request.app.state.serving`): the model's facts, the engine, the metrics, the parsers chosen
 for the model, and the structured-output compiler.
 
-Offers: ServerState.
+Offers: ServerState (and its adapter_of: which LoRA adapter a request's model names, or a 404).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from gpuformers.serving.job import Engine, now
 from gpuformers.serving.metrics import Metrics
 from gpuformers.serving.prompt_chars import PromptChars
 from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_parser
+from gpuformers.serving.request_fields import shown_value
 from gpuformers.serving.sampling_defaults import SamplingDefaults
 from gpuformers.serving.token_texts import TokenTexts
 from gpuformers.serving.tool_calls import detect_tool_call_parser, get_tool_call_parser, template_renders_tools
@@ -53,6 +54,17 @@ class ServerState:
                                  if reasoning_parser not in (None, "none") else None)
         self._grammars = None  # a StructuredOutputCompiler, made by the first structured-output request
         self._grammars_lock = threading.Lock()
+
+    def adapter_of(self, model: str) -> str | None:
+        """None for the served model, the LoRA adapter's name for one of its adapters (vLLM lists them as models of
+        their own); any other name is a 404 that names what is served."""
+        if model == self.model_name:
+            return None
+        if model not in self.manager.adapters:
+            served = ", ".join(map(repr, [self.model_name, *self.manager.adapters]))
+            raise APIError(404, f"model {shown_value(model)} does not exist here; this server serves {served}",
+                           "model", code="model_not_found")
+        return model
 
     def compile_grammar(self, spec: dict, param: str):
         """The engine Grammar of a parsed response_format (compiled once per schema; runs off the event loop)."""
