@@ -20,7 +20,12 @@ import argparse
 import os
 import sys
 
-from gpuformers.models.command_line import add_quantization_argument, load_model_and_tokenizer
+from gpuformers.models.command_line import (
+    add_kernel_arguments,
+    add_quantization_argument,
+    kernel_options,
+    load_model_and_tokenizer,
+)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +34,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     add_quantization_argument(parser)
+    add_kernel_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 decodes greedily (the default); above 0 samples at that temperature")
@@ -88,7 +94,8 @@ def run_generate(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization,
+                                                kernels=kernel_options(args))
     if args.raw or not tokenizer.chat_template:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
@@ -111,7 +118,8 @@ def run_chat(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization,
+                                                kernels=kernel_options(args))
     if not tokenizer.chat_template:
         print("this model's tokenizer has no chat template; use `gpuformers generate --raw` instead", file=sys.stderr)
         return 2

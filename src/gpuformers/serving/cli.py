@@ -59,11 +59,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send and /v1/models lists (default: MODEL as given)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
-    from gpuformers.models.command_line import add_quantization_argument
+    from gpuformers.models.command_line import add_kernel_arguments, add_quantization_argument
 
     add_quantization_argument(parser)
-    parser.add_argument("--attn-implementation", default=None, choices=("sdpa", "eager"),
-                        help="attention kernel under the paged cache (default: sdpa)")
+    add_kernel_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's context length)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
@@ -154,13 +153,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if name in adapters:
         raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
     from gpuformers.engine.config import ContinuousBatchingConfig
-    from gpuformers.models.command_line import load_model_and_tokenizer
+    from gpuformers.models.command_line import kernel_options, load_model_and_tokenizer
     from gpuformers.serving.server import run_server
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, args.quantization,
-                                                tensor_parallel=processes > 1)
-    if args.attn_implementation:
-        model.set_attn_implementation(args.attn_implementation)
+                                                tensor_parallel=processes > 1, kernels=kernel_options(args))
     config = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                       max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_num_seqs,
                                       max_memory_percent=args.gpu_memory_utilization)
@@ -209,10 +206,21 @@ def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
     from gpuformers.serving.embeddings import load_embedder, parse_hf_overrides
     from gpuformers.serving.server import serve_app
 
+    from gpuformers.models.command_line import kernel_options
+
+    kernels = kernel_options(args)  # its errors before the load
     embedder = load_embedder(args.model, args.dtype, args.device, args.quantization, args.pooling, args.normalize,
                              args.max_model_len, parse_hf_overrides(args.hf_overrides))
     if args.attn_implementation:
+        if kernels.get("allow_all_kernels") and "/" in args.attn_implementation:
+            from gpuformers.layers.flash_attention import register_hub_attention
+
+            register_hub_attention(args.attn_implementation, allow_all_kernels=True)
         embedder.model.set_attn_implementation(args.attn_implementation)
+    if kernels.get("use_kernels"):
+        from gpuformers.kernels.mapping import kernelize
+
+        kernelize(embedder.model, kernel_config=kernels.get("kernel_config"))
     print(f"gpuformers serve: embedding model {name} on {embedder.model.device} (pooling: "
           f"{embedder.pooling.source}; {embedder.hidden_size} dimensions, inputs up to {embedder.max_model_len} "
           f"tokens); listening on http://{args.host}:{args.port}/v1", flush=True)

@@ -53,6 +53,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest checkpoint in --output-dir, or from CHECKPOINT")
     parser.add_argument("--seed", type=int, default=42, help="random seed (default: 42)")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
+    from gpuformers.models.command_line import add_kernel_arguments
+
+    add_kernel_arguments(parser)  # --attn-implementation, --use-kernels, --kernel-config (training-mode kernels)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -65,6 +68,9 @@ def run_train(args: argparse.Namespace) -> int:
     if str(args.model).lower().endswith(".gguf"):  # before the Hub lookup, whose error would only say "a file"
         raise ValueError(f"--model {args.model}: `gpuformers train` fine-tunes a safetensors checkpoint, not a GGUF "
                          "file; pass the folder or Hub id of the checkpoint it was converted from")
+    from gpuformers.models.command_line import kernel_options
+
+    kernels = kernel_options(args)  # an unknown backend or a bad --kernel-config fails before the data is read
     training_args = TrainingArguments(
         output_dir=args.output_dir, num_train_epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
@@ -78,7 +84,7 @@ def run_train(args: argparse.Namespace) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collator = PackedCollator(pad, args.max_length) if args.packing else DataCollatorForCausalLM(pad_token_id=pad)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype,
-                                                 device_map=str(training_args.device))
+                                                 device_map=str(training_args.device), **kernels)
     trainer = Trainer(model, training_args, data_collator=collator, train_dataset=train_rows,
                       eval_dataset=eval_rows, processing_class=tokenizer)
     result = trainer.train(resume_from_checkpoint=args.resume)
