@@ -201,6 +201,10 @@ def format_env(report: dict[str, Any]) -> str:
                 for g in report["nvidia"]["gpus"]]
         lines += ["", f"GPUs {report['nvidia']['source']} lists:",
                   _table(["nvidia-smi", "name", "total", "free", "PCI bus id"], rows)]
+    if report.get("backends"):  # attention backends and kernels: whether each runs here (doctor.backend_report)
+        rows = [[b["kind"], b["name"], "yes" if b["runs"] else "no", b["why"]] for b in report["backends"]]
+        lines += ["", f"Backends and kernels on {report['backends'][0]['where']}:",
+                  _table(["kind", "name", "runs", "why not / note"], rows)]
     return "\n".join(lines)
 
 

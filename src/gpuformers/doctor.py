@@ -4,6 +4,7 @@ Offers:
 - `env_report()` -> dict: everything `gpuformers env` shows (versions, CUDA variables, GPUs joined to nvidia-smi's)
 - `Finding`: one checked line, level "ok" / "info" / "warn" / "fail" and its fix
 - `doctor(report)` -> list of `Finding`; `gpu_mapping(report)`: "cuda:i -> nvidia-smi j -> bus id" lines
+- `backend_report(report, environ)` -> per attention backend and kernel set: whether it can run here and why not
 
 GPU discovery itself (`gpu_info`, `nvidia_gpus`, `visible_devices_problems`) lives in gpuformers.device; this file
 only reads it. torch is imported inside `env_report`, so that a broken torch install is reported, not raised.
@@ -66,6 +67,7 @@ def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | No
         "gpus_flag": environ.get(GPUS_FLAG_VARIABLE),
         "gpus": [],
         "nvidia": None if nvidia is None else {"source": nvidia.source, "gpus": [asdict(g) for g in nvidia.gpus]},
+        "backends": [],
     }
     try:
         import torch
@@ -93,7 +95,45 @@ def env_report(*, cuda: Any = None, probe_nvidia: Callable[[], NvidiaReport | No
         index = by_bus.get(gpu.pci_bus_id, by_uuid.get(gpu.uuid))
         report["gpus"].append({**asdict(gpu), "nvidia_smi_index": index,
                                "torch_supports": arch_supported(gpu.capability, report["arch_list"])})
+    report["backends"] = backend_report(report, environ)
     return report
+
+
+def backend_report(report: dict[str, Any], environ: Any) -> list[dict[str, Any]]:
+    """Each attention backend and kernel set, judged for cuda:0 (or the CPU when no GPU is visible):
+    {"kind": "attention" | "kernels", "name", "runs": bool, "why": "" or why not, with the fix}. Only called once
+    torch imported (the flash backends' rules live beside them in layers/flash_attention.py)."""
+    import importlib.util
+
+    from gpuformers.kernels.hub_kernels import kernels_package_missing
+    from gpuformers.layers.flash_attention import flash_attn_usable
+
+    capability = tuple(report["gpus"][0]["capability"]) if report["gpus"] else None
+    where = "cuda:0 ({}.{})".format(*capability) if capability else "the CPU"
+    if not report["versions"].get("triton"):
+        triton = "triton is not installed (pip install 'gpuformers[kernels]')"
+    elif capability is None:
+        triton = ("" if environ.get("TRITON_INTERPRET", "0") not in ("", "0") else
+                  "no GPU: the Triton kernels are for NVIDIA GPUs (the CPU runs them only under TRITON_INTERPRET=1, "
+                  "for tests)")
+    elif capability < (7, 0):
+        triton = f"Triton needs compute capability 7.0, {where} is older"
+    else:
+        triton = ""
+    flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    hub = kernels_package_missing()
+    rows = [("attention", "sdpa", "", "the default"), ("attention", "eager", "", ""),
+            ("attention", "flex_attention", "" if flex else "this torch has no torch.nn.attention.flex_attention", ""),
+            ("attention", "triton", triton, "")]
+    for name in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
+        why = flash_attn_usable(name, capability)
+        rows.append(("attention", name, why + (" (asked for, it falls back to 'triton' with a warning)"
+                                               if why and capability else ""), ""))
+    rows += [("attention", "Hub kernel 'org/repo'", hub, ""),
+             ("kernels", "use_kernels=True (Triton: RMSNorm, SwiGLU, rotary, losses, MoE)", triton, ""),
+             ("kernels", "KernelConfig Hub / local kernels 'org/repo:Layer'", hub, "")]
+    return [{"kind": kind, "name": name, "where": where, "runs": not why, "why": why or note}
+            for kind, name, why, note in rows]
 
 
 @dataclass(frozen=True)
@@ -222,4 +262,10 @@ def doctor(report: dict[str, Any]) -> list[Finding]:
                                  f"pip install {'triton' if package == 'triton' else 'flash-attn --no-build-isolation'}"))
         else:
             found.append(Finding("info", package, f"{package} is not installed (only needed on a GPU)"))
+    for backend in report.get("backends", []):  # each backend and kernel set: can it run here, and why not
+        if backend["runs"]:
+            found.append(Finding("ok", backend["kind"], f"{backend['name']} runs on {backend['where']}"))
+        else:
+            found.append(Finding("info", backend["kind"], f"{backend['name']} cannot run on {backend['where']}: "
+                                 f"{backend['why']}"))
     return found
