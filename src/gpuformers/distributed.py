@@ -285,6 +285,9 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
             yield
         finally:
             model.set_requires_gradient_sync(True)
+    elif hasattr(model, "set_gradient_accumulation_boundary"):  # a DeepSpeed engine: reduces at its boundary
+        model.set_gradient_accumulation_boundary(enabled)
+        yield
     else:
         yield
 

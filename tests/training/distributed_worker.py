@@ -27,6 +27,8 @@ EVAL_ROWS = dict(count=7, seed=9)  # odd: one process gets a padding row, which 
 DISTRIBUTED_ARGS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, save_steps=3,
                         save_strategy="steps", lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01,
                         max_grad_norm=1.0, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+DEEPSPEED_AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                  "train_batch_size": "auto", "gradient_clipping": "auto"}
 # the named configurations: TrainingArguments on top of DISTRIBUTED_ARGS
 RUNS = {
     "ddp": {},
@@ -40,6 +42,13 @@ RUNS = {
     "hybrid_shard_zero2_offload": {"fsdp": "hybrid_shard_zero2 offload", "fsdp_config": {"dp_shard_size": 1},
                                    "optim": "adamw_torch_fused"},
     "offload": {"fsdp": "full_shard offload", "optim": "adamw_torch_fused"},
+    # DeepSpeed's engine (its CPU accelerator, over gloo) with the Trainer's AdamW and cosine schedule; every value
+    # the arguments decide left "auto", the weights gathered by save_model
+    "zero3": {"deepspeed": {**DEEPSPEED_AUTO, "zero_optimization": {
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}},
+    # accelerate launch --use_deepspeed --zero_stage 2: the environment alone asks for DeepSpeed
+    "accelerate": {},
 }
 
 
@@ -97,6 +106,15 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (C++, JIT: about a minute on CI's two cores)
+    when its communication starts. Only its inference all-reduce uses that op (training's collectives go through
+    torch.distributed, gloo here), so the tests answer DeepSpeed's probe of compatible ops with no for it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
@@ -108,6 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     tp = args.run == "tp"
+    if args.run in ("zero3", "accelerate"):
+        skip_deepspeed_shm_build()
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False, tp_plan="auto" if tp else None)
     eval_batches, layout = CountEvalBatches(), RecordLayout()
     values = {**DISTRIBUTED_ARGS, **RUNS[args.run], "max_steps": args.max_steps, "use_cpu": True}
@@ -115,6 +135,12 @@ def main() -> None:
                       train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), compute_metrics=metrics,
                       preprocess_logits_for_metrics=argmax_ids,
                       callbacks=[eval_batches, layout] + ([StopAt(args.stop_at)] if args.stop_at else []))
+    with trainer.args.main_process_first(local=False):  # process 0 writes its line first, then the other
+        with open(Path(args.output_dir) / "first.txt", "a") as f:
+            f.write(f"{trainer.args.process_index}\n")
+    (Path(args.output_dir) / f"process_{trainer.args.process_index}.json").write_text(json.dumps(
+        [trainer.is_world_process_zero(), trainer.is_local_process_zero(), trainer.args.world_size,
+         trainer.args.distributed_strategy]))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(Path(args.output_dir) / "final")
     trainer.preprocess_logits_for_metrics = None  # predict: the whole logits, gathered from every process

@@ -41,8 +41,19 @@ REPO = Path(__file__).resolve().parents[2]
 def torchrun(module: str, *args: str, processes: int = 2) -> None:
     """`python -m module args` in `processes` processes under torchrun (one thread each, this checkout's code);
     fails the test with the end of their output when one of them fails."""
+    launch(["torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"], module, *args)
+
+
+def accelerate_launch(options: list[str], module: str, *args: str, processes: int = 2) -> None:
+    """The same under `accelerate launch OPTIONS` (its own environment for the processes, e.g. --use_deepspeed)."""
+    launch(["accelerate.commands.launch", f"--num_processes={processes}", "--num_machines=1", "--mixed_precision=no",
+            "--dynamo_backend=no", *options], module, *args)
+
+
+def launch(launcher: list[str], module: str, *args: str) -> None:
+    """`python -m LAUNCHER... -m module args`, one thread per process, this checkout's code; fails the test with
+    the end of the output when a process fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={processes}", "-m", module, *args], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", *launcher, "-m", module, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

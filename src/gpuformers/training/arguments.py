@@ -3,13 +3,17 @@
 Beyond transformers: `bf16="auto"` / `fp16="auto"` pick bfloat16 on compute capability >= 8.0 and float16 on older
 GPUs (the same rule as `dtype="auto"`, `gpuformers.device.default_dtype`), and plain float32 on the CPU.
 
-FSDP: `fsdp` and `fsdp_config` become a `distributed.FSDPOptions` in fsdp_config.py.
+FSDP: `fsdp` and `fsdp_config` become a `distributed.FSDPOptions` in fsdp_config.py. DeepSpeed: `deepspeed` (a JSON
+config's path or a dict) becomes a `DeepSpeedConfig` with its "auto" values filled (deepspeed_config.py). Under
+`accelerate launch`, its environment sets deepspeed, fsdp, bf16 / fp16 and use_cpu where they are left open
+(accelerate_env.py).
 
 Offers: TrainingArguments, SCHEDULERS, OPTIMIZERS, REFUSED, STRATEGIES.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from gpuformers.training.accelerate_env import launcher_overrides
 from gpuformers.training.fsdp_config import fsdp_options, load_fsdp_config
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -135,6 +140,8 @@ class TrainingArguments:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         self.output_dir = os.fspath(self.output_dir)
+        for name, value in launcher_overrides(self).items():  # accelerate launch's plugins, as transformers reads them
+            setattr(self, name, value)
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate {self.learning_rate} is negative; pass a rate >= 0 such as 5e-5")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -191,11 +198,10 @@ class TrainingArguments:
         if self.bf16 is True and self.fp16 is True:
             raise ValueError("bf16=True and fp16=True were both set; pick one (or bf16='auto' to let the GPU decide)")
         self._check_training_extras()
-        if self.deepspeed:
-            raise NotImplementedError("deepspeed is not supported by gpuformers' Trainer; use a single GPU for now")
         self._fsdp_options = self._parse_fsdp()
         self._check_precision()
         self._check_ddp()
+        self._deepspeed_config = self._parse_deepspeed()
 
     def _check_best_model(self) -> None:
         """metric_for_best_model and greater_is_better defaults, and transformers' checks for load_best_model_at_end:
@@ -274,14 +280,45 @@ class TrainingArguments:
 
     @property
     def process_index(self) -> int:
+        """This process's index among all (torchrun's RANK; 0 alone)."""
         return int(os.environ.get("RANK", 0))
 
     @property
+    def local_process_index(self) -> int:
+        """This process's index on its machine (torchrun's LOCAL_RANK; 0 alone)."""
+        return max(0, self.local_rank)
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work"):
+        """Within: the main process (of this machine with local=True, else of all) runs the block first and the
+        others wait for it, then run it (reading what it cached): transformers' way to preprocess a dataset once.
+        A barrier over all processes, so every process must enter it."""
+        from gpuformers import distributed
+
+        main = (self.local_process_index if local else self.process_index) == 0
+        if not main:  # wait until the main process has done `desc`
+            distributed.barrier()
+        try:
+            yield
+        finally:
+            if main:  # done: release the others
+                distributed.barrier()
+
+    @property
     def distributed_strategy(self) -> str | None:
-        """"fsdp" (with fsdp=...) or "ddp" when torchrun started several processes; None for one process."""
+        """"deepspeed" (with deepspeed=..., in any number of processes), else "fsdp" (with fsdp=...) or "ddp" when
+        torchrun started several processes; None for one process."""
+        if self._deepspeed_config is not None:
+            return "deepspeed"
         if self.world_size <= 1:
             return None
         return "fsdp" if self.fsdp else "ddp"
+
+    @property
+    def deepspeed_config(self):
+        """The DeepSpeed config (a deepspeed_config.DeepSpeedConfig, "auto" values filled from these arguments) with
+        deepspeed=... or under accelerate launch --use_deepspeed; None otherwise."""
+        return self._deepspeed_config
 
     @property
     def fsdp_options(self):
@@ -330,6 +367,26 @@ class TrainingArguments:
         if checkpointing:  # fsdp_config activation_checkpointing: transformers' FSDP name for it
             self.gradient_checkpointing = self.activation_checkpointing = True
         return options
+
+    def _parse_deepspeed(self):
+        """deepspeed=... -> a DeepSpeedConfig filled from these arguments (deepspeed_config.py), once the package is
+        known to be there; None without deepspeed."""
+        if not self.deepspeed:
+            return None
+        from gpuformers.training.deepspeed_config import DeepSpeedConfig, require_deepspeed
+
+        if self.fsdp:
+            raise ValueError(f"deepspeed and fsdp={self.fsdp!r} were both given; shard with one of them")
+        if self.lr_scheduler_type == "reduce_lr_on_plateau":
+            raise NotImplementedError('lr_scheduler_type "reduce_lr_on_plateau" under DeepSpeed is not supported '
+                                      "(DeepSpeed steps the scheduler after every optimizer step, without the "
+                                      "metric); pick another lr_scheduler_type")
+        if self.device.type == "cpu":  # DeepSpeed picks its accelerator once, at its first use: the CPU's here
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        require_deepspeed()
+        config = DeepSpeedConfig(self.deepspeed)
+        config.fill_from_arguments(self)
+        return config
 
     def _check_precision(self) -> None:
         import torch

@@ -23,8 +23,11 @@ array: the few NumPy globals that rebuild it are allowed for that file, nothing 
 
 This is transformers' Trainer's layout, file for file, and each Trainer resumes from the other's checkpoints
 (transformers writes training_args.bin, which no resume reads), LoRA runs included (both keep the empty no-decay
-optimizer group of a LoRA model; one-process checkpoints of ours from before that still resume). Its DeepSpeed
-and FSDP checkpoints, and another optimizer's or scheduler's state, are refused with the file and the reason.
+optimizer group of a LoRA model; one-process checkpoints of ours from before that still resume). Its FSDP
+checkpoints, and another optimizer's or scheduler's state, are refused with the file and the reason; its DeepSpeed
+checkpoints (global_stepN/ with DeepSpeed's sharded states, and `latest`, instead of optimizer.pt and scheduler.pt;
+model.safetensors only where the weights are whole) are what a DeepSpeed run writes and resumes from
+(deepspeed_engine.py), and are refused elsewhere.
 
 Offers: save_training_checkpoint, load_training_state, get_last_checkpoint, sorted_checkpoints,
 incomplete_reason, rotate_checkpoints, remove_checkpoint, load_model_weights_in_place, load_optimizer_state,
@@ -125,11 +128,14 @@ def _fsync_dir(folder: Path) -> None:
 def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model, state, args=None, optimizer=None,
                              scheduler=None, scaler=None, save_only_model: bool = False,
                              model_state_dict: dict | None = None, optimizer_state_dict: dict | None = None,
-                             rng_states: list[dict] | None = None) -> Path:
+                             rng_states: list[dict] | None = None, weights: bool = True,
+                             moved_in: Path | None = None) -> Path:
     """Write checkpoint-`step` atomically (see the module docstring) and return its path. The state dicts, when
     given, replace the model's and the optimizer's own (the gathered states of a model sharded by FSDP2).
     rng_states: every process's capture_rng_state(), in rank order (gathered under torchrun), each written to
-    rng_state_<process>.pth; None: this process's own, to rng_state.pth."""
+    rng_state_<process>.pth; None: this process's own, to rng_state.pth. weights=False: the model's config alone
+    (ZeRO-3 weights not gathered). moved_in: a folder whose entries (DeepSpeed's global_stepN/ and latest, written
+    by every process) are moved into the checkpoint before it is published, then removed."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(f"{_TMP_PREFIX}*"):  # left by a save that crashed
@@ -137,10 +143,16 @@ def save_training_checkpoint(output_dir: str | os.PathLike, step: int, *, model,
     final = output_dir / f"{CHECKPOINT_PREFIX}-{step}"
     tmp = output_dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
     tmp.mkdir()
-    if model_state_dict is None:
+    if not weights:
+        model.config.save_pretrained(tmp)
+    elif model_state_dict is None:
         model.save_pretrained(tmp)
     else:
         model.save_pretrained(tmp, state_dict=model_state_dict)
+    if moved_in is not None:
+        for entry in moved_in.iterdir():
+            os.rename(entry, tmp / entry.name)
+        moved_in.rmdir()
     if not save_only_model:
         if optimizer is not None:
             state_dict = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
@@ -348,10 +360,10 @@ def _refuse_foreign_layouts(folder: Path) -> None:
     is loaded, rather than resumed with a fresh optimizer."""
     deepspeed = _deepspeed_files(folder)
     if deepspeed:
-        raise ValueError(f"{deepspeed[0]}: {folder} is a DeepSpeed checkpoint (transformers' Trainer with "
-                         f"deepspeed=...), whose optimizer state is in DeepSpeed's ZeRO files, which gpuformers cannot "
-                         f"read; resume it with transformers and DeepSpeed, or start a new run from its weights "
-                         f"(from_pretrained; under ZeRO-3 after its zero_to_fp32.py)")
+        raise ValueError(f"{deepspeed[0]}: {folder} is a DeepSpeed checkpoint (a Trainer with deepspeed=...), "
+                         f"whose optimizer state is in DeepSpeed's ZeRO files: resume it with the same "
+                         f"deepspeed=... config, or start a new run from its weights (from_pretrained; under ZeRO-3 "
+                         f"after its zero_to_fp32.py)")
     fsdp = _fsdp_files(folder)
     if fsdp:
         raise ValueError(f"{fsdp[0]}: {folder} was written by transformers' Trainer under FSDP (accelerate's "
@@ -431,15 +443,17 @@ def _load_scheduler(scheduler, path: Path, dropped_groups: list[int]) -> None:
 
 
 def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None, scheduler=None,
-                        scaler=None, process_index: int = 0) -> dict[str, Any]:
+                        scaler=None, process_index: int = 0, deepspeed: bool = False) -> dict[str, Any]:
     """Load model weights, optimizer, scheduler and scaler states into the given objects; return
     {"state_path": ..., "rng": rng state or None} for the caller to restore at the right moment. Reads checkpoints
-    of transformers' Trainer too (one process or DDP: rng_state_<process_index>.pth)."""
+    of transformers' Trainer too (one process or DDP: rng_state_<process_index>.pth). deepspeed: the run is a
+    DeepSpeed one, whose engine loads the global_stepN/ states itself; its layout is then not refused."""
     folder = Path(checkpoint)
     if not (folder / STATE_NAME).is_file():
         raise FileNotFoundError(f"{folder} is not a complete training checkpoint (no {STATE_NAME}); pass a "
                                 f"checkpoint-N folder written by the Trainer, or resume_from_checkpoint=True")
-    _refuse_foreign_layouts(folder)
+    if not deepspeed:
+        _refuse_foreign_layouts(folder)
     if (reason := incomplete_reason(folder)) is not None:
         raise FileNotFoundError(f"{folder} is not a complete training checkpoint ({reason}; a crash while it was being "
                                 f"deleted leaves that): pass an earlier checkpoint-N, or resume_from_checkpoint=True, "
@@ -456,7 +470,7 @@ def load_training_state(checkpoint: str | os.PathLike, *, model, optimizer=None,
     # under torchrun both Trainers write one RNG file per process
     rng_path = next((path for path in (folder / RNG_NAME, folder / f"rng_state_{process_index}.pth")
                      if path.is_file()), None)
-    if rng_path is None and (folder / OPTIMIZER_NAME).is_file():
+    if rng_path is None and ((folder / OPTIMIZER_NAME).is_file() or _deepspeed_files(folder)):
         logger.warning("%s holds no %s (nor rng_state_%d.pth): the random generators go on from where they are, so "
                        "dropout will not draw what the run that wrote it drew", folder, RNG_NAME, process_index)
     return {"state_path": folder / STATE_NAME, "rng": _load_rng(rng_path) if rng_path else None}

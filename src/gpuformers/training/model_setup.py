@@ -32,7 +32,8 @@ def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> No
                                   "model on one device for now: load it with device_map=None or one device")
     if tensor_parallel:
         _check_tensor_parallel_args(args, model)
-    if args.mixed_precision == torch.float16:
+    # (DeepSpeed keeps float32 master weights of float16 ones itself: no gradient scaler of ours to refuse them)
+    if args.mixed_precision == torch.float16 and args.distributed_strategy != "deepspeed":
         half = next((name for name, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16),
                     None)
         if half is not None:  # the scaler refuses to unscale float16 gradients, at the first optimizer step
@@ -52,6 +53,9 @@ def _check_tensor_parallel_args(args: TrainingArguments, model) -> None:
         raise NotImplementedError("training a tensor-parallel mixture-of-experts model is not supported yet (its "
                                   "experts' outputs are summed over the processes without a backward); train it "
                                   "without tp_plan (FSDP2: fsdp='full_shard'), or serve and generate with it")
+    if args.deepspeed_config is not None:
+        raise NotImplementedError("DeepSpeed with a tensor-parallel model (loaded with tp_plan) is not supported; "
+                                  "load the model without tp_plan (ZeRO-3 shards the parameters), or drop deepspeed")
     if args.fsdp:
         raise NotImplementedError(f"fsdp={args.fsdp!r} with a tensor-parallel model (2-D parallelism: FSDP2 across "
                                   "tensor-parallel groups) is not supported yet; drop fsdp, or load the model "

@@ -17,6 +17,7 @@ Beyond the loop, as transformers does them: label_smoothing_factor and neftune_n
 load_best_model_at_end / metric_for_best_model (best_model.py: state.best_metric and best_model_checkpoint tracked
 at each evaluation, the best checkpoint kept by the rotation and loaded at the end). The Trainer's other parts sit
 beside it: model_setup.py (what cannot be trained is refused, gradient checkpointing, DDP / FSDP2 wrapping),
+deepspeed_engine.py (the DeepSpeed strategy: its engine steps in place of backward / optimizer.step),
 sampling.py (each epoch's batches), streaming.py (iterable datasets, read as streams), and two parts it owns, given
 what they need when the Trainer makes them: its Evaluator (evaluation.py: evaluate, predict) and its Checkpointer
 (checkpointing.py: save, resume, save_model).
@@ -49,6 +50,7 @@ from gpuformers.training.arguments import TrainingArguments
 from gpuformers.training.best_model import (check_best_model_setup, keep_only_best_checkpoint, load_best_model,
                                            metric_key, update_best_metric)
 from gpuformers.training.checkpointing import Checkpointer
+from gpuformers.training import deepspeed_engine
 from gpuformers.labels import IGNORE_INDEX
 from gpuformers.training.data import DataCollatorForCausalLM
 from gpuformers.training.evaluation import (EvalPrediction, Evaluator, PredictionOutput,  # noqa: F401 (offered)
@@ -118,10 +120,14 @@ class Trainer:
             model = model_init()
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed)
-        # under torchrun: join the process group (else a no-op); FSDP2's CPU offload also needs gloo for CPU tensors
+        # under torchrun: join the process group (else a no-op); FSDP2's CPU offload also needs gloo for CPU tensors;
+        # DeepSpeed needs a group even in one process
         offload = self.args.fsdp_options is not None and self.args.fsdp_options.cpu_offload
-        distributed.init_distributed(self.args.device, self.args.ddp_timeout, cpu_offload=offload,
-                                     backend=self.args.ddp_backend)
+        if self._deepspeed:
+            deepspeed_engine.init_process_group(self.args.device, self.args.ddp_timeout, self.args.ddp_backend)
+        else:
+            distributed.init_distributed(self.args.device, self.args.ddp_timeout, cpu_offload=offload,
+                                         backend=self.args.ddp_backend)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         from gpuformers.tensor_parallel import is_tensor_parallel
@@ -143,7 +149,7 @@ class Trainer:
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.model_wrapped = None  # the model made data-parallel (DDP / FSDP2) by the first train()
+        self.model_wrapped = None  # the model made data-parallel (DDP / FSDP2, DeepSpeed's engine) by the first train()
         self.scaler = None
         self._micro_batches = 1  # micro-batches in the current optimizer step
         self.state, self.control = cb.TrainerState(), cb.TrainerControl()
@@ -159,14 +165,36 @@ class Trainer:
         self._model_counts_items = "num_items_in_batch" in forward
         # compute_loss as written here reads only the loss: the model may then skip the (tokens, vocab) logits
         # (layers/loss.py's chunked linear + cross-entropy); not under torch.compile, which reads no ContextVar
-        # (label smoothing reads the logits)
+        # (label smoothing reads the logits); nor under ZeRO-3, which gathers a module's weights around its own
+        # forward only, while the fused loss reads the LM head's weight without calling the head
+        zero3 = self.args.deepspeed_config is not None and self.args.deepspeed_config.is_zero3
         self._skip_logits = (type(self).compute_loss is Trainer.compute_loss and not self.args.torch_compile
-                             and not self.args.label_smoothing_factor)
+                             and not self.args.label_smoothing_factor and not zero3)
         self.evaluator = Evaluator(self.model, self.args.device, self._data_parallel[0], batches=self._eval_batches,
                                    step=self._eval_step, on_prediction_step=self._on_prediction_step,
                                    shard=self._wrap_model if self._sharded_later else None)
         self.checkpointer = Checkpointer(self.args, self.model, self._gathers_states, self._tensor_parallel)
         self.control = self._call("on_init_end")
+
+    # --- processes ------------------------------------------------------------------------------------------
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of all (the one that logs and writes checkpoints)."""
+        return self.args.process_index == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine."""
+        return self.args.local_process_index == 0
+
+    @property
+    def _deepspeed(self) -> bool:
+        """The DeepSpeed strategy (deepspeed=..., or accelerate launch --use_deepspeed)."""
+        return self.args.distributed_strategy == "deepspeed"
+
+    @property
+    def _engine(self):
+        """The DeepSpeed engine once train() made it, else None."""
+        return self.model_wrapped if self._deepspeed else None
 
     # --- hooks ----------------------------------------------------------------------------------------------
 
@@ -263,7 +291,7 @@ class Trainer:
 
     def _autocast(self):
         dtype = self.args.mixed_precision
-        if dtype is None:
+        if dtype is None or self._deepspeed:  # DeepSpeed holds the weights in the config's precision itself
             return contextlib.nullcontext()
         return torch.autocast(self.args.device.type, dtype=dtype)
 
@@ -303,7 +331,10 @@ class Trainer:
         if world > 1 and num_items_in_batch is not None and (self._model_counts_items or self.compute_loss_func):
             # The loss is already over the whole step's tokens (all processes): undo DDP's / FSDP2's average.
             backward = loss * world
-        (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
+        if self._deepspeed:  # the loss is over the step's tokens already: not divided by the accumulation again
+            self.model_wrapped.backward(backward, scale_wrt_gas=False)
+        else:
+            (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         return loss.detach()
 
     def _eval_step(self, batch: dict[str, Any], keep_logits: bool):
@@ -327,6 +358,8 @@ class Trainer:
 
     def _optimizer_step(self) -> torch.Tensor | None:
         """Unscale, clip, step; returns the gradient norm before clipping (a tensor; None without clipping)."""
+        if self._deepspeed:
+            return self._deepspeed_step()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = None
@@ -348,6 +381,17 @@ class Trainer:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _deepspeed_step(self) -> torch.Tensor | None:
+        """DeepSpeed's step: clipping (the config's gradient_clipping), the optimizer and the scheduler (skipped on an
+        fp16 overflow), gradients zeroed; returns the gradient norm before clipping (None without clipping)."""
+        self.control = self._call("on_pre_optimizer_step")
+        self.model_wrapped.step()
+        self.control = self._call("on_optimizer_step")
+        norm = self.model_wrapped.get_global_grad_norm()
+        if not (self.args.max_grad_norm and self.args.max_grad_norm > 0) or norm is None:
+            return None
+        return torch.as_tensor(norm)
 
     def _update(self, model, micro: list[dict[str, Any]]):
         """One optimizer step over its micro-batches -> (loss tensor, this process's input tokens, grad norm, learning
@@ -374,7 +418,7 @@ class Trainer:
         num_items = max(1, global_items) if counts_items else None
         loss = 0.0
         for i, batch in enumerate(micro):
-            # DDP / FSDP2 exchange gradients in the last micro-batch's backward only
+            # DDP / FSDP2 exchange gradients in the last micro-batch's backward only (DeepSpeed: its boundary)
             with distributed.gradient_sync(getattr(model, "_orig_mod", model), enabled=i == len(micro) - 1):
                 loss = loss + self.training_step(model, batch, num_items)
             if i < len(micro) - 1:
@@ -445,9 +489,12 @@ class Trainer:
             resume_from_checkpoint = ckpt.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {args.output_dir} holds no complete checkpoint-N")
-        self._wrap_model(resume_from_checkpoint)
-        self.create_optimizer_and_scheduler(plan.max_steps)  # after sharding: FSDP2 replaces the parameters
-        if args.mixed_precision == torch.float16 and self.scaler is None:
+        if self._deepspeed:
+            self._create_deepspeed_engine(plan.max_steps)
+        else:
+            self._wrap_model(resume_from_checkpoint)
+            self.create_optimizer_and_scheduler(plan.max_steps)  # after sharding: FSDP2 replaces the parameters
+        if args.mixed_precision == torch.float16 and self.scaler is None and not self._deepspeed:
             self.scaler = torch.amp.GradScaler(args.device.type)
         self.state = cb.TrainerState(max_steps=plan.max_steps, num_train_epochs=plan.num_epochs,
                                      train_batch_size=args.train_batch_size, logging_steps=args.logging_steps,
@@ -457,11 +504,27 @@ class Trainer:
         rng = None
         if resume_from_checkpoint:
             rng = self.checkpointer.resume(resume_from_checkpoint, self.state, self.optimizer, self.lr_scheduler,
-                                           self.scaler, self.callback_handler.callbacks)
+                                           self.scaler, self.callback_handler.callbacks, engine=self._engine)
         # a stream's passes may end early: its place is in state.epoch = pass + updates in that pass / max_steps
         epoch, update = divmod(round(self.state.epoch * plan.max_steps) if plan.stream else self.state.global_step,
                                plan.updates_per_epoch)
         return _Start(epoch, update, rng)
+
+    def _create_deepspeed_engine(self, max_steps: int) -> None:
+        """DeepSpeed's engine around the model, once (a later train() goes on with it), with the optimizer and
+        scheduler of the config or of the Trainer (deepspeed_engine.py)."""
+        if self.model_wrapped is None:
+            args = self.args
+            warmup = args.get_warmup_steps(max_steps)
+
+            def make_scheduler(optimizer):
+                return build_scheduler(optimizer, args.lr_scheduler_type, warmup, max_steps,
+                                       **(args.lr_scheduler_kwargs or {}))
+
+            self.model_wrapped, self.optimizer, self.lr_scheduler = deepspeed_engine.initialize(
+                self.model, args.deepspeed_config, self.optimizer, lambda: build_optimizer(self.model, args),
+                make_scheduler, self.lr_scheduler, max_steps, warmup)
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
 
     def _begin_training(self):
         """Train mode, NEFTune, on_train_begin; -> (the model the steps run, compiled under torch_compile; the hook)."""
@@ -536,7 +599,10 @@ class Trainer:
                    "train_tokens_per_second": round(tokens / max(runtime, 1e-9), 2), "epoch": self.state.epoch}
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            load_best_model(self.model, self.state, self._gathers_states)
+            if self._deepspeed:  # the best checkpoint's DeepSpeed states, into the engine's shards
+                deepspeed_engine.load_checkpoint(self.model_wrapped, self.state.best_model_checkpoint)
+            else:
+                load_best_model(self.model, self.state, self._gathers_states)
         if args.save_total_limit == 1 and self.state.best_model_checkpoint is not None:
             keep_only_best_checkpoint(args.output_dir, self.state)
         self.control = self._call("on_train_end")
@@ -616,10 +682,11 @@ class Trainer:
     def _save_checkpoint(self) -> Path:
         """checkpoint-N of this step (written once every process is done with it), then the on_save callbacks."""
         path = self.checkpointer.save(self.state, self.optimizer, self.lr_scheduler, self.scaler,
-                                      self.callback_handler.callbacks + [self.control], self.processing_class)
+                                      self.callback_handler.callbacks + [self.control], self.processing_class,
+                                      engine=self._engine)
         self.control = self._call("on_save")
         return path
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """The model (config + safetensors, loadable by from_pretrained and transformers), tokenizer, arguments."""
-        self.checkpointer.save_model(output_dir, self.processing_class)
+        self.checkpointer.save_model(output_dir, self.processing_class, engine=self._engine)

@@ -1,0 +1,241 @@
+"""DeepSpeed ZeRO and `accelerate launch` under the Trainer, on the CPU (DeepSpeed's CPU accelerator, gloo):
+
+- `accelerate launch --use_deepspeed --zero_stage 2` (2 processes, the environment alone asking for DeepSpeed) and
+  a ZeRO-3 run from a DeepSpeed config under torchrun train exactly like one process on the same global batches
+  (losses, gradient norms, evaluation, final weights), and their checkpoints hold DeepSpeed's sharded states;
+- the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
+  weights gathered) loads in transformers with equal logits;
+- the config's "auto" values, its contradictions with the arguments, accelerate's DeepSpeed, FSDP and mixed-precision
+  variables, and the missing package.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from gpuformers import AutoModelForCausalLM
+from gpuformers.training import TrainingArguments
+from tests.training import helpers
+from tests.training.test_distributed_trainer import single_process, weights  # noqa: F401 (a fixture)
+
+pytest.importorskip("deepspeed")
+
+ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
+ACCELERATE_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+                        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION",
+                        "FSDP_VERSION", "FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS",
+                        "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP", "WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ACCELERATE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def assert_trains_like_one_process(logged: dict, expected: dict, steps: range) -> None:
+    losses = {int(k): v for k, v in logged.items() if k.isdigit()}
+    assert sorted(losses) == list(steps)
+    for step, (loss, grad_norm) in losses.items():
+        assert loss == pytest.approx(expected[step][0], rel=1e-5, abs=1e-5)
+        assert grad_norm == pytest.approx(expected[step][1], rel=1e-5, abs=1e-5)
+
+
+def deepspeed_states(checkpoint) -> list[str]:
+    return sorted(p.name for p in (checkpoint / checkpoint.name.replace("checkpoint-", "global_step")).iterdir())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accelerate_launch_zero2_trains_like_one_process(tiny_checkpoint, single_process, tmp_path):
+    helpers.accelerate_launch(["--use_deepspeed", "--zero_stage=2"], "tests.training.distributed_worker",
+                              str(tiny_checkpoint), str(tmp_path), "accelerate")
+    expected_losses, expected_weights = single_process
+    logged = json.loads((tmp_path / "losses.json").read_text())
+    assert_trains_like_one_process(logged, expected_losses, range(1, 7))
+    for key in ("eval3", "eval6"):
+        assert logged[key] == pytest.approx(expected_losses[key], rel=1e-5)
+    got = weights(tmp_path / "final")
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)
+    # DeepSpeed really ran, ZeRO-2: one optimizer-state shard per process and the model states once
+    assert deepspeed_states(tmp_path / "checkpoint-3") == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    processes = [json.loads((tmp_path / f"process_{rank}.json").read_text()) for rank in (0, 1)]
+    assert processes == [[True, True, 2, "deepspeed"], [False, False, 2, "deepspeed"]]
+    assert (tmp_path / "first.txt").read_text() == "0\n1\n"  # main_process_first: process 0 ran the block first
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_resumes_exactly_and_saves_whole_weights(tiny_checkpoint, single_process, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    helpers.torchrun("tests.training.distributed_worker", str(tiny_checkpoint), str(tmp_path), "zero3",
+                     "--stop-at", "3")
+    expected_losses, expected_weights = single_process
+    assert_trains_like_one_process(json.loads((tmp_path / "losses.json").read_text()), expected_losses, range(1, 4))
+    # ZeRO-3: parameters sharded too, so every process writes its own model and optimizer states
+    assert deepspeed_states(tmp_path / "checkpoint-3") == [
+        f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in (0, 1) for kind in ("model", "optim")]
+    helpers.torchrun("tests.training.distributed_worker", str(tiny_checkpoint), str(tmp_path), "zero3", "--resume")
+    # steps 1-3 from the checkpoint's log, 4-6 after the resume: the uninterrupted run's numbers
+    assert_trains_like_one_process(json.loads((tmp_path / "losses.json").read_text()), expected_losses, range(1, 7))
+    got = weights(tmp_path / "final")  # save_model gathered the ZeRO-3 shards into whole weights
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5)
+    ids = torch.tensor([[3, 17, 42, 99, 5, 64]])
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "final", progress=False)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-4, rtol=0)
+
+
+# --- the config and the launcher's environment, in this process -------------------------------------------------
+
+
+def test_auto_values_are_filled_from_the_arguments(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                  "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                "warmup_num_steps": "auto",
+                                                                "total_num_steps": "auto"}},
+              "bf16": {"enabled": "auto"},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    args = TrainingArguments(tmp_path, deepspeed=str(path), per_device_train_batch_size=3,
+                             gradient_accumulation_steps=4, learning_rate=2e-4, adam_beta2=0.95, weight_decay=0.1,
+                             max_grad_norm=0.5, bf16=True, warmup_steps=0.1)
+    ds = args.deepspeed_config
+    assert args.distributed_strategy == "deepspeed" and ds.is_zero3 and args.deepspeed == str(path)
+    assert ds.config["train_micro_batch_size_per_gpu"] == 3 and ds.config["gradient_accumulation_steps"] == 4
+    assert ds.config["train_batch_size"] == 2 * 3 * 4 and ds.config["gradient_clipping"] == 0.5
+    assert ds.config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    assert ds.config["bf16"] == {"enabled": True}
+    model = torch.nn.Linear(2, 2)
+    model.config = type("Config", (), {"hidden_size": 64})()
+    ds.finalize(model, num_training_steps=50, warmup_steps=args.get_warmup_steps(50))
+    assert ds.config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5,
+                                                "total_num_steps": 50}
+    assert ds.config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert ds.config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+
+
+def test_a_config_that_contradicts_the_arguments_names_both_values(tmp_path):
+    config = {**ZERO3, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.3}
+    with pytest.raises(ValueError) as error:
+        TrainingArguments(tmp_path, deepspeed=config, per_device_train_batch_size=2, max_grad_norm=1.0)
+    message = str(error.value)
+    assert "train_micro_batch_size_per_gpu=4 but TrainingArguments per_device_train_batch_size=2" in message
+    assert "gradient_clipping=0.3 but TrainingArguments max_grad_norm=1.0" in message
+    ds = TrainingArguments(tmp_path, deepspeed={**ZERO3, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_num_steps": 7}}}, warmup_steps=3).deepspeed_config
+    with pytest.raises(ValueError, match="warmup_num_steps=7 but TrainingArguments warmup_steps=3"):
+        ds.finalize(torch.nn.Linear(2, 2), num_training_steps=10, warmup_steps=3)
+    with pytest.raises(ValueError, match="deepspeed and fsdp='full_shard' were both given"):
+        TrainingArguments(tmp_path, deepspeed=ZERO3, fsdp="full_shard")
+
+
+def test_without_deepspeed_the_error_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` fails as on an install without it
+    with pytest.raises(ImportError, match=r"gpuformers\[deepspeed\]"):
+        TrainingArguments(tmp_path, deepspeed=ZERO3)
+
+
+def test_accelerate_deepspeed_plugin_variables(monkeypatch, tmp_path):
+    for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+                        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+                        "ACCELERATE_MIXED_PRECISION": "bf16"}.items():
+        monkeypatch.setenv(name, value)
+    args = TrainingArguments(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    ds = args.deepspeed_config
+    assert args.distributed_strategy == "deepspeed" and args.mixed_precision == torch.bfloat16
+    assert ds.is_zero3 and ds.offloads and ds.gathers_weights_on_save
+    assert ds.config["train_micro_batch_size_per_gpu"] == 2 and ds.config["gradient_accumulation_steps"] == 3
+    assert ds.config["bf16"] == {"enabled": True}
+    # accelerate's deepspeed_config_file: the file's values stand, the other variables fill its "auto" ones only
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1}}))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    ds = TrainingArguments(tmp_path, gradient_accumulation_steps=3).deepspeed_config
+    assert ds.zero_stage == 1 and ds.config["gradient_accumulation_steps"] == 3
+    # the arguments' own deepspeed=... wins over the launcher's plugin
+    assert TrainingArguments(tmp_path, deepspeed={"zero_optimization": {"stage": 2}}).deepspeed_config.zero_stage == 2
+
+
+def test_accelerate_fsdp_plugin_variables(monkeypatch, tmp_path):
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+                        "FSDP_OFFLOAD_PARAMS": "true", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                        "FSDP_TRANSFORMER_CLS_TO_WRAP": "Qwen3DecoderLayer", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    args = TrainingArguments(tmp_path)
+    assert args.distributed_strategy == "fsdp" and args.fsdp == "shard_grad_op offload"
+    options = args.fsdp_options
+    assert (options.reshard_after_forward, options.cpu_offload, options.layer_classes) == (
+        False, True, ("Qwen3DecoderLayer",))
+    # FSDP1's variables (accelerate's default version) name the same strategies; NO_WRAP is accelerate's default
+    for name in ("FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS", "FSDP_AUTO_WRAP_POLICY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "4")  # HYBRID_SHARD
+    options = TrainingArguments(tmp_path).fsdp_options
+    assert (options.hybrid_shard, options.reshard_after_forward, options.layer_classes) == (True, True, ())
+    assert TrainingArguments(tmp_path, fsdp="full_shard").fsdp_options.hybrid_shard is False  # the arguments win
+
+
+def test_accelerate_mixed_precision_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert TrainingArguments(tmp_path).mixed_precision == torch.bfloat16
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(NotImplementedError, match="ACCELERATE_MIXED_PRECISION='fp8'"):
+        TrainingArguments(tmp_path)
+
+
+# --- on a GPU (scripts/gpu_check.sh) -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path):
+    import torch.distributed as dist
+
+    from gpuformers.training import Trainer
+    from tests.training.distributed_worker import StopAt
+
+    config = {**ZERO3, "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
+
+    def train(folder, stop_at=None, resume=None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float32", device_map="cuda",
+                                                     progress=False)
+        args = helpers.tiny_args(folder, deepspeed=config, bf16=True, max_steps=6, save_strategy="steps",
+                                 save_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2)
+        trainer = Trainer(model, args, train_dataset=helpers.make_rows(24),
+                          callbacks=[StopAt(stop_at)] if stop_at else [])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+    try:
+        whole, expected = train(tmp_path / "whole")
+        engine = whole.model_wrapped
+        assert engine.bfloat16_enabled() and engine.zero_optimization_stage() == 2
+        assert next(whole.model.parameters()).dtype == torch.bfloat16  # DeepSpeed holds bf16 weights, fp32 masters
+        assert all(torch.isfinite(torch.tensor(list(expected.values()))))
+        train(tmp_path / "stopped", stop_at=3)
+        assert (tmp_path / "stopped" / "checkpoint-3" / "global_step3").is_dir()
+        _, resumed = train(tmp_path / "stopped", resume=True)
+        assert sorted(resumed) == list(range(1, 7))
+        for step, loss in expected.items():
+            assert resumed[step] == pytest.approx(loss, rel=1e-3)
+    finally:
+        if dist.is_initialized():  # the one-process group DeepSpeed ran over, left to this test's process
+            dist.destroy_process_group()
