@@ -64,7 +64,7 @@ class RecordingEngine:
 
 def make_job(engine, body, vocab_size=128):
     state = SimpleNamespace(engine=engine, tokenizer=None, eos_ids=set(), vocab_size=vocab_size)
-    return Job(state, parse_completion(body), [1, 2, 3, 4], max_tokens=5, loop=None)
+    return Job(state, parse_completion(body), [[1, 2, 3, 4]], max_tokens=[5], loop=None)
 
 
 def test_a_job_passes_the_fields_to_the_engine():

@@ -184,6 +184,28 @@ def test_top_logprobs_are_the_model_top_tokens(server, reference):
     assert completion.choices[0].logprobs.tokens[0] in tops[0]
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(server, reference):
+    """OpenAI's list of prompts: n choices per prompt, numbered prompt x n + choice, each the greedy answer that
+    prompt gets alone (texts and token ids alike), with echo per prompt, streamed the same, usage summed."""
+    _, tokenizer = reference
+    texts = ["The quick brown fox", "Once upon a time there", "Paris is"]
+    ids = [tokenizer.encode(t) for t in texts]
+    expected = [decode(reference, greedy_reference(reference, i, 6)) for i in ids]
+    c = client(server)
+    out = c.completions.create(model=MODEL_NAME, prompt=texts, max_tokens=6, temperature=0, n=2, echo=True)
+    assert [ch.index for ch in out.choices] == list(range(6))
+    assert [ch.text for ch in out.choices] == [t + e for t, e in zip(texts, expected) for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(map(len, ids))
+    as_ids = c.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert [ch.text for ch in as_ids.choices] == expected
+    stream = c.completions.create(model=MODEL_NAME, prompt=texts, max_tokens=6, temperature=0, stream=True)
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+
+
 def test_echo_prepends_the_prompt(server):
     out = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0, echo=True)
     plain = client(server).completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0)
@@ -327,7 +349,9 @@ BAD_REQUESTS = [
     ("/completions", {"model": M, "prompt": [1, "a"]}, 400, "prompt"),
     ("/completions", {"model": M, "prompt": [1, 10**9]}, 400, "prompt"),
     ("/completions", {"model": M, "prompt": [-1]}, 400, "prompt"),
-    ("/completions", {"model": M, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/completions", {"model": M, "prompt": ["a", [1]]}, 400, "prompt"),  # a batch is all texts or all ids
+    ("/completions", {"model": M, "prompt": ["a", ""]}, 400, "prompt"),
+    ("/completions", {"model": M, "prompt": [[1], [10**9]]}, 400, "prompt"),
     ("/completions", {"model": M, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/completions", {"model": M, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/completions", {"model": M, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),

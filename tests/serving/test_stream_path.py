@@ -138,7 +138,7 @@ def test_a_closed_loop_raises_as_call_soon_threadsafe_does():
 
 def make_job(parsed):
     state = SimpleNamespace(tokenizer=None, eos_ids=set(), reasoning_parser=None, tool_call_parser=None)
-    return Job(state, parsed, [1, 2, 3], max_tokens=8, loop=None)
+    return Job(state, parsed, [[1, 2, 3]], max_tokens=[8], loop=None)
 
 
 TEXTS = ["hello", " world", "text", '"text"', 'say "hi"\\n', "\n\t\x00\x1f", "é👋🏽你好", "\u2028\u2029", "}]}",

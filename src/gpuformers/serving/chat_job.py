@@ -22,13 +22,13 @@ class ChatJob(Job):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
+    def __init__(self, state, parsed: CompletionRequest, prompts: list[list[int]], max_tokens: list[int], loop):
         # The answer goes through the model's reasoning parser, if it has one: one parser per choice; a parser
         # that reads special-token markers (harmony) gets the text decoded with them kept
         reasoning_parser = state.reasoning_parser
         self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
         self.keep_special_tokens = reasoning_parser is not None and reasoning_parser.keeps_special_tokens
-        super().__init__(state, parsed, prompt_ids, max_tokens, loop)
+        super().__init__(state, parsed, prompts, max_tokens, loop)
         # With tools and tool_choice "auto", each choice's text goes through the model's tool-call parser (the
         # server checked that it has one); a stream feeds one parser per choice
         self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None

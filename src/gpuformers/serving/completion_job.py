@@ -45,25 +45,28 @@ class CompletionJob(Job):
         return {"tokens": strings, "token_logprobs": [finite_logprob(v) for v in values], "top_logprobs": top_dicts,
                 "text_offset": offsets}
 
-    def _echo_text(self) -> str:
-        """The prompt as echo returns it: as the client sent it, or decoded when it sent token ids."""
-        return self.parsed.prompt_text or self.state.tokenizer.decode(self.prompt_ids)
+    def _echo_text(self, index: int) -> str:
+        """The prompt of choice `index` as echo returns it: as the client sent it, or decoded from token ids."""
+        prompt = self.prompt_of(index)
+        sent = self.parsed.prompts[prompt]
+        return sent if isinstance(sent, str) else self.state.tokenizer.decode(self.prompts[prompt])
 
-    def _echoed_logprobs(self, completion: dict) -> dict:
-        """The prompt's logprobs object (scored by choice 0's engine request) followed by the completion's."""
-        first = self.choices[0]
-        prompt = self._logprobs_object(self.prompt_ids, list(first.prompt_logprobs), list(first.prompt_top_logprobs),
-                                       0)
-        if len(prompt["token_logprobs"]) != len(self.prompt_ids):
+    def _echoed_logprobs(self, index: int, completion: dict) -> dict:
+        """The prompt's logprobs object (scored by the engine request of its first choice) followed by the
+        completion's."""
+        prompt_index = self.prompt_of(index)
+        ids, first = self.prompts[prompt_index], self.choices[prompt_index * self.parsed.n]
+        prompt = self._logprobs_object(ids, list(first.prompt_logprobs), list(first.prompt_top_logprobs), 0)
+        if len(prompt["token_logprobs"]) != len(ids):
             raise APIError(500, f"the engine returned {len(prompt['token_logprobs'])} prompt logprobs for "
-                                f"{len(self.prompt_ids)} prompt tokens", type="server_error")
+                                f"{len(ids)} prompt tokens", type="server_error")
         return {key: prompt[key] + completion[key] if prompt[key] is not None else None for key in prompt}
 
     def _choice_body(self, index: int, choice: ChoiceText) -> dict:
-        prefix = self._echo_text() if self.parsed.echo else ""
+        prefix = self._echo_text(index) if self.parsed.echo else ""
         logprobs = self._logprobs(choice, offset=len(prefix))
         if self.parsed.echo and logprobs is not None:
-            logprobs = self._echoed_logprobs(logprobs)
+            logprobs = self._echoed_logprobs(index, logprobs)
         return {"index": index, "text": prefix + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason}
 
@@ -75,5 +78,4 @@ class CompletionJob(Job):
         """With echo, the prompt is each choice's first text chunk."""
         if not self.parsed.echo:
             return ""
-        prompt = self._echo_text()
-        return "".join(self._chunk(index, prompt, None) for index in range(self.parsed.n))
+        return "".join(self._chunk(index, self._echo_text(index), None) for index in range(self.num_choices))

@@ -25,13 +25,13 @@ MIN_REPETITION_PENALTY = 0.01  # far below any useful value; a tinier one divide
 
 @dataclass
 class CompletionRequest:
-    """A validated request. Exactly one of `prompt_ids` (completions) and `messages` (chat, responses) is set."""
+    """A validated request. Exactly one of `prompts` (completions) and `messages` (chat, responses) is set."""
 
     model: str
     chat: bool
     responses: bool = False  # a Responses API request (chat=True too): answered as a Response object
-    prompt_ids: list[int] | None = None
-    prompt_text: str | None = None
+    # completions: each prompt as sent, a text or token ids; several are a batch, n choices each
+    prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict] | None = None
     tools: list[dict] | None = None  # chat: the function tools, as the client sent them (rendered by the template)
     tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
@@ -63,6 +63,21 @@ class CompletionRequest:
     min_tokens: int | None = None
     # The request fields a Response object repeats (instructions, max_output_tokens, metadata, ...); responses only
     response_fields: dict = field(default_factory=dict)
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The text of a completions request of one text prompt (None for token ids, a batch, or a chat)."""
+        return self.prompts[0] if len(self.prompts) == 1 and isinstance(self.prompts[0], str) else None
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The token ids of a completions request of one token-id prompt (None otherwise)."""
+        return self.prompts[0] if len(self.prompts) == 1 and isinstance(self.prompts[0], list) else None
+
+    @property
+    def num_choices(self) -> int:
+        """Engine requests the request makes: n per prompt."""
+        return self.n * max(1, len(self.prompts))
 
     @property
     def prompt_field(self) -> str:
@@ -155,24 +170,29 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return bias
 
 
+def _token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
 def parse_completion(body: Any) -> CompletionRequest:
-    """A validated /v1/completions request; `prompt` is a string or a list of token ids (one prompt)."""
+    """A validated /v1/completions request; `prompt` is OpenAI's: a string, a list of token ids, or a batch (a list
+    of strings, or of token id lists), each prompt answered by n choices numbered prompt x n + choice."""
     request = parse_common(body, _COMPLETION_FIELDS, chat=False)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt is empty; give at least one character or token id", "prompt")
-        request.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        request.prompt_ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
-                            "(send one request per prompt)", "prompt")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                  or all(_token_ids(p) for p in prompt)):
+        prompts = list(prompt)
     else:
-        raise APIError(400, f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:300],
-                       "prompt")
+        raise APIError(400, f"prompt must be a non-empty string, a non-empty list of token ids, or a batch of them "
+                            f"(a list of strings, or a list of token id lists), got {prompt!r}"[:300], "prompt")
+    empty = next((i for i, p in enumerate(prompts) if p == ""), None)
+    if empty is not None:
+        where = "prompt" if len(prompts) == 1 else f"prompt[{empty}]"
+        raise APIError(400, f"{where} is empty; give at least one character or token id", "prompt")
+    request.prompts = prompts
     logprobs = int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if logprobs is not None:
         request.logprobs, request.top_logprobs = True, logprobs

@@ -4,7 +4,8 @@ choices and the response they make, whole or streamed). Job holds what every end
 differently is a subclass's: ChatJob (chat_job.py: /v1/chat/completions, with reasoning and tool calls),
 CompletionJob (completion_job.py: /v1/completions, with echo) and ResponseJob (responses.py: /v1/responses).
 
-Each choice of a request is one engine request, added with streaming=True and an on_output callback: the engine's
+Each choice of a request is one engine request (a /v1/completions request with a list of P prompts has P x n
+choices, choice i continuing prompt i // n, as OpenAI numbers them), added with streaming=True and an on_output callback: the engine's
 thread hands its progress to the event loop through one LoopRelay per loop, which wakes the loop once per burst of
 outputs (loop_relay.py). Text is decoded
 incrementally; stop strings are matched on the text, and a matched or abandoned request is cancelled in the engine,
@@ -196,21 +197,34 @@ class Job:
             cls = ChatJob if parsed.chat else CompletionJob
         return super().__new__(cls)
 
-    def __init__(self, state, parsed: CompletionRequest, prompt_ids: list[int], max_tokens: int, loop):
-        self.state, self.parsed, self.prompt_ids = state, parsed, prompt_ids
+    def __init__(self, state, parsed: CompletionRequest, prompts: list[list[int]], max_tokens: list[int], loop):
+        """`prompts`: the token ids of each prompt (one, but for a completions batch); `max_tokens`: each prompt's
+        answer length."""
+        self.state, self.parsed, self.prompts = state, parsed, prompts
         self.max_tokens, self.loop = max_tokens, loop
+        self.num_choices = len(prompts) * parsed.n
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
-        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens, state.eos_ids,
-                                   skip_special_tokens=not self.keep_special_tokens) for _ in range(parsed.n)]
+        self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens[self.prompt_of(index)], state.eos_ids,
+                                   skip_special_tokens=not self.keep_special_tokens)
+                        for index in range(self.num_choices)]
         self.id = self.id_prefix + uuid.uuid4().hex[:24]
         self.created = now()
         self.arrival = time.monotonic()
-        self.last_token_time: list[float | None] = [None] * parsed.n
+        self.last_token_time: list[float | None] = [None] * self.num_choices
         self.last_check = time.monotonic()  # when the client was last seen connected
         self._tick: asyncio.TimerHandle | None = None  # puts a CHECK_CLIENT into the queue (see _next)
         self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # per choice: a text chunk's JSON around the text
         self.closed = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The request's prompt, for the kinds that have one (chat, responses, a one-prompt completion)."""
+        return self.prompts[0]
+
+    def prompt_of(self, index: int) -> int:
+        """Which prompt choice `index` continues."""
+        return index // self.parsed.n
 
     def start(self, sampling_of) -> None:
         parsed = self.parsed
@@ -222,9 +236,12 @@ class Job:
         adjustments = dict(frequency_penalty=parsed.frequency_penalty, presence_penalty=parsed.presence_penalty,
                            logit_bias=parsed.logit_bias, repetition_penalty=parsed.repetition_penalty,
                            min_p=parsed.min_p, min_new_tokens=parsed.min_tokens)
-        for index in range(parsed.n):
-            sampling = {**sampling_of(parsed, index, self.max_tokens), **adjustments}
-            self.request_ids.append(self.state.engine.submit(self.prompt_ids, sampling, index, self.queue, self.loop))
+        for index in range(self.num_choices):
+            # each prompt's n choices are sampled as a request of that prompt alone would be (same seeds)
+            prompt = self.prompt_of(index)
+            sampling = {**sampling_of(parsed, index % parsed.n, self.max_tokens[prompt]), **adjustments}
+            self.request_ids.append(self.state.engine.submit(self.prompts[prompt], sampling, index, self.queue,
+                                                             self.loop))
 
     def close(self) -> None:
         """Cancel what is still running (a disconnect, a stop string, an error) and give the slots back."""
@@ -236,7 +253,7 @@ class Job:
         for request_id, choice in zip(self.request_ids, self.choices):
             if not choice.finished or choice.cut_at_stop:
                 self.state.engine.cancel(request_id)  # a no-op for a request the engine already finished
-        self.state.engine.release(self.parsed.n)
+        self.state.engine.release(self.num_choices)
         generated = sum(c.num_tokens_kept() for c in self.choices)
         self.state.metrics.count_tokens(0, generated)
 
@@ -286,8 +303,8 @@ class Job:
 
     def _usage(self) -> dict:
         completion = sum(c.num_tokens_kept() for c in self.choices)
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(self.prompt_ids) + completion}
+        prompt = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _logprobs(self, choice: ChoiceText, start: int = 0, end: int | None = None, offset: int = 0) -> dict | None:
         """The logprobs object of generated tokens [start, end) (end: all the answer covers); `offset` is the
@@ -372,7 +389,7 @@ class Job:
         chunk per choice, the usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the
         engine requests are too. The chunks that one engine output makes (the last text, the finish chunk, the
         usage and [DONE]) go out in one write."""
-        reported = [0] * self.parsed.n  # per choice: generated tokens whose logprobs were sent
+        reported = [0] * self.num_choices  # per choice: generated tokens whose logprobs were sent
         try:
             opening = self._opening()
             if opening:

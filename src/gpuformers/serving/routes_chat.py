@@ -2,7 +2,8 @@
 by a ChatJob (chat_job.py) through serve_job (serve_job.py). The handler reads the app's ServerState from
 `request.app.state.serving`. /v1/responses (routes_responses.py) renders its prompt here too.
 
-Offers: chat_completions (the handler), chat_prompt_ids, add_routes.
+Offers: chat_completions (the handler), chat_prompt_ids, chat_prompts (the one prompt, as serve_job takes prompts),
+add_routes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ async def chat_completions(request: Request):
     state: ServerState = request.app.state.serving
     check_api_key(request, state.api_key)
     parsed = parse_chat(await read_json(request))
-    return await serve_job(request, parsed, PATH, ChatJob, chat_prompt_ids)
+    return await serve_job(request, parsed, PATH, ChatJob, chat_prompts)
+
+
+def chat_prompts(state: ServerState, parsed: CompletionRequest) -> list[list[int]]:
+    return [chat_prompt_ids(state, parsed)]
 
 
 def chat_prompt_ids(state: ServerState, parsed: CompletionRequest, add_generation_prompt: bool = True,

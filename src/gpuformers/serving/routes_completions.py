@@ -1,7 +1,7 @@
 """POST /v1/completions: a prompt (text, or token ids) continued, answered by a CompletionJob (completion_job.py)
 through serve_job (serve_job.py). The handler reads the app's ServerState from `request.app.state.serving`.
 
-Offers: completions (the handler), completion_prompt_ids, add_routes.
+Offers: completions (the handler), completion_prompts, add_routes.
 """
 
 from __future__ import annotations
@@ -23,20 +23,25 @@ async def completions(request: Request):
     state: ServerState = request.app.state.serving
     check_api_key(request, state.api_key)
     parsed = parse_completion(await read_json(request))
-    return await serve_job(request, parsed, PATH, CompletionJob, completion_prompt_ids, DEFAULT_MAX_TOKENS)
+    return await serve_job(request, parsed, PATH, CompletionJob, completion_prompts, DEFAULT_MAX_TOKENS)
 
 
-def completion_prompt_ids(state: ServerState, parsed: CompletionRequest) -> list[int]:
-    """The prompt's token ids: as sent (each checked to be in the vocabulary), or the text's, encoded once it is
+def completion_prompts(state: ServerState, parsed: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids: as sent (each checked to be in the vocabulary), or the text's, encoded once it is
     known to have few enough characters to fit."""
-    if parsed.prompt_ids is not None:
-        bad = [t for t in parsed.prompt_ids if not 0 <= t < state.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
-                           "prompt")
-        return parsed.prompt_ids
-    state.prompt_chars.check(len(parsed.prompt_text), "prompt")
-    return state.tokenizer.encode(parsed.prompt_text, add_special_tokens=True)
+    prompts = []
+    for index, prompt in enumerate(parsed.prompts):
+        where = "prompt" if len(parsed.prompts) == 1 else f"prompt[{index}]"
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"{where} token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                               "prompt")
+            prompts.append(prompt)
+        else:
+            state.prompt_chars.check(len(prompt), "prompt", where)
+            prompts.append(state.tokenizer.encode(prompt, add_special_tokens=True))
+    return prompts
 
 
 def add_routes(app: FastAPI) -> None:

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from gpuformers.serving.http import check_api_key, read_json
 from gpuformers.serving.responses import ResponseJob
 from gpuformers.serving.responses_request import parse_response
-from gpuformers.serving.routes_chat import chat_prompt_ids
+from gpuformers.serving.routes_chat import chat_prompts
 from gpuformers.serving.serve_job import serve_job
 from gpuformers.serving.server_state import ServerState
 
@@ -23,7 +23,7 @@ async def responses(request: Request):
     state: ServerState = request.app.state.serving
     check_api_key(request, state.api_key)
     parsed = parse_response(await read_json(request))
-    return await serve_job(request, parsed, PATH, ResponseJob, chat_prompt_ids)
+    return await serve_job(request, parsed, PATH, ResponseJob, chat_prompts)
 
 
 def add_routes(app: FastAPI) -> None:

@@ -3,8 +3,8 @@ a parsed request to its answer, given the endpoint's own parts (how its prompt b
 its default max_tokens):
 
     parsed request -> shutting down? n too large? model or adapter known? -> sampling defaults filled
-                   -> prompt_ids_of (in a worker thread) -> length checks -> grammar (structured outputs)
-                   -> job_class (n engine requests) -> SSE stream, or the whole JSON answer
+                   -> prompts_of (in a worker thread) -> length checks -> grammar (structured outputs)
+                   -> job_class (n engine requests per prompt) -> SSE stream, or the whole JSON answer
 
 Offers: serve_job, SAMPLING_EPS.
 """
@@ -31,36 +31,42 @@ SAMPLING_EPS = 1e-5
 
 
 async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, job_class: type[Job],
-                    prompt_ids_of: Callable[[ServerState, CompletionRequest], list[int]],
+                    prompts_of: Callable[[ServerState, CompletionRequest], list[list[int]]],
                     default_max_tokens: int | None = None):
     """The answer to `parsed` (a StreamingResponse, a dict, or an empty 499 when the client left first).
-    `prompt_ids_of(state, parsed)` gives the prompt's token ids (it runs off the event loop); `default_max_tokens`
+    `prompts_of(state, parsed)` gives each prompt's token ids (one prompt, but for a completions batch; it runs off
+    the event loop); `default_max_tokens`
     is what an omitted max_tokens means before the model's generation config caps it (None: the rest of the
     context). `endpoint` is the path /metrics counts the request under."""
     state: ServerState = request.app.state.serving
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    if parsed.n > state.engine.max_pending:  # a 429 would have the client retry a request that can never fit
-        raise APIError(400, f"n={parsed.n} choices are {parsed.n} engine requests, more than this server ever "
-                            f"holds at once ({state.engine.max_pending}, --max-pending); lower n", "n")
+    choices = parsed.num_choices
+    if choices > state.engine.max_pending:  # a 429 would have the client retry a request that can never fit
+        what = f"n={parsed.n}" if len(parsed.prompts) <= 1 else f"{len(parsed.prompts)} prompts x n={parsed.n}"
+        raise APIError(400, f"{what} choices are {choices} engine requests, more than this server ever holds at "
+                            f"once ({state.engine.max_pending}, --max-pending); lower n or send fewer prompts",
+                       "n" if len(parsed.prompts) <= 1 else "prompt")
     adapter = state.adapter_of(parsed.model)  # None for the base model, else a LoRA adapter's name
     state.sampling_defaults.fill(parsed)  # before the Job: a Response object repeats the values used
     # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
     # that other clients' streams keep flowing meanwhile
-    prompt_ids = await asyncio.to_thread(prompt_ids_of, state, parsed)
-    max_tokens = _check_lengths(state, parsed, len(prompt_ids), default_max_tokens)
+    prompts = await asyncio.to_thread(prompts_of, state, parsed)
+    max_tokens = [_check_lengths(state, parsed, len(ids), default_max_tokens,
+                                 "" if len(prompts) == 1 else f"prompt[{index}]: ")
+                  for index, ids in enumerate(prompts)]
     grammar = None
     if parsed.structured_output is not None:  # structured_request.py
         param = parsed.structured_output.get("param") or ("text.format" if parsed.responses else "response_format")
         grammar = await asyncio.to_thread(state.compile_grammar, parsed.structured_output, param)
-    state.engine.reserve(parsed.n)
-    job = job_class(state, parsed, prompt_ids, max_tokens, asyncio.get_running_loop())
+    state.engine.reserve(choices)
+    job = job_class(state, parsed, prompts, max_tokens, asyncio.get_running_loop())
     try:
         job.start(functools.partial(_sampling_of, grammar=grammar, adapter_name=adapter))
     except Exception:
         job.close()
         raise
-    state.metrics.count_tokens(len(prompt_ids), 0)
+    state.metrics.count_tokens(sum(map(len, prompts)), 0)
     if parsed.stream:
         state.metrics.count_request(endpoint, 200)
         return StreamingResponse(job.sse(request), media_type="text/event-stream",
@@ -77,12 +83,12 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
 
 
 def _check_lengths(state: ServerState, parsed: CompletionRequest, prompt_len: int,
-                   default_max_tokens: int | None) -> int:
-    """The request's max_tokens (an omitted one filled in), after the prompt and answer are checked to fit both the
-    context and the KV cache."""
+                   default_max_tokens: int | None, where: str = "") -> int:
+    """The request's max_tokens for one prompt (an omitted one filled in), after the prompt and answer are checked
+    to fit both the context and the KV cache. `where` starts each message (which prompt of a batch)."""
     prompt, limit = parsed.prompt_field, parsed.max_tokens_field
     if prompt_len == 0:
-        raise APIError(400, f"the {prompt} has no tokens", prompt)
+        raise APIError(400, f"{where}the {prompt} has no tokens", prompt)
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat, responses
         max_tokens = default_max_tokens if default_max_tokens is not None else state.max_model_len - prompt_len
@@ -90,13 +96,13 @@ def _check_lengths(state: ServerState, parsed: CompletionRequest, prompt_len: in
             max_tokens = min(max_tokens, state.sampling_defaults.max_tokens)
         max_tokens = max(1, min(max_tokens, state.max_model_len - prompt_len))
     if prompt_len + max_tokens > state.max_model_len:
-        raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but the "
+        raise APIError(400, f"{where}this model's maximum context length is {state.max_model_len} tokens, but the "
                             f"request asks for {prompt_len + max_tokens}: {prompt_len} in the {prompt} + "
                             f"{max_tokens} {limit}; shorten the {prompt} or lower {limit}",
                        limit if parsed.max_tokens is not None else prompt,
                        code="context_length_exceeded")
     if prompt_len + max_tokens - 1 > state.cache_tokens:
-        raise APIError(400, f"the request needs {prompt_len} prompt + {max_tokens} {limit} tokens of KV cache "
+        raise APIError(400, f"{where}the request needs {prompt_len} prompt + {max_tokens} {limit} tokens of KV cache "
                             f"but the cache holds {state.cache_tokens}; lower {limit}", limit,
                        code="context_length_exceeded")
     return max_tokens
