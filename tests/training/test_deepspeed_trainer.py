@@ -5,8 +5,12 @@
   (losses, gradient norms, evaluation, final weights), and their checkpoints hold DeepSpeed's sharded states;
 - the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
   weights gathered) loads in transformers with equal logits;
+- in one process: ZeRO-2 trains like no DeepSpeed and load_best_model_at_end loads the best checkpoint's states; ZeRO-3
+  with the config's own optimizer and scheduler, and save_model without stage3_gather_16bit_weights_on_model_save
+  writes DeepSpeed's shards;
 - the config's "auto" values, its contradictions with the arguments, accelerate's DeepSpeed, FSDP and mixed-precision
-  variables, and the missing package.
+  variables, and the missing package;
+- on a GPU (gpu-marked): ZeRO-2 in bf16 trains and resumes.
 """
 
 from __future__ import annotations
@@ -201,14 +205,88 @@ def test_accelerate_mixed_precision_variable(monkeypatch, tmp_path):
         TrainingArguments(tmp_path)
 
 
+# --- one process, in this process (DeepSpeed over a process group of one) -------------------------------------------
+
+
+@pytest.fixture
+def deepspeed_here(monkeypatch):
+    """DeepSpeed in this test process: its CPU op build skipped (distributed_worker), the group it ran over left, and
+    the LOCAL_RANK=0 the Trainer sets for DeepSpeed in one process taken back."""
+    import torch.distributed as dist
+
+    from tests.training.distributed_worker import skip_deepspeed_shm_build
+
+    skip_deepspeed_shm_build()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_one_process_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here, caplog):
+    """Both checks in one test: DeepSpeed caches its groups process-wide, so it runs over one process group per
+    test process (made by the first Trainer, used by the second)."""
+    zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path / "zero2")
+    zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path / "zero3", caplog)
+
+
+def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path):
+    from gpuformers.training import Trainer
+
+    values = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                  gradient_accumulation_steps=2, per_device_train_batch_size=2, warmup_steps=1,
+                  load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    runs = {}
+    for name, extra in (("plain", {}), ("zero2", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 2}}})):
+        trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
+                          helpers.tiny_args(tmp_path / name, **values, **extra), train_dataset=helpers.make_rows(16),
+                          eval_dataset=helpers.make_rows(4, seed=5))
+        trainer.train()
+        runs[name] = trainer
+    history = {name: [v for e in t.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
+               for name, t in runs.items()}
+    assert history["zero2"] == pytest.approx(history["plain"], rel=1e-5)
+    zero2 = runs["zero2"]
+    assert zero2.model_wrapped.zero_optimization_stage() == 2
+    # greater_is_better on the loss: the worse checkpoint, step 2, is the best and is loaded back into the engine
+    assert zero2.state.best_model_checkpoint.endswith("checkpoint-2")
+    best = weights(tmp_path / "zero2" / "checkpoint-2")
+    for name, value in zero2.model.state_dict().items():
+        torch.testing.assert_close(value, best[name])
+
+
+def zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path, caplog):
+    from gpuformers.training import Trainer
+
+    config = {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                                  "torch_adam": True}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": "auto"}}}
+    trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
+                      helpers.tiny_args(tmp_path, deepspeed=config, max_steps=3), train_dataset=helpers.make_rows(12))
+    trainer.train()
+    engine = trainer.model_wrapped
+    assert type(engine.basic_optimizer) is torch.optim.AdamW and type(trainer.lr_scheduler).__name__ == "WarmupLR"
+    assert engine.zero_optimization_stage() == 3
+    with caplog.at_level("WARNING"):
+        trainer.save_model(tmp_path / "final")
+    folder = tmp_path / "final"
+    assert "stage3_gather_16bit_weights_on_model_save is off" in caplog.text
+    assert not (folder / "model.safetensors").exists() and (folder / "config.json").is_file()
+    assert (folder / "zero_to_fp32.py").is_file() and (folder / "global_step_final").is_dir()
+    with pytest.raises(ValueError, match="an optimizer section and the Trainer was given an optimizer"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
+        Trainer(model, helpers.tiny_args(tmp_path, deepspeed=config, max_steps=1),
+                train_dataset=helpers.make_rows(4),
+                optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None)).train()
+
+
 # --- on a GPU (scripts/gpu_check.sh) -------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path):
-    import torch.distributed as dist
-
+def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path, deepspeed_here):
     from gpuformers.training import Trainer
     from tests.training.distributed_worker import StopAt
 
@@ -224,18 +302,14 @@ def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path):
         trainer.train(resume_from_checkpoint=resume)
         return trainer, {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
 
-    try:
-        whole, expected = train(tmp_path / "whole")
-        engine = whole.model_wrapped
-        assert engine.bfloat16_enabled() and engine.zero_optimization_stage() == 2
-        assert next(whole.model.parameters()).dtype == torch.bfloat16  # DeepSpeed holds bf16 weights, fp32 masters
-        assert all(torch.isfinite(torch.tensor(list(expected.values()))))
-        train(tmp_path / "stopped", stop_at=3)
-        assert (tmp_path / "stopped" / "checkpoint-3" / "global_step3").is_dir()
-        _, resumed = train(tmp_path / "stopped", resume=True)
-        assert sorted(resumed) == list(range(1, 7))
-        for step, loss in expected.items():
-            assert resumed[step] == pytest.approx(loss, rel=1e-3)
-    finally:
-        if dist.is_initialized():  # the one-process group DeepSpeed ran over, left to this test's process
-            dist.destroy_process_group()
+    whole, expected = train(tmp_path / "whole")
+    engine = whole.model_wrapped
+    assert engine.bfloat16_enabled() and engine.zero_optimization_stage() == 2
+    assert next(whole.model.parameters()).dtype == torch.bfloat16  # DeepSpeed holds bf16 weights, fp32 masters
+    assert all(torch.isfinite(torch.tensor(list(expected.values()))))
+    train(tmp_path / "stopped", stop_at=3)
+    assert (tmp_path / "stopped" / "checkpoint-3" / "global_step3").is_dir()
+    _, resumed = train(tmp_path / "stopped", resume=True)
+    assert sorted(resumed) == list(range(1, 7))
+    for step, loss in expected.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-3)

@@ -52,6 +52,7 @@ def init_process_group(device: torch.device, timeout_s: float, backend: str | No
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts that a launcher set it
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
