@@ -201,3 +201,75 @@ def test_flash_attention_4_on_the_gpu_matches_sdpa_or_says_why_not(monkeypatch, 
     why = flash_attention.flash_attn_usable("flash_attention_4", torch.cuda.get_device_capability())
     fallbacks = [r.getMessage() for r in caplog.records if "falls back to 'triton'" in r.getMessage()]
     assert (len(fallbacks) == 1 and why in fallbacks[0]) if why else not fallbacks
+
+
+def test_the_engine_prefills_through_flash_attn_varlen_func_over_its_pages(monkeypatch, fake_fa4):
+    """A model loaded with flash_attention_4 runs the engine as "paged|flash_attention_4": its prefill chunks go to
+    FlashAttention-4's varlen entry point with the cache as pages (num_blocks, block_size, kv_heads, head_dim), the
+    block tables as page_table and the keys per sequence as seqused_k (int32), causal; the tokens equal generate()'s.
+    The stand-in computes the paged attention in torch (a GPU with paged FA4, Blackwell, is faked)."""
+    from gpuformers.engine import paged_attention
+    from tests.engine.test_engine import greedy_reference, tiny_model
+
+    varlen_calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, seqused_k=None, page_table=None,
+                               softmax_scale=None, causal=False, window_size=(None, None), **rest):
+        varlen_calls.append(dict(q=q.shape, pages=k.shape, cu=cu_seqlens_q.tolist(), max_q=max_seqlen_q,
+                                 used=seqused_k.tolist(), table=(page_table.dtype, seqused_k.dtype, page_table.shape),
+                                 causal=causal, window=window_size, rest=rest))
+        heads, kv_heads, block_size = q.shape[1], k.shape[2], k.shape[1]
+        out = torch.empty_like(q)
+        for i, used in enumerate(seqused_k.tolist()):
+            start, end = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
+            blocks = page_table[i, :(used + block_size - 1) // block_size]
+            keys = k[blocks].reshape(-1, kv_heads, k.shape[-1])[:used].repeat_interleave(heads // kv_heads, 1)
+            values = v[blocks].reshape(-1, kv_heads, v.shape[-1])[:used].repeat_interleave(heads // kv_heads, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * softmax_scale
+            visible = torch.ones(end - start, used, dtype=torch.bool).tril(used - (end - start))
+            out[start:end] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
+                                          values)
+        return out, None
+
+    sys.modules["flash_attn.cute"].flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setattr(paged_attention, "fa4_pages_kv", lambda query: True)
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 3, 17)]
+    reference = greedy_reference(model, prompts, new_tokens=6)
+    model.set_attn_implementation("flash_attention_4")
+    manager = model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=16, max_batch_tokens=12)
+    assert model.attn_implementation == "paged|flash_attention_4"
+    ids = [manager.add_request(p, max_new_tokens=6) for p in prompts]
+    manager.run_until_done()
+    assert [manager.get_result(i, timeout=0).generated_tokens for i in ids] == reference
+    assert varlen_calls, "no prefill went through flash_attn_varlen_func"
+    first = varlen_calls[0]
+    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    assert first["pages"][1:] == (8, kv_heads, head_dim) and first["q"][1:] == (heads, head_dim)  # 8: block_size
+    assert first["table"][:2] == (torch.int32, torch.int32) and first["causal"] is True
+    assert first["window"] == (None, None) and first["rest"] == {}
+    assert all(call["cu"][-1] == call["q"][0] and call["max_q"] <= 12 for call in varlen_calls)
+    # a chunk after cached keys: some sequence saw more keys than it brought queries (chunked prefill)
+    assert any(used > cu[i + 1] - cu[i] for call in varlen_calls for cu in [call["cu"]]
+               for i, used in enumerate(call["used"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("window", [None, 7])
+def test_flash_attention_4_paged_prefill_on_the_gpu_matches_the_reference(window):
+    """The real FlashAttention-4 varlen call over a paged cache, where it reads paged KV (Blackwell), against the
+    engine's torch reference for paged prefill."""
+    from gpuformers.engine.paged_attention_triton import paged_prefill_reference
+    from tests.engine.test_paged_prefill_triton import prefill_case
+
+    query, key_cache, value_cache, tables, cu, lengths, block_size = prefill_case(
+        [5, 1, 17], [9, 30, 0], heads=8, kv_heads=2, head_dim=64, block_size=128 // 8, dtype=torch.bfloat16)
+    if not flash_attention.fa4_pages_kv(query):
+        pytest.skip("FlashAttention-4 with paged KV is not available here (package, or a GPU before Blackwell)")
+    out = flash_attention.flash_attention_4_paged_prefill(query, key_cache, value_cache, tables, cu, lengths,
+                                                          block_size, 0.125, 17, window)
+    want = paged_prefill_reference(query.float(), key_cache.float(), value_cache.float(), tables, cu, lengths,
+                                   block_size, 0.125, window)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -71,7 +71,8 @@ class ContinuousBatchingManager:
         self.model = model.eval()
         if not model.attn_implementation.startswith("paged|"):
             # The paged backends fall back to the plain ones outside engine steps, so generate() keeps working.
-            base_name = model.attn_implementation if model.attn_implementation in ("sdpa", "eager") else "sdpa"
+            paged = ("sdpa", "eager", "flash_attention_4")  # the others attend as "sdpa" in engine steps
+            base_name = model.attn_implementation if model.attn_implementation in paged else "sdpa"
             model.set_attn_implementation(f"paged|{base_name}")
         cfg = self.config
         # ContinuousBatchingConfig.seed: the source of the seeds of sampled requests that bring none (add_request)

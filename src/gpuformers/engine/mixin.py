@@ -13,8 +13,8 @@ import torch
 
 from gpuformers.layers.attention import AttentionInterface
 
-# "paged|sdpa" and "paged|eager" register themselves when first asked for.
-for _name in ("paged|sdpa", "paged|eager"):
+# "paged|sdpa", "paged|eager" and "paged|flash_attention_4" register themselves when first asked for.
+for _name in ("paged|sdpa", "paged|eager", "paged|flash_attention_4"):
     AttentionInterface.register_lazy(_name, "gpuformers.engine.paged_attention")
 
 

@@ -14,6 +14,9 @@ to find each sequence's queries and keys. Outside a step (plain `generate`) they
     query_start         0    1    2    3             7      9
     context_lens       ctx0 ctx1 ctx2 ctx3          ctx4           (tokens in cache, this step's included)
 
+"paged|flash_attention_4" (a model loaded with attn_implementation="flash_attention_4") is "paged|sdpa" whose prefill
+chunks, on a Blackwell GPU with FlashAttention-4, go through its varlen entry point over the pages in place.
+
 On a GPU the decodes (first in the batch) are attended together: by the Triton decode kernel in
 paged_attention_triton.py, which reads keys in place through the block tables, or (for "paged|eager") by gathering
 keys up to the longest context and masking the padding. The prefill chunks go, on a GPU with Triton, to its
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from gpuformers.generation.cache import Cache
 from gpuformers.layers.attention import AttentionInterface, build_attention_mask, eager_attention, sdpa_attention
+from gpuformers.layers.flash_attention import fa4_pages_kv, flash_attention_4_paged_prefill
 
 
 @dataclass
@@ -200,7 +204,7 @@ def _read_keys(cache: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
-                    base=sdpa_attention, **kwargs):
+                    base=sdpa_attention, flash_prefill: bool = False, **kwargs):
     """query (1, heads, total_tokens, head_dim); key, value: the layer's paged cache from PagedKVCache.update.
     Returns (output (1, total_tokens, heads, head_dim), None)."""
     softcap = kwargs.pop("softcap", None)
@@ -249,17 +253,22 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         o, _ = base(module, q, k, v, mask, scaling=scaling)  # (nd, n_rep, kv_heads, head_dim)
         out[:nd] = o.transpose(1, 2).reshape(nd, heads, head_dim)
     num_seqs = len(ctx.query_start) - 1
-    if batched < num_seqs and base is sdpa_attention and ctx.cu_seqlens_q is not None \
-            and _triton_kernels_available(query):
-        # The prefill chunks in one Triton kernel that reads each sequence's cached keys in place: no per-sequence
-        # gathers, masks and SDPA calls (kernel launches that add up on a GPU).
-        from gpuformers.engine.paged_attention_triton import paged_prefill_attention
+    prefill_kernel = None
+    if batched < num_seqs and base is sdpa_attention and ctx.cu_seqlens_q is not None:
+        if flash_prefill and fa4_pages_kv(query):
+            # "paged|flash_attention_4" on a GPU whose FlashAttention-4 reads paged KV: its varlen entry point
+            prefill_kernel = flash_attention_4_paged_prefill
+        elif _triton_kernels_available(query):
+            from gpuformers.engine.paged_attention_triton import paged_prefill_attention
 
+            prefill_kernel = paged_prefill_attention
+    if prefill_kernel is not None:
+        # The prefill chunks in one kernel call that reads each sequence's cached keys in place: no per-sequence
+        # gathers, masks and SDPA calls (kernel launches that add up on a GPU).
         first = ctx.query_start[batched]
         cu, longest = _prefill_layout(ctx, batched)
-        out[first:] = paged_prefill_attention(query[0, :, first:].transpose(0, 1), key, value,
-                                              ctx.block_tables[batched:], cu, ctx.context_lens[batched:],
-                                              ctx.block_size, scaling, longest, sliding_window)
+        out[first:] = prefill_kernel(query[0, :, first:].transpose(0, 1), key, value, ctx.block_tables[batched:], cu,
+                                     ctx.context_lens[batched:], ctx.block_size, scaling, longest, sliding_window)
         batched = num_seqs
     for i in range(batched, num_seqs):
         start, end = ctx.query_start[i], ctx.query_start[i + 1]
@@ -307,6 +316,12 @@ def paged_eager_attention(module, query, key, value, attention_mask, **kwargs):
     return paged_attention(module, query, key, value, attention_mask, base=eager_attention, **kwargs)
 
 
-PAGED_BACKENDS = {"paged|sdpa": paged_sdpa_attention, "paged|eager": paged_eager_attention}
+def paged_flash_attention_4(module, query, key, value, attention_mask, **kwargs):
+    return paged_attention(module, query, key, value, attention_mask, base=sdpa_attention, flash_prefill=True,
+                           **kwargs)
+
+
+PAGED_BACKENDS = {"paged|sdpa": paged_sdpa_attention, "paged|eager": paged_eager_attention,
+                  "paged|flash_attention_4": paged_flash_attention_4}
 for _name, _fn in PAGED_BACKENDS.items():
     AttentionInterface.register(_name, _fn)

@@ -10,7 +10,8 @@ padding mask goes to the triton kernel too (same numbers, no fallback warning ne
 
 Offers: triton_attention, flash_attention_2, flash_attention_3, flash_attention_4, flex_attention,
 check_backend_device, flash_attn_usable (why a flash backend cannot run on a device, or ''),
-register_hub_attention (attn_implementation="org/repo": a Hub attention kernel through the `kernels` package).
+register_hub_attention (attn_implementation="org/repo": a Hub attention kernel through the `kernels` package),
+fa4_pages_kv, flash_attention_4_paged_prefill (the engine's prefill chunks through FlashAttention-4's varlen entry).
 """
 
 from __future__ import annotations
@@ -161,6 +162,36 @@ def _flash_attention_4(module, q, k, v, *, scaling, dropout, causal, sliding_win
     window = (sliding_window - 1, 0) if sliding_window else (None, None)
     return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
                            softcap=float(softcap or 0.0))
+
+
+def fa4_pages_kv(query: torch.Tensor) -> bool:
+    """Whether FlashAttention-4 can attend `query` over the engine's paged KV cache: its paged-KV kernels are
+    Blackwell's (sm_100 to sm_11x; this release refuses a page table on Hopper), in float16 / bfloat16."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    why = _usable.get(("flash_attention_4", query.device))
+    if why is None:
+        why = _usable[("flash_attention_4", query.device)] = _flash_attn_usable("flash_attention_4", query.device)
+    return not why and torch.cuda.get_device_capability(query.device)[0] >= 10
+
+
+def flash_attention_4_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
+                                    block_size: int, scaling: float, max_seqlen_q: int,
+                                    sliding_window: int | None = None) -> torch.Tensor:
+    """FlashAttention-4's varlen entry point over the engine's paged cache: query (total_q, heads, head_dim) packed by
+    cu_seqlens_q (num_seqs + 1,) int32, each chunk after its sequence's cached keys; caches (num_blocks * block_size,
+    kv_heads, head_dim) read as pages (num_blocks, block_size, kv_heads, head_dim) through block_tables (num_seqs,
+    max_blocks); context_lens (num_seqs,) keys of each sequence, this step's included. Causal from the end of each
+    sequence's keys, as flash-attn aligns it -> (total_q, heads, head_dim)."""
+    from flash_attn.cute import flash_attn_varlen_func  # optional: FlashAttention-4, checked by fa4_pages_kv
+
+    pages = (key_cache.view(-1, block_size, *key_cache.shape[1:]), value_cache.view(-1, block_size,
+                                                                                     *value_cache.shape[1:]))
+    window = (sliding_window - 1, 0) if sliding_window else (None, None)
+    out = flash_attn_varlen_func(query, *pages, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                 seqused_k=context_lens.to(torch.int32), page_table=block_tables.to(torch.int32),
+                                 softmax_scale=scaling, causal=True, window_size=window)
+    return out[0] if isinstance(out, tuple) else out
 
 
 flash_attention_2 = _flash_backend("flash_attention_2")
