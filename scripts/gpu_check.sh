@@ -50,6 +50,14 @@ for name in ("triton", "transformers", "flash_attn", "peft"):
         print(name, __import__(name).__version__)
     except Exception as err:
         print(name, "not available:", type(err).__name__)
+# which attention backends and kernels can run on this GPU, and why not (flash_attention_4's gpu tests skip without it)
+try:
+    from gpuformers.doctor import env_report
+
+    for row in env_report()["backends"]:
+        print("backend", row["name"], "runs" if row["runs"] else "no", row["why"])
+except Exception as err:
+    print("backends not reported:", type(err).__name__, err)
 PY
 } > "${OUT}/env.txt" 2>&1
 cat "${OUT}/env.txt"
