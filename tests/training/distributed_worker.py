@@ -135,6 +135,7 @@ def main() -> None:
                       train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), compute_metrics=metrics,
                       preprocess_logits_for_metrics=argmax_ids,
                       callbacks=[eval_batches, layout] + ([StopAt(args.stop_at)] if args.stop_at else []))
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     with trainer.args.main_process_first(local=False):  # process 0 writes its line first, then the other
         with open(Path(args.output_dir) / "first.txt", "a") as f:
             f.write(f"{trainer.args.process_index}\n")
