@@ -23,3 +23,13 @@ def test_each_verb_takes_the_kernel_flags(verb):
     assert options["attn_implementation"] == "flash_attention_4" and options["use_kernels"] is True
     assert options["kernel_config"].kernel_for("SwiGLUMLP", "cuda") is None  # "torch": the layer's own forward
     assert kernel_options(parser.parse_args(REQUIRED[verb])) == {}
+
+
+@pytest.mark.parametrize("verb", sorted(REQUIRED))
+def test_the_trust_error_names_the_flag(verb):
+    from gpuformers.kernels.hub_kernels import load_kernel_module, parse_kernel
+
+    with pytest.raises(ValueError) as error:  # refused before the kernels package is asked (no network, no cache)
+        load_kernel_module(parse_kernel("someone/flash-attn", need_name=False))
+    shown = cli.for_cli(str(error.value), cli.VERBS[verb].flags)
+    assert "'someone/flash-attn' is outside 'kernels-community'" in shown and "--allow-all-kernels" in shown

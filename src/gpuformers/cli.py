@@ -52,14 +52,16 @@ _DEVICE: Flags = ((r"""\bdevice_map=(["'])(cpu|cuda(?::\d+)?|auto)\1""", r"--dev
                   (re.escape(DEVICE_FORMS), "cpu, cuda, cuda:N or auto"))
 _QUANTIZATION: Flags = ((r"\bbits=8\b", "--quantization int8"), (r"\bbits=4\b", "--quantization int4"),
                         (r"\bquantization_config=(?=[\s,;)])", "--quantization"))
-_LOCAL_MODEL: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + _DEVICE + _QUANTIZATION  # generate_cli.py's model flags
+_KERNELS: Flags = ((r"from_pretrained\(\.\.\., allow_all_kernels=True\)", "--allow-all-kernels"),
+                   (r"\buse_kernels=True\b", "--use-kernels"))  # models/command_line.py's kernel flags
+_LOCAL_MODEL: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + _DEVICE + _QUANTIZATION + _KERNELS  # generate_cli.py's
 _ENGINE: Flags = tuple((rf"\b{name}=", f"{flag} ") for name, flag in (  # ContinuousBatchingConfig's fields
     ("max_memory_percent", "--gpu-memory-utilization"), ("block_size", "--block-size"), ("num_blocks", "--num-blocks"),
     ("max_batch_tokens", "--max-batch-tokens"), ("max_requests_per_batch", "--max-num-seqs")))
 _SERVE: Flags = _LOCAL_MODEL + _ENGINE + ((r"""\btp_plan=(["'])auto\1""", "--tensor-parallel-size N"),
                                           (r"""\battn_implementation=(["'])(\w+)\1""", r"--attn-implementation \2"))
 _FIT: Flags = _OFFLINE + _DTYPE + _GGUF_PATH + ((r"\bmax_memory\b", "--max-memory"),)
-_TRAIN: Flags = _OFFLINE + _DTYPE + (
+_TRAIN: Flags = _OFFLINE + _DTYPE + _KERNELS + (
     (r"""\bdevice_map=(["'])cpu\1""", "--cpu"), (r"\bbf16=True\b", "--bf16 true"),
     (r"\bfp16=True\b", "fp16 (what --bf16 auto picks on a GPU without bfloat16)"),
     (r" \(or gguf_file=[^)]*\)", ""))  # train takes no GGUF file
