@@ -20,7 +20,10 @@ _SIZES = {"gpt2": dict(vocab_size=128, n_embd=64, n_layer=4, n_head=4),  # GPT-2
           "gpt_neox": {k: v for k, v in SIZES.items() if k != "num_key_value_heads"},
           "olmoe": {k: v for k, v in SIZES.items() if k != "num_key_value_heads"},
           # Mamba2: num_heads * head_dim = expand * hidden_size, for the defaults (128 heads, expand 2) and NON_DEFAULT's
-          "mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, head_dim=1)}
+          "mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, head_dim=1),
+          # Nemotron-H: transformers' default blocks include "moe", which gpuformers refuses: a pattern without
+          "nemotron_h": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                             num_key_value_heads=2, hybrid_override_pattern="M*-M")}
 
 # A value other than the default for every own field, that both libraries accept
 NON_DEFAULT = {
@@ -54,6 +57,18 @@ NON_DEFAULT = {
                    layer_norm_epsilon=1e-6, use_bias=True, use_conv_bias=False, residual_in_fp32=False,
                    time_step_limit=[0.001, 0.5], time_step_rank=8, time_step_min=0.002, time_step_max=0.2,
                    time_step_floor=1e-3, rescale_prenorm_residual=True),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention", "mlp", "mlp"], mamba_num_heads=16,
+                       mamba_head_dim=32, ssm_state_size=64, n_groups=4, conv_kernel=3, expand=1, chunk_size=64,
+                       time_step_min=0.002, time_step_max=0.2, time_step_limit=[0.001, 0.5], time_step_floor=1e-3,
+                       use_conv_bias=False, mamba_proj_bias=True, mamba_hidden_act="silu",
+                       mamba_ssm_cache_dtype="bfloat16", use_mamba_kernels=False, mlp_hidden_act="relu",
+                       use_bias=True, layer_norm_epsilon=1e-6, residual_in_fp32=True, hidden_dropout=0.1,
+                       rescale_prenorm_residual=False, num_logits_to_keep=2, n_routed_experts=4,
+                       output_router_logits=True, n_shared_experts=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=48, moe_latent_size=16, moe_shared_expert_overlap=False,
+                       num_experts_per_tok=1, routed_scaling_factor=2.5, n_group=2, topk_group=2,
+                       norm_topk_prob=False, num_nextn_predict_layers=1,
+                       mtp_layers_block_type=["full_attention", "mlp"]),
     "gpt2": dict(n_inner=96, layer_norm_epsilon=1e-6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                  scale_attn_weights=False),
 }

@@ -6,13 +6,14 @@ refusals (engine, assisted decoding, static cache, cropping a state)."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
+from tests.models.recurrent import (assert_greedy_matches, assert_loss_and_gradients_match,
+                                    assert_sampling_and_beams_match, cached_pieces_minus_full)
 
 SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, expand=2)
 CASES = {
@@ -48,64 +49,29 @@ def test_logits_match_transformers(checkpoints, case):
 
 def test_loss_and_gradients_match_transformers(checkpoints):
     folder, hf = checkpoints["groups"]
-    ours, hf = load(folder).train(), copy.deepcopy(hf).train()
-    ids, mask = left_padded()
-    labels = ids.masked_fill(mask == 0, -100)
-    expected = hf(ids, attention_mask=mask, labels=labels).loss
-    got = ours(ids, attention_mask=mask, labels=labels).loss  # the chunked LM-head loss of training mode
-    assert abs(got.item() - expected.item()) < 1e-5
-    expected.backward(), got.backward()
-    theirs = dict(hf.named_parameters())
-    for name, param in ours.named_parameters():
-        reference = theirs[name].grad
-        assert (param.grad - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-7, name
+    assert_loss_and_gradients_match(load(folder), hf)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_then_decode_equals_the_full_forward(checkpoints, case):
     """7 prompt tokens (no multiple of the chunk), a 4-token chunk continued from the cached state, then one token at
     a time: every position's logits equal one forward over the whole sequence. The decode steps only with the default
-    time_step_limit: transformers' decode step does not clamp dt (its scan does), and we match its tokens (above)."""
-    from gpuformers.generation.state_cache import RecurrentCache
-
-    ours = load(checkpoints[case][0])
-    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = ours(ids).logits
-        cache = RecurrentCache()
-        pieces = [ours(ids[:, :7], past_key_values=cache, use_cache=True).logits,
-                  ours(ids[:, 7:11], past_key_values=cache, use_cache=True).logits]
-        pieces += [ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(11, 16)]
+    time_step_limit: transformers' decode step does not clamp dt (its scan does), and we match its tokens (below)."""
+    cache, diff = cached_pieces_minus_full(load(checkpoints[case][0]), prompt=7, chunk=4, total=16)
     assert cache.get_seq_length() == 16
     compared = 16 if CASES[case].get("time_step_limit") is None else 11
-    assert (torch.cat(pieces, dim=1) - full)[:, :compared].abs().max() < 1e-4
+    assert diff[:, :compared].abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_match_transformers(checkpoints, case):
     folder, hf = checkpoints[case]
-    ours = load(folder)
-    ids, mask = left_padded(seq=10, pad=3)
-    greedy = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = hf.generate(ids, **greedy)
-    assert torch.equal(ours.generate(ids, **greedy), expected)
-    # a chunked prefill carries the state from chunk to chunk: the same tokens
-    assert torch.equal(ours.generate(ids, prefill_chunk_size=4, **greedy), expected)
+    assert_greedy_matches(load(folder), hf)
 
 
 def test_sampling_and_beam_search_match_transformers(checkpoints):
     folder, hf = checkpoints["groups"]
-    ours = load(folder)
-    ids, mask = left_padded(seq=10, pad=3)
-    common = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
-    sampled = []
-    for model in (ours, hf):
-        torch.manual_seed(11)
-        sampled.append(model.generate(ids, do_sample=True, top_k=20, temperature=0.9, **common))
-    assert torch.equal(*sampled)
-    # beam search reorders the conv and SSM states with the beams it keeps
-    beams = dict(num_beams=3, num_return_sequences=2, do_sample=False, **common)
-    assert torch.equal(ours.generate(ids, **beams), hf.generate(ids, **beams))
+    assert_sampling_and_beams_match(load(folder), hf)
 
 
 def test_bare_model_matches_transformers(checkpoints):

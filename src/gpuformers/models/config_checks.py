@@ -121,7 +121,7 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "router_aux_loss_coef": (_NON_NEGATIVE, False),
     "router_jitter_noise": (_NON_NEGATIVE, False),
     "no_rope_layer_interval": (_POSITIVE_INT, False),
-    # state-space (Mamba2) mixers
+    # state-space (Mamba2) mixers, also in the hybrid families
     "num_heads": (_POSITIVE_INT, False),
     "state_size": (_POSITIVE_INT, False),
     "expand": (_POSITIVE_INT, False),
@@ -132,6 +132,9 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "time_step_max": (_POSITIVE, False),
     "time_step_floor": (_NON_NEGATIVE, False),
     "time_step_limit": (_DT_LIMIT, False),
+    "mamba_num_heads": (_POSITIVE_INT, False),  # a hybrid's (Nemotron-H's) mamba sizes
+    "mamba_head_dim": (_POSITIVE_INT, False),
+    "ssm_state_size": (_POSITIVE_INT, False),
     # special tokens
     "bos_token_id": (_TOKEN_ID, True),
     "pad_token_id": (_TOKEN_ID, True),

@@ -15,7 +15,8 @@ the compiled decode step, the continuous-batching engine and tp_plan="auto" are 
 Position ids are accepted and ignored (a state-space model has no positions): a packed batch (several documents per
 row) runs as one sequence per row, its state flowing across the document boundaries.
 
-Offers: Mamba2Config, Mamba2Block, Mamba2Backbone, Mamba2ForCausalLM.
+Offers: Mamba2Config, Mamba2Block, Mamba2Backbone, RecurrentStateLM, Mamba2ForCausalLM, backbone_renames,
+MAMBA_MIXER_PARAMETERS.
 """
 
 from __future__ import annotations
@@ -123,14 +124,22 @@ class Mamba2Block(nn.Module):
 
 class Mamba2Backbone(nn.Module):
     """The stack without the LM head: input_ids -> final hidden states (batch, seq, hidden), in the model's dtype.
-    Called as the llama stack is (LlamaModel.forward's arguments); positions and cache_position are not read."""
+    Called as the llama stack is (LlamaModel.forward's arguments); positions and cache_position are not read.
+    A hybrid family's stack is this one with its own norm class and layer_masks."""
+
+    norm_class = RMSNorm
 
     def __init__(self, config: Mamba2Config, layer_class=Mamba2Block):
         super().__init__()
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.norm_f = self.norm_class(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def layer_masks(self, attention_mask: torch.Tensor | None, seq: int, cache, device: torch.device):
+        """What every layer gets as its mask: here the (batch, seq) padding mask of the new tokens (generate()
+        passes one over past and new tokens), which the mixers zero, or None."""
+        return attention_mask[:, -seq:] if attention_mask is not None else None
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, output_hidden_states=False, cache_position=None):
@@ -138,14 +147,11 @@ class Mamba2Backbone(nn.Module):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embeddings(input_ids)
-        seq = inputs_embeds.shape[1]
-        if attention_mask is not None:
-            # generate() passes the mask over past and new tokens: the mixers zero the new ones that are padding
-            attention_mask = attention_mask[:, -seq:]
+        masks = self.layer_masks(attention_mask, inputs_embeds.shape[1], past_key_values, inputs_embeds.device)
         hidden_states = inputs_embeds
         all_hidden = [hidden_states] if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, past_key_values)
+            hidden_states = layer(hidden_states, masks, past_key_values)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
         hidden_states = self.norm_f(hidden_states).to(inputs_embeds.dtype)
@@ -154,31 +160,52 @@ class Mamba2Backbone(nn.Module):
         return hidden_states, all_hidden
 
 
-def _checkpoint_renames() -> tuple[FanOut, ...]:
-    """Between the causal LM's keys (backbone.*) and the bare model's (no prefix), both ways, and mamba_ssm's old
-    name of the embeddings (transformers' Mamba2Model load hook renames it too). A rule applies only to a key the
-    model lacks."""
-    names = ["embeddings.weight", "norm_f.weight"] + [
-        f"layers.*.{name}" for name in ("norm.weight", "mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.conv1d.weight",
-                                        "mixer.conv1d.bias", "mixer.in_proj.weight", "mixer.in_proj.bias",
-                                        "mixer.norm.weight", "mixer.out_proj.weight", "mixer.out_proj.bias")]
+# The mixer's parameters, as named in a layer (layers.{i}.mixer.*)
+MAMBA_MIXER_PARAMETERS = ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "in_proj.weight", "in_proj.bias",
+                          "norm.weight", "out_proj.weight", "out_proj.bias")
+
+
+def backbone_renames(mixer_parameters: tuple[str, ...]) -> tuple[FanOut, ...]:
+    """Rules between the causal LM's keys (backbone.*) and the bare model's (no prefix), both ways, for a stack of
+    embeddings, layers.{i}.norm, layers.{i}.mixer.<mixer_parameters> and norm_f; and mamba_ssm's old name of the
+    embeddings (transformers' Mamba2Model load hook renames it too). A rule applies only to a key the model lacks."""
+    names = ["embeddings.weight", "norm_f.weight", "layers.*.norm.weight",
+             *(f"layers.*.mixer.{name}" for name in mixer_parameters)]
     return (*(FanOut(name, (f"backbone.{name}",)) for name in names),
             *(FanOut(f"backbone.{name}", (name,)) for name in names),
             FanOut("backbone.embedding.weight", ("backbone.embeddings.weight",)),
             FanOut("embedding.weight", ("embeddings.weight",)))
 
 
-class Mamba2ForCausalLM(LlamaForCausalLM):
+class RecurrentStateLM:
+    """What the causal LMs with mamba layers share (Mamba2, the hybrid families), before LlamaForCausalLM in their
+    bases: a RecurrentCache, no rollback, no positions to run out of, and what is not implemented for them."""
+
+    tp_plan_auto = None  # no plan splits the mixer's heads yet
+    is_stateful = True  # generation: a RecurrentCache, no rollback; the engine refuses it
+    supports_compiled_decode = False  # the decode step reads a Python branch (scan or step) and new state tensors
+
+    def make_cache(self) -> RecurrentCache:
+        return RecurrentCache()
+
+    def prompt_length_error(self, prompt_length: int) -> str | None:
+        return None  # no rotary positions: no length limit to check
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+
+class Mamba2ForCausalLM(RecurrentStateLM, LlamaForCausalLM):
     """The stack as `backbone` (transformers' name and keys) and the LM head (module doc)."""
 
     config_class = Mamba2Config
     decoder_model_class = Mamba2Backbone
     decoder_layer_class = Mamba2Block
-    checkpoint_fan_out = _checkpoint_renames()
-    tp_plan_auto = None  # no plan splits the mixer's heads yet
-    is_stateful = True  # generation: a RecurrentCache, no rollback; the engine refuses it
-    supports_compiled_decode = False  # the decode step reads a Python branch (scan or step) and new state tensors
+    checkpoint_fan_out = backbone_renames(MAMBA_MIXER_PARAMETERS)
     position_limit = None  # no positions: generate() caps no length at max_position_embeddings
+    # Whether tie_word_embeddings ties lm_head to the embeddings (a family whose transformers class never ties, as
+    # Nemotron-H's, says no: its lm_head is its own tensor in every checkpoint)
+    ties_head = True
 
     def __init__(self, config: Mamba2Config):
         from gpuformers.models.heads import BaseModelHead
@@ -189,7 +216,7 @@ class Mamba2ForCausalLM(LlamaForCausalLM):
         # (embeddings, layers, norm_f: Mamba2Model's keys); the causal LM holds it as transformers does.
         self.add_module("model" if isinstance(self, BaseModelHead) else "backbone", stack)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        if self.ties_head and config.tie_word_embeddings:
             self.lm_head.weight = stack.embeddings.weight
 
     @property
@@ -204,13 +231,6 @@ class Mamba2ForCausalLM(LlamaForCausalLM):
 
     @property
     def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "backbone.embeddings.weight"} if self.config.tie_word_embeddings else {}
+        tied = self.ties_head and self.config.tie_word_embeddings
+        return {"lm_head.weight": "backbone.embeddings.weight"} if tied else {}
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def make_cache(self) -> RecurrentCache:
-        return RecurrentCache()
-
-    def prompt_length_error(self, prompt_length: int) -> str | None:
-        return None  # no positions, no limit

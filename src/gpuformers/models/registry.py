@@ -47,6 +47,8 @@ MODEL_TYPES = {
                    "gpuformers.models.starcoder2:Starcoder2Config"),
     "gpt2": ("gpuformers.models.gpt2:GPT2LMHeadModel", "gpuformers.models.gpt2:GPT2Config"),
     "mamba2": ("gpuformers.models.mamba2:Mamba2ForCausalLM", "gpuformers.models.mamba2:Mamba2Config"),
+    "nemotron_h": ("gpuformers.models.nemotron_h:NemotronHForCausalLM",
+                   "gpuformers.models.nemotron_h:NemotronHConfig"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to

@@ -1,0 +1,144 @@
+"""Nemotron-H against transformers' NemotronHForCausalLM on tiny random hybrid checkpoints (mamba, attention and MLP
+blocks; n_groups > 1; chunk sizes that do not divide the prompts): the checkpoint layout, logits, loss and gradients,
+one cache holding the mamba states and the attention keys and values (prefill then decode), greedy, sampling and
+beam search tokens, the bare model, saving for transformers, the older config spellings (hybrid_override_pattern,
+mamba_* names), and the refusals (MoE blocks, the engine)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.fixtures.checkpoints import rewrite_config
+from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
+from tests.models.recurrent import (assert_greedy_matches, assert_loss_and_gradients_match,
+                                    assert_sampling_and_beams_match, cached_pieces_minus_full)
+
+BLOCKS = ["linear_attention", "full_attention", "mlp", "linear_attention", "full_attention", "mlp"]
+SHAPES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16)
+CASES = {
+    "hybrid": dict(layers_block_type=BLOCKS, n_groups=2, chunk_size=5),
+    # read back below from the older spellings: hybrid_override_pattern and mamba_* names
+    "pattern-tied-bias": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+                              n_groups=4, chunk_size=3, tie_word_embeddings=True, use_bias=True, mlp_bias=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """case -> (folder, transformers model); the second case's config.json in the older spellings."""
+    cases = checkpoint_cases(tmp_path_factory, "nemotron_h", CASES, **SHAPES)
+    folder = cases["pattern-tied-bias"][0]
+    data = json.loads((folder / "config.json").read_text())
+    rewrite_config(folder, layers_block_type=None, hybrid_override_pattern="M-*M", n_groups=None, chunk_size=None,
+                   mamba_n_groups=data["n_groups"], mamba_chunk_size=data["chunk_size"])
+    return cases
+
+
+def test_layout_is_the_saved_checkpoints(checkpoints):
+    folder, _ = checkpoints["hybrid"]
+    ours = load(folder)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == saved
+    assert [layer.block_type for layer in ours.model.layers] == BLOCKS
+    assert ours.no_split_modules == ("NemotronHBlock",)
+
+
+@pytest.mark.parametrize("case,attn", [("hybrid", "sdpa"), ("hybrid", "eager"), ("pattern-tied-bias", "sdpa")])
+def test_logits_match_transformers(checkpoints, case, attn):
+    folder, hf = checkpoints[case]
+    ours = load(folder, attn_implementation=attn)
+    if case == "pattern-tied-bias":
+        assert ours.config.layers_block_type == CASES[case]["layers_block_type"] and ours.config.n_groups == 4
+    assert max_logit_diff(ours, hf, *left_padded()) < 1e-4
+
+
+def test_loss_and_gradients_match_transformers(checkpoints):
+    folder, hf = checkpoints["hybrid"]
+    # transformers keeps the stack as `model` in memory (and saves it as `backbone`, as we keep it)
+    assert_loss_and_gradients_match(load(folder), hf, lambda name: name.replace("model.", "backbone.", 1))
+
+
+def test_one_cache_carries_states_and_keys_from_prefill_to_decode(checkpoints):
+    cache, diff = cached_pieces_minus_full(load(checkpoints["hybrid"][0]), prompt=7, chunk=3, total=14)
+    assert [cache.get_seq_length(i) for i in range(len(BLOCKS))] == [14, 14, 0, 14, 14, 0]
+    assert diff.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_match_transformers(checkpoints, case):
+    folder, hf = checkpoints[case]
+    assert_greedy_matches(load(folder), hf)
+
+
+def test_sampling_and_beam_search_match_transformers(checkpoints):
+    folder, hf = checkpoints["hybrid"]
+    assert_sampling_and_beams_match(load(folder), hf)
+
+
+def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
+    import transformers
+
+    from gpuformers import AutoModel
+
+    folder, hf = checkpoints["pattern-tied-bias"]
+    ids, mask = left_padded()
+    ours = AutoModel.from_pretrained(folder, progress=False)
+    theirs = transformers.AutoModel.from_pretrained(folder).eval()
+    assert type(ours).__name__ == "NemotronHModel"
+    with torch.no_grad():
+        diff = ours(ids, attention_mask=mask).last_hidden_state - theirs(ids, attention_mask=mask).last_hidden_state
+    assert diff[mask.bool()].abs().max() < 1e-4
+
+    load(folder).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["layers_block_type"] == CASES["pattern-tied-bias"]["layers_block_type"] and saved["n_groups"] == 4
+    assert not {"hybrid_override_pattern", "mamba_n_groups", "layer_types", "rope_theta", "num_hidden_layers"} & set(
+        saved)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert max_logit_diff(reloaded, hf, *left_padded()) == 0.0
+
+
+def test_refusals_name_what_is_missing(checkpoints):
+    from gpuformers.models.config import ModelConfig
+    from gpuformers.models.config_checks import ConfigFieldError
+
+    with pytest.raises(NotImplementedError, match="nemotron_h 'moe' blocks"):
+        ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*E"})
+    with pytest.raises(ConfigFieldError, match=r"hybrid_override_pattern 'M\*X' has the letters \['X'\]"):
+        ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*X"})
+    with pytest.raises(NotImplementedError, match="state-space model"):
+        load(checkpoints["hybrid"][0]).generate_batch([[5, 9, 23]], max_new_tokens=2, progress_bar=False)
+
+
+def test_mamba_sizes_are_range_checked():
+    from gpuformers.models.config import ModelConfig
+    from gpuformers.models.config_checks import ConfigFieldError
+
+    config = {"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*"}
+    with pytest.raises(ConfigFieldError, match="ssm_state_size is 0; it must be a positive integer"):
+        ModelConfig.from_dict({**config, "ssm_state_size": 0})
+    with pytest.raises(ValueError, match=r"mamba_num_heads \(8\) must be a multiple of n_groups \(3\)"):
+        ModelConfig.from_dict({**config, "mamba_n_groups": 3})  # the older spelling, read as n_groups
+
+
+def test_lora_matches_peft_and_our_adapter_loads_in_peft(checkpoints, tmp_path):
+    """Adapter keys use transformers' module names (model.layers..., ours backbone.layers...), both ways."""
+    import peft
+
+    from tests.test_lora import _peft_pair
+
+    folder, hf = checkpoints["hybrid"]
+    ours, theirs = _peft_pair(checkpoints["hybrid"], r=4, lora_alpha=8,
+                              target_modules=["in_proj", "q_proj", "v_proj", "up_proj"])
+    assert max_logit_diff(ours, theirs, *left_padded()) < 1e-4
+    assert max_logit_diff(ours, hf, *left_padded()) > 1e-2  # the adapters took part
+    ours.save_pretrained(tmp_path)
+    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    assert max_logit_diff(ours, reloaded, *left_padded()) < 1e-4
