@@ -5,7 +5,8 @@
   (losses, gradient norms, evaluation, final weights), and their checkpoints hold DeepSpeed's sharded states;
 - the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
   weights gathered) loads in transformers with equal logits;
-- in one process: ZeRO-2 trains like no DeepSpeed and load_best_model_at_end loads the best checkpoint's states; ZeRO-3
+- in one process: ZeRO-2, and ZeRO-3 offloading parameters and optimizer to the CPU, train like no DeepSpeed, and
+  load_best_model_at_end loads the best checkpoint's states; ZeRO-3
   with the config's own optimizer and scheduler, and save_model without stage3_gather_16bit_weights_on_model_save
   writes DeepSpeed's shards;
 - the config's "auto" values, its contradictions with the arguments, accelerate's DeepSpeed, FSDP and mixed-precision
@@ -246,8 +247,13 @@ def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
                   gradient_accumulation_steps=2, per_device_train_batch_size=2, warmup_steps=1,
                   load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    # ZeRO-3 with the parameters and the optimizer offloaded to the CPU, torch's AdamW stepping there (DeepSpeed's own
+    # CPU Adam, which the Trainer's AdamW becomes by default, is a C++ build of minutes on CI's machine)
+    offload = {**ZERO3, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
     runs = {}
-    for name, extra in (("plain", {}), ("zero2", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 2}}})):
+    for name, extra in (("plain", {}), ("zero2", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 2}}}),
+                        ("zero3_offload", {"deepspeed": offload})):
         trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
                           helpers.tiny_args(tmp_path / name, **values, **extra), train_dataset=helpers.make_rows(16),
                           eval_dataset=helpers.make_rows(4, seed=5))
@@ -256,6 +262,8 @@ def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint
     history = {name: [v for e in t.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
                for name, t in runs.items()}
     assert history["zero2"] == pytest.approx(history["plain"], rel=1e-5)
+    assert history["zero3_offload"] == pytest.approx(history["plain"], rel=1e-5)
+    assert runs["zero3_offload"].model_wrapped.zero_cpu_offload()
     zero2 = runs["zero2"]
     assert zero2.model_wrapped.zero_optimization_stage() == 2
     # greater_is_better on the loss: the worse checkpoint, step 2, is the best and is loaded back into the engine

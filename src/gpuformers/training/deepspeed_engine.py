@@ -14,7 +14,8 @@ gradients. The loss is the Trainer's (over the step's target tokens), not divide
 (scale_wrt_gas=False).
 
 The optimizer is the config's "optimizer" section when it has one (DeepSpeed builds it), else the Trainer's
-(TrainingArguments.optim, or the one passed to the Trainer); the scheduler likewise ("scheduler", else
+(TrainingArguments.optim, or the one passed to the Trainer; under offload_optimizer the Trainer's Adam / AdamW becomes
+DeepSpeed's CPU Adam with the same settings, as accelerate does); the scheduler likewise ("scheduler", else
 lr_scheduler_type built on the optimizer DeepSpeed steps).
 
 Checkpoints: checkpoint-N/global_stepN/ holds DeepSpeed's sharded states (one optimizer-state file per process, and
@@ -72,7 +73,11 @@ def initialize(model: torch.nn.Module, config: DeepSpeedConfig, optimizer, make_
                          "(optimizers=(..., scheduler)); keep one of them")
     settings = dict(config.config)
     if not config.has_optimizer:
-        optimizer = optimizer if optimizer is not None else make_optimizer()
+        offload = str(config.get("zero_optimization.offload_optimizer.device", "none")).lower() not in ("none", "")
+        if optimizer is None:
+            optimizer = make_optimizer()
+            if offload and settings.get("zero_force_ds_cpu_optimizer", True):
+                optimizer = _cpu_adam(optimizer)
         # DeepSpeed vouches for its own optimizers under ZeRO; torch's AdamW (the Trainer's) works with every stage
         settings["zero_allow_untested_optimizer"] = True
     settings.setdefault("steps_per_print", 2**31)  # the Trainer logs; DeepSpeed's own progress lines are noise
@@ -85,6 +90,22 @@ def initialize(model: torch.nn.Module, config: DeepSpeedConfig, optimizer, make_
         model_parameters=[p for p in model.parameters() if p.requires_grad] if config.has_optimizer else None,
         config=settings)
     return engine, ds_optimizer, ds_scheduler
+
+
+def _cpu_adam(optimizer):
+    """ZeRO-Offload steps the optimizer on the CPU, where DeepSpeed takes only its own vectorised CPU Adam (it refuses
+    another unless the config sets zero_force_ds_cpu_optimizer false): the Trainer's Adam / AdamW becomes a
+    DeepSpeedCPUAdam with the same groups and settings, as accelerate does. DeepSpeed compiles it (C++) at its first
+    use, about a minute. Another optimizer is left as it is, for DeepSpeed to refuse with its reason."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional: ZeRO-Offload needs deepspeed anyway
+
+    defaults = optimizer.defaults
+    groups = [{"params": group["params"], "lr": group["lr"], "weight_decay": group["weight_decay"]}
+              for group in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                            weight_decay=defaults["weight_decay"], adamw_mode=type(optimizer) is torch.optim.AdamW)
 
 
 def _tag(step: int) -> str:
