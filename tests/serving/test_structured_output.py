@@ -369,3 +369,17 @@ def test_engine_on_cuda_with_graphs_and_async_batching(checkpoint, reference, co
         check_person(tokenizer.decode(output.generated_tokens, skip_special_tokens=True))
     assert ([manager.get_result(i, timeout=0).generated_tokens for i in free_ids]
             == [alone.get_result(i, timeout=0).generated_tokens for i in alone_ids])
+
+
+def test_the_engine_writes_a_forced_tool_call(server):
+    """tool_choice naming a function on random weights: the grammar writes the whole call in the template's format,
+    arguments its schema allows, and the answer ends after it (serving/answer_grammar.py)."""
+    zones = ["utc", "cet", "pst"]
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": zones}}, "required": ["zone"]}}}
+    answer = chat(server, PROMPTS[1], max_tokens=60, tools=[tool],
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in zones

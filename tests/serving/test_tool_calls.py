@@ -133,9 +133,9 @@ def test_tool_messages_reach_the_template():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["town"]}}}]},
      "tools[0].function.parameters.required", "'town', which is not in its properties (city)"),
-    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice", "needs constrained decoding"),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "needs constrained decoding"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools to call"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name", "not one of the tools: 'get_weather'"),
     ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "got 'sometimes'"),
     ({"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id", "the id of the call"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},

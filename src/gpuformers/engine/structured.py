@@ -17,7 +17,7 @@ lose the overlap, steps without one keep it. Preemption (recompute) keeps a requ
 stays where it is: nothing to roll back or re-feed. Requests without a grammar pay one `is None` test per step.
 
 Offers: StructuredOutputCompiler, Grammar, tokenizer_info, stop_token_ids_of, mask_logits, unpack_bitmask,
-constrains, check_structured_output, INSTALL_HINT.
+constrains, check_structured_output, json_schema_ebnf, INSTALL_HINT.
 """
 
 from __future__ import annotations
@@ -135,8 +135,10 @@ class StructuredOutputCompiler:
     def compile(self, spec: dict) -> Grammar:
         """spec: {"type": "json_object"} (any JSON object), {"type": "json_schema", "schema": {...} (or its JSON
         text), "name": optional}, {"type": "regex", "regex": "..."} (the whole answer matches it),
-        {"type": "choice", "choices": ["yes", "no"]} (the answer is one of them) or {"type": "grammar", "grammar":
-        "root ::= ..."} (EBNF, xgrammar's dialect of GBNF). A schema is always enforced (OpenAI's strict=true;
+        {"type": "choice", "choices": ["yes", "no"]} (the answer is one of them), {"type": "grammar", "grammar":
+        "root ::= ..."} (EBNF, xgrammar's dialect of GBNF) or {"type": "structural_tag", "format": {...}} (xgrammar's
+        structural tag format: sequences of tags, free text, schemas; the server's forced tool calls and answers
+        after a think block). A schema is always enforced (OpenAI's strict=true;
         xgrammar's strict mode: no properties or items beyond those it lists). Raises ValueError naming what
         xgrammar could not compile."""
         kind = spec.get("type") if isinstance(spec, dict) else None
@@ -152,6 +154,10 @@ class StructuredOutputCompiler:
             source, name = spec.get(kind), kind
             if not isinstance(source, str) or not source:
                 raise ValueError(f"a {kind} structured output needs a non-empty string, got {source!r}")
+        elif kind == "structural_tag":
+            if not isinstance(spec.get("format"), dict):
+                raise ValueError(f"a structural_tag structured output needs a format object, got {spec.get('format')!r}")
+            source, name = json.dumps(spec["format"]), "structural tag"  # key order matters (schemas): kept
         elif kind == "choice":
             choices = spec.get("choices")
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
@@ -160,7 +166,7 @@ class StructuredOutputCompiler:
             source, name = "root ::= " + " | ".join(map(_ebnf_string, choices)), "choice"
         else:
             raise ValueError(f"structured output type {kind!r} is not one of: json_object, json_schema, regex, "
-                             f"choice, grammar")
+                             f"choice, grammar, structural_tag")
         key = f"{kind}\0{source}"
         with self._lock:
             if key in self._cache:
@@ -179,15 +185,31 @@ class StructuredOutputCompiler:
 
 
     def _compile(self, kind: str, source: str):
-        # JSON: whitespace only where compact JSON has it (", " and ": "); with any whitespace allowed, models are
-        # known to emit blank lines until max_tokens (vLLM's disable-any-whitespace).
         if kind == "json_object":  # any object: a schema that allows every property
-            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return self.compiler.compile_json_schema('{"type": "object"}', **_JSON_STYLE, strict_mode=False)
         if kind == "json_schema":
-            return self.compiler.compile_json_schema(source, any_whitespace=False, strict_mode=True)
+            return self.compiler.compile_json_schema(source, **_JSON_STYLE, strict_mode=True)
         if kind == "regex":
             return self.compiler.compile_regex(source)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(f'{{"type": "structural_tag", "format": {source}}}')
         return self.compiler.compile_grammar(source)  # grammar, choice
+
+
+# JSON: whitespace only where compact JSON has it (", " and ": "); with any whitespace allowed, models are known to
+# emit blank lines until max_tokens (vLLM's disable-any-whitespace)
+_JSON_STYLE = {"any_whitespace": False}
+
+
+def json_schema_ebnf(schema: dict | str, strict: bool = True) -> str:
+    """The EBNF of the JSON a schema allows, as a json_schema spec compiles it (compact, and with `strict` no
+    properties or items beyond those it lists), for a structural tag that embeds it (a grammar inside a tool call or
+    after a think block). Raises ValueError naming what xgrammar could not read."""
+    source = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        return str(_xgrammar().Grammar.from_json_schema(source, **_JSON_STYLE, strict_mode=strict))
+    except RuntimeError as error:
+        raise ValueError(f"json_schema cannot be compiled into a grammar: {_error_text(error)}") from None
 
 
 def _ebnf_string(text: str) -> str:

@@ -29,9 +29,9 @@ class ChatJob(Job):
         self.reasoners = [reasoning_parser() for _ in range(parsed.n)] if reasoning_parser is not None else None
         self.keep_special_tokens = reasoning_parser is not None and reasoning_parser.keeps_special_tokens
         super().__init__(state, parsed, prompts, max_tokens, loop)
-        # With tools and tool_choice "auto", each choice's text goes through the model's tool-call parser (the
-        # server checked that it has one); a stream feeds one parser per choice
-        self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice == "auto" else None
+        # With tools and tool_choice other than "none", each choice's text goes through the model's tool-call
+        # parser (the server checked that it has one); a stream feeds one parser per choice
+        self.tool_parser = state.tool_call_parser if parsed.tools and parsed.tool_choice != "none" else None
         self.stream_parsers = ([self.tool_parser() for _ in range(parsed.n)] if self.tool_parser is not None
                                else None)
 

@@ -109,7 +109,7 @@ def parse_chat(body: Any) -> CompletionRequest:
     request.structured_output = structured_output(body, request.min_tokens,
                                                   response_format(body.get("response_format"), "response_format"))
     request.tools = tools_field(body.get("tools"))
-    request.tool_choice = _tool_choice(body.get("tool_choice"), request.tools)
+    request.tool_choice, request.tool_name = _tool_choice(body.get("tool_choice"), request.tools)
     request.chat_template_kwargs = chat_template_kwargs_field(body.get("chat_template_kwargs"))
     effort = body.get("reasoning_effort")
     if effort is not None:
@@ -213,19 +213,27 @@ def _check_parameters(schema: dict, where: str) -> None:
                             f"({', '.join(properties)})"[:300], f"{where}.required")
 
 
-def _tool_choice(choice: Any, tools: list[dict] | None) -> str:
-    """"auto" (the default with tools) or "none"; "none" still shows the tools to the model, as vLLM does, so that a
-    conversation holding earlier calls renders the same. Forcing calls needs constrained decoding of the call format:
-    refused."""
+def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None]:
+    """(tool_choice, the forced function's name): "auto" (the default with tools) or "none", which still shows the
+    tools to the model, as vLLM does, so that a conversation holding earlier calls renders the same; "required" (one
+    or more calls) and "function" (one call of the named function) are held to the model's call format by a grammar
+    (answer_grammar.py)."""
     if choice is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if choice in ("auto", "none"):
-        return choice if tools else "none"
-    forced = (choice == "required" or isinstance(choice, dict) and choice.get("type") == "function")
-    if forced:
-        what = '"required"' if choice == "required" else f"naming a function {choice!r}"[:200]
-        raise APIError(400, f"tool_choice {what} is not supported: forcing a tool call needs constrained decoding "
-                            "of the model's call format, which this server does not have; use tool_choice \"auto\" "
-                            "and ask for the call in the prompt", "tool_choice")
+        return (choice if tools else "none"), None
+    if choice == "required" or isinstance(choice, dict) and choice.get("type") == "function":
+        if not tools:
+            raise APIError(400, f"tool_choice {shown_value(choice)} needs tools to call; send tools or leave "
+                                f"tool_choice out", "tool_choice")
+        if choice == "required":
+            return "required", None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        known = [tool["function"]["name"] for tool in tools]
+        if name not in known:
+            raise APIError(400, f"tool_choice names the function {shown_value(name)}, which is not one of the "
+                                f"tools: {', '.join(map(repr, known))}"[:300], "tool_choice.function.name")
+        return "function", name
     raise APIError(400, f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
                         f'{{"name": ...}}}}, got {choice!r}'[:300], "tool_choice")

@@ -34,7 +34,10 @@ class CompletionRequest:
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict] | None = None
     tools: list[dict] | None = None  # chat: the function tools, as the client sent them (rendered by the template)
-    tool_choice: str = "none"  # chat: "auto" (calls are parsed out of the answer) or "none" (the text as it is)
+    # chat: "auto" (calls are parsed out of the answer), "none" (the text as it is), or a forced call held to the
+    # model's call format: "required" (one or more) or "function" (one call of tool_name)
+    tool_choice: str = "none"
+    tool_name: str | None = None
     # chat: extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": False} for Qwen3
     chat_template_kwargs: dict = field(default_factory=dict)
     # the grammar's spec (structured_request.py): response_format / text.format, structured_outputs / guided_*

@@ -59,6 +59,15 @@ class HarmonyReasoningParser(ReasoningParser):
     name = "gpt_oss"
     keeps_special_tokens = True
 
+    @classmethod
+    def block_ahead(cls, prompt_tail: str) -> str | None:
+        return "maybe"  # the analysis channel may come first, whatever the prompt
+
+    @classmethod
+    def grammar_around(cls, answer: dict, block: str) -> dict | None:
+        """Not done: the final channel's message would need its harmony header kept free before the grammar."""
+        return None
+
     def __init__(self):
         super().__init__()
         # "opening": the answer's start, before it shows whether it opens with a header; "header": inside a

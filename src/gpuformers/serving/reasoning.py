@@ -103,6 +103,28 @@ class ReasoningParser:
             return rest, ""
         return "", rest
 
+    @classmethod
+    def block_ahead(cls, prompt_tail: str) -> str | None:
+        """How an answer to a prompt ending in `prompt_tail` begins: "inside" its think block (the chat template
+        opened it), "maybe" with one (the model decides), or None: no block ahead (the template closed it, as
+        Qwen3's does with enable_thinking=False)."""
+        opened, closed = prompt_tail.rfind(cls.start_tag), prompt_tail.rfind(cls.end_tag)
+        if closed >= 0 and closed > opened:
+            return None
+        return "inside" if cls.starts_inside or opened >= 0 else "maybe"
+
+    @classmethod
+    def grammar_around(cls, answer: dict, block: str) -> dict | None:
+        """The structural-tag format (engine/structured.py) of a whole answer whose part after the think block is
+        held to `answer`, the block itself left free text; `block` is block_ahead's answer. None: this format has
+        no place for a grammar."""
+        gap = {"type": "regex", "pattern": r"\s{0,8}"}  # "\n\n" after "</think>"; never an endless run
+        if block == "inside":
+            inside = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": cls.end_tag}
+            return {"type": "sequence", "elements": [inside, gap, answer]}
+        think = {"type": "tag", "begin": cls.start_tag, "content": {"type": "any_text"}, "end": cls.end_tag}
+        return {"type": "sequence", "elements": [{"type": "optional", "content": think}, gap, answer]}
+
     def _enter(self, state: str, buffer: str) -> None:
         self.state, self.buffer, self.started = state, buffer, False
         if state == "reasoning":

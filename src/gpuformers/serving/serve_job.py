@@ -3,7 +3,7 @@ a parsed request to its answer, given the endpoint's own parts (how its prompt b
 its default max_tokens):
 
     parsed request -> shutting down? n too large? model or adapter known? -> sampling defaults filled
-                   -> prompts_of (in a worker thread) -> length checks -> grammar (structured outputs)
+                   -> prompts_of (in a worker thread) -> length checks -> grammar (answer_grammar.py)
                    -> job_class (n engine requests per prompt) -> SSE stream, or the whole JSON answer
 
 Offers: serve_job, SAMPLING_EPS.
@@ -18,6 +18,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from gpuformers.serving.answer_grammar import answer_spec
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
 from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
@@ -56,9 +57,10 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
                                  "" if len(prompts) == 1 else f"prompt[{index}]: ")
                   for index, ids in enumerate(prompts)]
     grammar = None
-    if parsed.structured_output is not None:  # structured_request.py
-        param = parsed.structured_output.get("param") or ("text.format" if parsed.responses else "response_format")
-        grammar = await asyncio.to_thread(state.compile_grammar, parsed.structured_output, param)
+    spec = answer_spec(state, parsed, prompts[0])  # a structured output or a forced tool call, after any thinking
+    if spec is not None:
+        param = spec.get("param") or ("text.format" if parsed.responses else "response_format")
+        grammar = await asyncio.to_thread(state.compile_grammar, spec, param)
     state.engine.reserve(choices)
     job = job_class(state, parsed, prompts, max_tokens, asyncio.get_running_loop())
     try:

@@ -18,6 +18,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from gpuformers.engine.structured import json_schema_ebnf
+
 
 @dataclass
 class ToolCall:
@@ -57,6 +59,13 @@ class ToolCallParser:
 
     def parse_call(self, body: str) -> ToolCall | None:
         raise NotImplementedError
+
+    @classmethod
+    def forced_calls(cls, tools: list[dict], name: str | None = None) -> dict | None:
+        """The structural-tag format (engine/structured.py) of an answer that is one or more calls of `tools` in
+        this format, each call's arguments held to its function's parameters schema; with `name`, exactly one call
+        of that function (tool_choice "required" / a named function). None: not done for this format."""
+        return None
 
     @classmethod
     def parse(cls, text: str) -> tuple[str, list[ToolCall]]:
@@ -138,6 +147,20 @@ class HermesToolCallParser(ToolCallParser):
     name = "hermes"
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
+
+    @classmethod
+    def forced_calls(cls, tools: list[dict], name: str | None = None) -> dict | None:
+        # One tag per function, its name fixed and its arguments a JSON object its schema allows; calls follow each
+        # other as the template writes them (a newline between), at least one, and just one for a named function
+        tags = [{"type": "tag", "begin": f'{cls.start_tag}\n{{"name": {json.dumps(f["name"], ensure_ascii=False)}, '
+                                         f'"arguments": ',
+                 # the arguments as a json_schema structured output holds JSON (compact, the schema strict)
+                 "content": {"type": "grammar", "grammar": json_schema_ebnf(f.get("parameters") or {"type": "object"},
+                                                                         strict=bool(f.get("parameters")))},
+                 "end": f"}}\n{cls.end_tag}"}
+                for f in (tool["function"] for tool in tools) if name is None or f["name"] == name]
+        return {"type": "triggered_tags", "triggers": [cls.start_tag], "tags": tags, "at_least_one": True,
+                "stop_after_first": name is not None}
 
     def parse_call(self, body: str) -> ToolCall | None:
         try:
