@@ -1,8 +1,8 @@
-"""Nemotron-H against transformers' NemotronHForCausalLM on tiny random hybrid checkpoints (mamba, attention and MLP
-blocks; n_groups > 1; chunk sizes that do not divide the prompts): the checkpoint layout, logits, loss and gradients,
+"""Nemotron-H against transformers' NemotronHForCausalLM on tiny random hybrid checkpoints (mamba, attention, MLP and
+MoE blocks; n_groups > 1; chunk sizes that do not divide the prompts): the checkpoint layout, logits, loss and gradients,
 one cache holding the mamba states and the attention keys and values (prefill then decode), greedy, sampling and
 beam search tokens, the bare model, saving for transformers, the older config spellings (hybrid_override_pattern,
-mamba_* names), and the refusals (MoE blocks, the engine)."""
+mamba_* names), LoRA against peft, and the refusals (the engine, bad expert groups)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,29 @@ CASES = {
     # read back below from the older spellings: hybrid_override_pattern and mamba_* names
     "pattern-tied-bias": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
                               n_groups=4, chunk_size=3, tie_word_embeddings=True, use_bias=True, mlp_bias=True),
+    # sparse blocks: 8 experts in 2 groups (the best group kept), top 2, a latent projection, biases on the shared
+    # expert and the projections; the router's correction bias perturbed (fixture)
+    "moe": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_groups=2, chunk_size=5,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                moe_shared_expert_intermediate_size=48, moe_latent_size=32, mlp_bias=True, routed_scaling_factor=2.5),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """case -> (folder, transformers model); the second case's config.json in the older spellings."""
+    """case -> (folder, transformers model); the second case's config.json in the older spellings. In the MoE case
+    the routed experts' weights are scaled up and the router's correction biases made nonzero (transformers draws
+    std 0.02 and zeros), so that which experts a token reaches shows in the logits; saved again."""
     cases = checkpoint_cases(tmp_path_factory, "nemotron_h", CASES, **SHAPES)
+    folder, hf = cases["moe"]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, tensor in [*hf.named_buffers(), *hf.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+            elif name.endswith(("experts.up_proj", "experts.down_proj")):
+                tensor.mul_(10.0)
+    hf.save_pretrained(folder)
     folder = cases["pattern-tied-bias"][0]
     data = json.loads((folder / "config.json").read_text())
     rewrite_config(folder, layers_block_type=None, hybrid_override_pattern="M-*M", n_groups=None, chunk_size=None,
@@ -40,17 +56,19 @@ def checkpoints(tmp_path_factory):
     return cases
 
 
-def test_layout_is_the_saved_checkpoints(checkpoints):
-    folder, _ = checkpoints["hybrid"]
+@pytest.mark.parametrize("case", ["hybrid", "moe"])
+def test_layout_is_the_saved_checkpoints(checkpoints, case):
+    folder, _ = checkpoints[case]
     ours = load(folder)
     with safe_open(folder / "model.safetensors", "pt") as f:
         saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == saved
-    assert [layer.block_type for layer in ours.model.layers] == BLOCKS
+    assert [layer.block_type for layer in ours.model.layers] == CASES[case]["layers_block_type"]
     assert ours.no_split_modules == ("NemotronHBlock",)
 
 
-@pytest.mark.parametrize("case,attn", [("hybrid", "sdpa"), ("hybrid", "eager"), ("pattern-tied-bias", "sdpa")])
+@pytest.mark.parametrize("case,attn", [("hybrid", "sdpa"), ("hybrid", "eager"), ("pattern-tied-bias", "sdpa"),
+                                       ("moe", "sdpa")])
 def test_logits_match_transformers(checkpoints, case, attn):
     folder, hf = checkpoints[case]
     ours = load(folder, attn_implementation=attn)
@@ -63,6 +81,31 @@ def test_loss_and_gradients_match_transformers(checkpoints):
     folder, hf = checkpoints["hybrid"]
     # transformers keeps the stack as `model` in memory (and saves it as `backbone`, as we keep it)
     assert_loss_and_gradients_match(load(folder), hf, lambda name: name.replace("model.", "backbone.", 1))
+
+
+def test_moe_loss_and_gradients_match_transformers(checkpoints):
+    """transformers stacks each layer's experts ((experts, out, in) tensors): ours one Linear each; an expert no token
+    reached has no gradient (zeros there). The correction bias is a buffer: no gradient in either."""
+    folder, hf = checkpoints["moe"]
+    ours, hf = load(folder).train(), copy.deepcopy(hf).train()
+    ids, mask = left_padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    expected, got = hf(ids, attention_mask=mask, labels=labels).loss, ours(ids, attention_mask=mask, labels=labels).loss
+    assert abs(got.item() - expected.item()) < 1e-5
+    expected.backward(), got.backward()
+    theirs = dict(hf.named_parameters())
+    for i, block in enumerate(CASES["moe"]["layers_block_type"]):
+        if block != "moe":
+            continue
+        mine = ours.model.layers[i].mixer
+        for name in ("up_proj", "down_proj"):
+            stacked = torch.stack([getattr(e, name).weight.grad if getattr(e, name).weight.grad is not None
+                                   else torch.zeros_like(getattr(e, name).weight) for e in mine.experts])
+            torch.testing.assert_close(stacked, theirs[f"model.layers.{i}.mixer.experts.{name}"].grad,
+                                       atol=1e-6, rtol=1e-5)
+        for name in ("gate.weight", "shared_experts.up_proj.weight", "fc1_latent_proj.weight", "fc2_latent_proj.bias"):
+            torch.testing.assert_close(mine.get_parameter(name).grad,
+                                       theirs[f"model.layers.{i}.mixer.{name}"].grad, atol=1e-6, rtol=1e-5)
 
 
 def test_one_cache_carries_states_and_keys_from_prefill_to_decode(checkpoints):
@@ -109,8 +152,8 @@ def test_refusals_name_what_is_missing(checkpoints):
     from gpuformers.models.config import ModelConfig
     from gpuformers.models.config_checks import ConfigFieldError
 
-    with pytest.raises(NotImplementedError, match="nemotron_h 'moe' blocks"):
-        ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*E"})
+    with pytest.raises(ValueError, match=r"n_routed_experts \(8\) must split into n_group \(3\) groups"):
+        ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*E", "n_group": 3})
     with pytest.raises(ConfigFieldError, match=r"hybrid_override_pattern 'M\*X' has the letters \['X'\]"):
         ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*X"})
     with pytest.raises(NotImplementedError, match="state-space model"):

@@ -84,13 +84,17 @@ class SparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, experts = self.gate(x)
+        return self.run_experts(x, weights, experts).view(shape)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x (tokens, width) through each token's experts (tokens, top_k: ids, weights), summed -> (tokens, width)."""
         out = torch.zeros_like(x)
-        # Which experts got tokens (a host sync, as in transformers): only those run.
+        # Which experts got tokens (a host sync, as in transformers): only those run, in expert order.
         for expert in torch.unique(experts).tolist():
             token, slot = torch.where(experts == expert)
             y = self.experts[expert](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        return out.view(shape)
+        return out
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,

@@ -119,6 +119,12 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "shared_expert_intermediate_size": (_POSITIVE_INT, False),
     "decoder_sparse_step": (_POSITIVE_INT, False),
     "router_aux_loss_coef": (_NON_NEGATIVE, False),
+    "n_routed_experts": (_POSITIVE_INT, False),  # Nemotron-H's MoE blocks
+    "n_group": (_POSITIVE_INT, False),
+    "topk_group": (_POSITIVE_INT, False),
+    "moe_shared_expert_intermediate_size": (_POSITIVE_INT, False),
+    "moe_latent_size": (_POSITIVE_INT, True),  # null: the experts work at hidden_size
+    "routed_scaling_factor": (_POSITIVE, False),
     "router_jitter_noise": (_NON_NEGATIVE, False),
     "no_rope_layer_interval": (_POSITIVE_INT, False),
     # state-space (Mamba2) mixers, also in the hybrid families

@@ -7,16 +7,20 @@ per layer: M mamba, * attention, - MLP, E MoE). Only what differs from the llama
         "linear_attention"  the Mamba2 mixer (layers/mamba2.py), dt clamped below at time_step_min, as transformers
         "full_attention"    llama's GQA attention with no rotary and no biases (no positions anywhere in the model)
         "mlp"               down_proj(relu(up_proj(h))^2), not gated
+        "moe"               routed experts (NemotronHRouter: sigmoid scores, a correction bias, group-limited top-k;
+                            non-gated relu^2 experts, over a latent projection when moe_latent_size is set) plus a
+                            shared expert (NVIDIA-Nemotron-3-Nano-30B-A3B)
 
-Checkpoint keys are what transformers saves (backbone.embeddings, backbone.layers.{i}.norm / .mixer.*,
-backbone.norm_f, lm_head: the Hub's layout; the bare model's without "backbone."), which the model keeps. The
-RecurrentCache (generation/state_cache.py) holds the mamba layers' conv and SSM states and the attention layers'
-keys and values. The "moe" blocks (Nemotron-3-Nano-30B-A3B's sparse layers: sigmoid routing with a correction
-bias and expert groups, non-gated relu^2 experts, a shared expert, an optional latent projection) and the
-multi-token-prediction layers are not implemented: a config with a "moe" block is refused with NotImplementedError.
+Checkpoint keys are what transformers saves (backbone.embeddings, backbone.layers.{i}.norm / .mixer.*, the experts
+one by one as mixer.experts.{e}.{up,down}_proj.weight, backbone.norm_f, lm_head: the Hub's layout; the bare model's
+without "backbone."), which the model keeps. The RecurrentCache (generation/state_cache.py) holds the mamba layers'
+conv and SSM states and the attention layers' keys and values. Not implemented: the multi-token-prediction layers
+(their mtp.* weights are ignored, as transformers ignores them), router logits in the output
+(output_router_logits), transformers' fused in-memory expert layout (mixer.experts.up_proj as one tensor) in a
+checkpoint file.
 
-Offers: NemotronHConfig, NemotronHAttention, NemotronHMLP, NemotronHBlock, NemotronHDecoder, NemotronHForCausalLM,
-transformers_module_name.
+Offers: NemotronHConfig, NemotronHAttention, NemotronHMLP, NemotronHRouter, NemotronHMoE, NemotronHBlock,
+NemotronHDecoder, NemotronHForCausalLM, transformers_module_name.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from gpuformers.layers.attention import build_attention_mask
 from gpuformers.layers.mamba2 import Mamba2Mixer
+from gpuformers.layers.moe import SparseMoeBlock
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.config_checks import ConfigFieldError
 from gpuformers.models.llama import LlamaAttention
@@ -49,7 +54,7 @@ _ACTIVATIONS = {"relu2": lambda x: torch.relu(x).square(), "silu": nn.functional
 class NemotronHConfig(ModelConfig):
     """transformers' NemotronHConfig fields with its defaults. num_hidden_layers is len(layers_block_type); the
     attention's head_dim / num_attention_heads / num_key_value_heads are ModelConfig's, the mamba heads'
-    mamba_num_heads / mamba_head_dim. The MoE and multi-token-prediction fields are read and written back only."""
+    mamba_num_heads / mamba_head_dim. The multi-token-prediction fields are read and written back only."""
 
     family_defaults = {"nemotron_h": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
                                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -83,7 +88,8 @@ class NemotronHConfig(ModelConfig):
     hidden_dropout: float = 0.0
     rescale_prenorm_residual: bool = True
     num_logits_to_keep: int = 1
-    # MoE blocks and multi-token prediction: not implemented (module doc)
+    # the "moe" blocks' (n_shared_experts and moe_shared_expert_overlap are not read, as transformers does not), and
+    # multi-token prediction (not implemented: module doc)
     n_routed_experts: int = 8
     output_router_logits: bool = False
     n_shared_experts: int = 1
@@ -135,9 +141,14 @@ class NemotronHConfig(ModelConfig):
             raise ConfigFieldError(f"layers_block_type has the block types {bad}; each must be one of "
                                    f"linear_attention, full_attention, mlp, moe: fix the file")
         if "moe" in self.layers_block_type:
-            raise NotImplementedError(
-                "nemotron_h 'moe' blocks (NVIDIA-Nemotron-3-Nano-30B-A3B's sparse layers) are not implemented in "
-                "gpuformers yet; the mamba, attention and mlp blocks are (Nemotron-H-8B/47B, Nemotron-Nano-9B-v2)")
+            per_group, rest = divmod(self.n_routed_experts, self.n_group)
+            if rest or per_group < 2 or not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"nemotron_h: n_routed_experts ({self.n_routed_experts}) must split into n_group "
+                                 f"({self.n_group}) groups of at least 2 experts (a group scores by its best two), "
+                                 f"and topk_group ({self.topk_group}) be between 1 and n_group: fix the file")
+            if not 0 < self.num_experts_per_tok <= per_group * self.topk_group:
+                raise ValueError(f"nemotron_h: num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                 f"the experts of the topk_group chosen groups ({per_group * self.topk_group})")
         if self.mamba_hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"nemotron_h mamba_hidden_act {self.mamba_hidden_act!r} is not supported; "
                                       f"supported: silu")
@@ -171,16 +182,81 @@ class NemotronHAttention(LlamaAttention):
 
 
 class NemotronHMLP(nn.Module):
-    """down_proj(act(up_proj(h))), act = mlp_hidden_act (relu^2 by default); no gate, so no SwiGLU kernel."""
+    """down_proj(act(up_proj(h))), act = mlp_hidden_act (relu^2 by default); no gate, so no SwiGLU kernel. The "mlp"
+    block's (hidden -> intermediate_size -> hidden), and the MoE block's experts and shared expert."""
 
-    def __init__(self, config: NemotronHConfig):
+    def __init__(self, config: NemotronHConfig, width: int | None = None, intermediate_size: int | None = None,
+                 bias: bool | None = None):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        width, intermediate_size = width or config.hidden_size, intermediate_size or config.intermediate_size
+        bias = config.mlp_bias if bias is None else bias
+        self.up_proj = nn.Linear(width, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, width, bias=bias)
         self.act_fn = _ACTIVATIONS[config.mlp_hidden_act]
 
     def forward(self, hidden_states, attention_mask=None, cache=None):
         return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+class NemotronHRouter(nn.Module):
+    """Sigmoid scores of n_routed_experts; the experts are chosen among the topk_group best of n_group groups (a
+    group scored by its two best experts), by score + e_score_correction_bias, and weighted by their plain scores,
+    renormalised with norm_topk_prob and times routed_scaling_factor (transformers' DeepSeek-V3-style router, in
+    float32). Not an nn.Linear, so LoRA's "all-linear" and quantization leave it alone."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts))  # a checkpoint tensor, not trained
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, float(config.routed_scaling_factor)
+
+    def forward(self, hidden_states: torch.Tensor):
+        """(tokens, hidden) -> router logits (tokens, experts), weights (tokens, top_k) float32, expert ids."""
+        logits = nn.functional.linear(hidden_states.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()  # (tokens, experts)
+        grouped = choice.unflatten(-1, (self.n_group, -1))  # (tokens, groups, experts per group)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)  # (tokens, groups)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scaling, experts
+
+
+class NemotronHMoE(SparseMoeBlock):
+    """The "moe" block: the routed experts (NemotronHMLP of moe_intermediate_size, not gated, over the latent
+    projection fc1_latent_proj when moe_latent_size is set, back through fc2_latent_proj) plus a shared expert every
+    token goes through. Keys mixer.gate.{weight, e_score_correction_bias}, mixer.experts.{e}.{up,down}_proj.weight,
+    mixer.shared_experts.*, as transformers saves them. Not the fused MoE kernel's layer (no kernel_layer_name): its
+    experts are not gated."""
+
+    kernel_layer_name = None
+
+    def __init__(self, config: NemotronHConfig):
+        nn.Module.__init__(self)
+        width = config.moe_latent_size or config.hidden_size  # the experts' input and output
+        self.gate = NemotronHRouter(config)
+        self.experts = nn.ModuleList(
+            NemotronHMLP(config, width, config.moe_intermediate_size, bias=False)
+            for _ in range(config.n_routed_experts))
+        self.shared_experts = NemotronHMLP(config, config.hidden_size, config.moe_shared_expert_intermediate_size)
+        if config.moe_latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, width, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = nn.Identity()
+
+    def forward(self, hidden_states, attention_mask=None, cache=None):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # (tokens, hidden)
+        _, weights, experts = self.gate(x)
+        routed = self.fc2_latent_proj(self.run_experts(self.fc1_latent_proj(x), weights, experts))
+        return routed.view(shape) + self.shared_experts(hidden_states)
 
 
 def _mamba_mixer(config: NemotronHConfig, layer_idx: int) -> Mamba2Mixer:
@@ -192,7 +268,8 @@ def _mamba_mixer(config: NemotronHConfig, layer_idx: int) -> Mamba2Mixer:
 
 
 _MIXERS = {"linear_attention": _mamba_mixer, "full_attention": NemotronHAttention,
-           "mlp": lambda config, layer_idx: NemotronHMLP(config)}
+           "mlp": lambda config, layer_idx: NemotronHMLP(config),
+           "moe": lambda config, layer_idx: NemotronHMoE(config)}
 
 
 class NemotronHBlock(nn.Module):
@@ -225,6 +302,7 @@ class NemotronHDecoder(Mamba2Backbone):
             "full_attention": build_attention_mask(attention_mask, seq, past + seq, past, None, device),
             "linear_attention": super().layer_masks(attention_mask, seq, cache, device),
             "mlp": None,
+            "moe": None,
         }
 
 
@@ -245,4 +323,7 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     checkpoint_key = staticmethod(transformers_module_name)  # LoRA adapters under transformers' (and peft's) names
     checkpoint_fan_out = backbone_renames(MAMBA_MIXER_PARAMETERS + tuple(
         f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
-        f"{name}.{p}" for name in ("up_proj", "down_proj") for p in ("weight", "bias")))
+        f"{module}{name}.{p}" for module in ("", "shared_experts.", "experts.*.")
+        for name in ("up_proj", "down_proj") for p in ("weight", "bias")) + tuple(
+        f"{name}.{p}" for name in ("fc1_latent_proj", "fc2_latent_proj") for p in ("weight", "bias")) + (
+        "gate.weight", "gate.e_score_correction_bias"))
