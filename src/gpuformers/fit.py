@@ -157,6 +157,11 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
     """Size the model from `config` and try each placement on `devices` (usable bytes per device). With `gguf_file`,
     only the placements a GGUF file loads into: one device, quantized after loading."""
     model = _meta_model(config)
+    if getattr(model, "is_stateful", False):
+        raise NotImplementedError(
+            f"gpuformers fit does not size {type(model).__name__} yet: a state-space model's memory is a recurrent "
+            f"state per sequence (plus keys and values of its attention layers, if any) and its scan's chunk "
+            f"buffers, which fit does not count; its weights alone take {format_size(weight_bytes(model, dtype))}")
     weights = weight_bytes(model, dtype)
     kv = kv_bytes_per_token(config, dtype)
     act = activation_bytes_per_token(config, dtype)

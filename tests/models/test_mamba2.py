@@ -197,3 +197,12 @@ def test_old_embedding_name_and_the_classifier_load(checkpoints, tmp_path):
     with torch.no_grad():
         logits = classifier(ids, attention_mask=(ids != 0).long()).logits
         assert (logits - classifier.score(states[:, -1])).abs().max() < 1e-5
+
+
+def test_fit_refuses_to_size_a_state_space_model():
+    from gpuformers.fit import fit_report
+    from gpuformers.models.config import ModelConfig
+
+    config = ModelConfig.from_dict(dict(model_type="mamba2", **SHAPES, n_groups=2))
+    with pytest.raises(NotImplementedError, match="does not size Mamba2ForCausalLM yet: a state-space model"):
+        fit_report(config, {"cpu": 2**34}, dtype=torch.float32)
