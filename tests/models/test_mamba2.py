@@ -206,3 +206,15 @@ def test_fit_refuses_to_size_a_state_space_model():
     config = ModelConfig.from_dict(dict(model_type="mamba2", **SHAPES, n_groups=2))
     with pytest.raises(NotImplementedError, match="does not size Mamba2ForCausalLM yet: a state-space model"):
         fit_report(config, {"cpu": 2**34}, dtype=torch.float32)
+
+
+def test_bfloat16_matches_transformers(checkpoints):
+    """In bfloat16 (the residual in float32, the scan and the states in float32, the decode step's products in
+    float32 where transformers rounds dt * B to bfloat16 first): logits within bfloat16 rounding, the same tokens."""
+    import transformers
+
+    folder, _ = checkpoints["groups"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = load(folder, dtype=torch.bfloat16)
+    assert max_logit_diff(ours, hf, *left_padded()) < 2e-2
+    assert_greedy_matches(ours, hf)
