@@ -64,3 +64,15 @@ def assert_sampling_and_beams_match(ours, hf) -> None:
     assert torch.equal(*sampled)
     beams = dict(num_beams=3, num_return_sequences=2, do_sample=False, **common)
     assert torch.equal(ours.generate(ids, **beams), hf.generate(ids, **beams))
+
+
+def assert_generation_continues_from_its_cache(model) -> None:
+    """generate() given the cache an earlier call returned (a second turn: the earlier sequence and more tokens)
+    gives the tokens of a call that recomputes everything: the cache holds every token but the last generated one."""
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(6))
+    greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    first = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **greedy)
+    assert first.past_key_values.get_seq_length() == first.sequences.shape[1] - 1
+    turn = torch.cat([first.sequences, torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(7))], 1)
+    continued = model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=6, **greedy)
+    assert torch.equal(continued, model.generate(turn, max_new_tokens=6, **greedy))

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
-from tests.models.recurrent import (assert_greedy_matches, assert_loss_and_gradients_match,
-                                    assert_sampling_and_beams_match, cached_pieces_minus_full)
+from tests.models.recurrent import (assert_generation_continues_from_its_cache, assert_greedy_matches,
+                                    assert_loss_and_gradients_match, assert_sampling_and_beams_match,
+                                    cached_pieces_minus_full)
 
 SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, expand=2)
 CASES = {
@@ -72,6 +73,10 @@ def test_greedy_tokens_match_transformers(checkpoints, case):
 def test_sampling_and_beam_search_match_transformers(checkpoints):
     folder, hf = checkpoints["groups"]
     assert_sampling_and_beams_match(load(folder), hf)
+
+
+def test_generate_continues_from_a_returned_cache(checkpoints):
+    assert_generation_continues_from_its_cache(load(checkpoints["groups"][0]))
 
 
 def test_bare_model_matches_transformers(checkpoints):

@@ -15,8 +15,9 @@ from safetensors import safe_open
 
 from tests.fixtures.checkpoints import rewrite_config
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
-from tests.models.recurrent import (assert_greedy_matches, assert_loss_and_gradients_match,
-                                    assert_sampling_and_beams_match, cached_pieces_minus_full)
+from tests.models.recurrent import (assert_generation_continues_from_its_cache, assert_greedy_matches,
+                                    assert_loss_and_gradients_match, assert_sampling_and_beams_match,
+                                    cached_pieces_minus_full)
 
 BLOCKS = ["linear_attention", "full_attention", "mlp", "linear_attention", "full_attention", "mlp"]
 SHAPES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -123,6 +124,10 @@ def test_greedy_tokens_match_transformers(checkpoints, case):
 def test_sampling_and_beam_search_match_transformers(checkpoints):
     folder, hf = checkpoints["hybrid"]
     assert_sampling_and_beams_match(load(folder), hf)
+
+
+def test_generate_continues_from_a_returned_cache(checkpoints):
+    assert_generation_continues_from_its_cache(load(checkpoints["hybrid"][0]))
 
 
 def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
