@@ -20,9 +20,10 @@ SHAPES = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, 
 CASES = {
     # 2 groups of 4 heads; chunks of 5 over prompts of 16, 10, 7 tokens
     "groups": dict(n_groups=2, chunk_size=5),
-    # 4 groups, chunks of 3, biases, a tied head, and a time_step_limit that clamps some steps of the scan
-    "tied-limit": dict(n_groups=4, chunk_size=3, use_bias=True, tie_word_embeddings=True,
-                       time_step_limit=(0.0, 0.05)),
+    # 4 groups, chunks of 3, biases but none on the conv, a conv of 3, a tied head, and a time_step_limit that
+    # clamps some steps of the scan
+    "tied-limit": dict(n_groups=4, chunk_size=3, use_bias=True, use_conv_bias=False, conv_kernel=3,
+                       tie_word_embeddings=True, time_step_limit=(0.0, 0.05)),
 }
 
 
