@@ -273,7 +273,8 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, enabled: bool):
     """Within: backward passes average gradients over the processes only if `enabled` (off for all but the last
-    micro-batch of an accumulated step: one exchange per optimizer step)."""
+    micro-batch of an accumulated step: one exchange per optimizer step). A DeepSpeed engine is told that the
+    micro-batch is (or is not) its accumulation boundary."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel) and not enabled:

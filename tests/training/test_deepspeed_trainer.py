@@ -185,8 +185,11 @@ def test_accelerate_deepspeed_plugin_variables(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
     ds = TrainingArguments(tmp_path, gradient_accumulation_steps=3).deepspeed_config
     assert ds.zero_stage == 1 and ds.config["gradient_accumulation_steps"] == 3
-    # the arguments' own deepspeed=... wins over the launcher's plugin
-    assert TrainingArguments(tmp_path, deepspeed={"zero_optimization": {"stage": 2}}).deepspeed_config.zero_stage == 2
+    # the arguments' own deepspeed=... wins over the launcher's plugin; without batch keys it takes the arguments'
+    ds = TrainingArguments(tmp_path, deepspeed={"zero_optimization": {"stage": 2}}, per_device_train_batch_size=2,
+                           gradient_accumulation_steps=5).deepspeed_config
+    assert ds.zero_stage == 2
+    assert (ds.config["train_micro_batch_size_per_gpu"], ds.config["gradient_accumulation_steps"]) == (2, 5)
 
 
 def test_accelerate_fsdp_plugin_variables(monkeypatch, tmp_path):

@@ -1,7 +1,9 @@
 """DeepSpeed configs for the Trainer: a user's DeepSpeed JSON (a path or a dict, in transformers' style) with its
 "auto" values filled from the TrainingArguments, and each value that the arguments also set checked against them.
 
-    TrainingArguments(deepspeed="ds_config.json")     read and filled when the arguments are made (fill_from_arguments):
+    TrainingArguments(deepspeed="ds_config.json")     read and filled when the arguments are made (fill_from_arguments;
+                                                       a config with fewer than two of the batch keys gets the micro
+                                                       batch and the accumulation from the arguments):
         train_micro_batch_size_per_gpu   <- per_device_train_batch_size
         gradient_accumulation_steps      <- gradient_accumulation_steps
         train_batch_size                 <- world_size x per_device_train_batch_size x gradient_accumulation_steps
@@ -129,6 +131,10 @@ class DeepSpeedConfig:
         import torch
 
         world = args.world_size
+        batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if sum(key in self.config for key in batch_keys) < 2:  # DeepSpeed needs two of them (it derives the third)
+            self.config.setdefault("train_micro_batch_size_per_gpu", args.per_device_train_batch_size)
+            self.config.setdefault("gradient_accumulation_steps", args.gradient_accumulation_steps)
         self.fill("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size")
         self.fill("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps")
         self.fill("train_batch_size", world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
