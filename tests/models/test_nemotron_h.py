@@ -190,3 +190,13 @@ def test_lora_matches_peft_and_our_adapter_loads_in_peft(checkpoints, tmp_path):
     ours.save_pretrained(tmp_path)
     reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
     assert max_logit_diff(ours, reloaded, *left_padded()) < 1e-4
+
+
+def test_transformers_in_memory_layout_loads(checkpoints, tmp_path):
+    """save_pretrained(save_original_format=False) writes model.* keys and each layer's experts as one fused
+    (experts, out, in) tensor: the causal LM loads it (renames, and a fused tensor cut into the experts)."""
+    folder, hf = checkpoints["moe"]
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "model.layers.1.mixer.experts.up_proj" in set(f.keys())
+    assert max_logit_diff(load(tmp_path), hf, *left_padded()) < 1e-4

@@ -16,8 +16,8 @@ one by one as mixer.experts.{e}.{up,down}_proj.weight, backbone.norm_f, lm_head:
 without "backbone."), which the model keeps. The RecurrentCache (generation/state_cache.py) holds the mamba layers'
 conv and SSM states and the attention layers' keys and values. Not implemented: the multi-token-prediction layers
 (their mtp.* weights are ignored, as transformers ignores them), router logits in the output
-(output_router_logits), transformers' fused in-memory expert layout (mixer.experts.up_proj as one tensor) in a
-checkpoint file.
+(output_router_logits). transformers' in-memory layout (model.* keys, each layer's experts fused in one tensor), which
+its save_pretrained(save_original_format=False) writes, loads into the causal LM too (not into the bare model).
 
 Offers: NemotronHConfig, NemotronHAttention, NemotronHMLP, NemotronHRouter, NemotronHMoE, NemotronHBlock,
 NemotronHDecoder, NemotronHForCausalLM, transformers_module_name.
@@ -34,6 +34,7 @@ from torch import nn
 from gpuformers.layers.attention import build_attention_mask
 from gpuformers.layers.mamba2 import Mamba2Mixer
 from gpuformers.layers.moe import SparseMoeBlock
+from gpuformers.loading.fan_out import FanOut
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.config_checks import ConfigFieldError
 from gpuformers.models.llama import LlamaAttention
@@ -306,6 +307,26 @@ class NemotronHDecoder(Mamba2Backbone):
         }
 
 
+def _checkpoint_renames() -> tuple[FanOut, ...]:
+    """The Hub's layout (backbone.*, the experts one by one) to and from the bare model's (Mamba2's rules), and
+    transformers' in-memory layout, which its save_pretrained(save_original_format=False) writes: model.* for
+    backbone.*, each layer's experts fused in (experts, out, in) tensors mixer.experts.up_proj / down_proj."""
+    params = MAMBA_MIXER_PARAMETERS + tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
+        f"{module}{name}.{p}" for module in ("", "shared_experts.", "experts.*.") for name in ("up_proj", "down_proj")
+        for p in ("weight", "bias")) + tuple(
+        f"{name}.{p}" for name in ("fc1_latent_proj", "fc2_latent_proj") for p in ("weight", "bias")) + (
+        "gate.weight", "gate.e_score_correction_bias")
+    renames = backbone_renames(params)
+    in_memory = tuple(FanOut(f"model.{rule.targets[0].removeprefix('backbone.')}", rule.targets)
+                      for rule in renames if rule.targets[0].startswith("backbone.") and "*.mixer.experts.*" not in
+                      rule.source)
+    # a fused tensor's row e is expert e's weight ("#"); for the causal LM only (a bare NemotronHModel does not load
+    # this layout's fused experts)
+    fused = tuple(FanOut(f"model.layers.*.mixer.experts.{name}", (f"backbone.layers.*.mixer.experts.#.{name}.weight",))
+                  for name in ("up_proj", "down_proj"))
+    return renames + in_memory + fused
+
+
 def transformers_module_name(name: str) -> str:
     """Our parameter name -> transformers' in-memory one, which peft's adapter keys and configs use: transformers
     loads the checkpoint's backbone.* as model.* (backbone.layers.0.mixer.in_proj -> model.layers.0.mixer.in_proj)."""
@@ -321,9 +342,4 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     decoder_layer_class = NemotronHBlock
     ties_head = False  # transformers' Nemotron-H never ties lm_head, whatever tie_word_embeddings says
     checkpoint_key = staticmethod(transformers_module_name)  # LoRA adapters under transformers' (and peft's) names
-    checkpoint_fan_out = backbone_renames(MAMBA_MIXER_PARAMETERS + tuple(
-        f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
-        f"{module}{name}.{p}" for module in ("", "shared_experts.", "experts.*.")
-        for name in ("up_proj", "down_proj") for p in ("weight", "bias")) + tuple(
-        f"{name}.{p}" for name in ("fc1_latent_proj", "fc2_latent_proj") for p in ("weight", "bias")) + (
-        "gate.weight", "gate.e_score_correction_bias"))
+    checkpoint_fan_out = _checkpoint_renames()
