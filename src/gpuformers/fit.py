@@ -14,6 +14,7 @@ B x N x (KV per token + activations per token). Activations assume an attention 
 A GPU keeps 5% of its free memory (and 512 MiB at least) for the CUDA context, the allocator and kernels' workspace.
 A GGUF file is sized as from_pretrained(gguf_file=) loads it: dequantized (float32 unless --dtype says otherwise) onto
 one device, and quantized after that, so its unquantized weights must fit there first; nothing is offloaded.
+`--train-processes N` adds what training keeps per GPU under DDP and ZeRO-1/2/3 (training/strategy_memory.py).
 
 Offers: FitOption, FitReport, weight_bytes, kv_bytes_per_token, activation_bytes_per_token, fit_report,
 read_model_config, add_fit_arguments, run_fit.
@@ -274,6 +275,9 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-memory", metavar="LIST", default=None,
                         help='plan for other devices than these: "0=24GiB,1=24GiB,cpu=64GiB"')
     parser.add_argument("--json", action="store_true", help="print JSON for machines instead of text")
+    parser.add_argument("--train-processes", type=int, metavar="N", default=None,
+                        help="also the memory per GPU of training over N data-parallel processes under DDP and "
+                             "ZeRO-1/2/3 (FSDP2), Adam in mixed precision")
 
 
 def _is_gguf(path: Path) -> bool:
@@ -330,9 +334,17 @@ def run_fit(args: argparse.Namespace) -> int:
         dtype = chosen if chosen != "auto" else stored if stored != "auto" else torch.bfloat16 if on_gpu else torch.float32
     report = fit_report(config, devices, dtype=dtype, context=args.context, batch=args.batch, model_name=args.model,
                         gguf_file=gguf_file)
+    training = None
+    if args.train_processes is not None:
+        from gpuformers.training.strategy_memory import format_strategy_memory, strategy_memory
+
+        training = [{**asdict(row), "total_bytes": row.total_bytes}
+                    for row in strategy_memory(report.parameters, args.train_processes)]
     if args.json:
-        print(json.dumps({**asdict(report), "recommended": report.recommended and asdict(report.recommended)},
-                         indent=2))
+        print(json.dumps({**asdict(report), "recommended": report.recommended and asdict(report.recommended),
+                          **({"training": training} if training is not None else {})}, indent=2))
     else:
         print(format_report(report))
+        if training is not None:
+            print("\n" + format_strategy_memory(report.parameters, args.train_processes))
     return 0 if report.recommended is not None else 1
