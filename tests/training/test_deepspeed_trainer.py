@@ -8,7 +8,7 @@
 - in one process: ZeRO-2, and ZeRO-3 offloading parameters and optimizer to the CPU, train like no DeepSpeed, and
   load_best_model_at_end loads the best checkpoint's states; ZeRO-3
   with the config's own optimizer and scheduler, and save_model without stage3_gather_16bit_weights_on_model_save
-  writes DeepSpeed's shards;
+  writes DeepSpeed's shards; a LoRA model under ZeRO-3 trains like without DeepSpeed and saves the same adapter;
 - the config's "auto" values, its contradictions with the arguments, accelerate's DeepSpeed, FSDP and mixed-precision
   variables, and the missing package;
 - on a GPU (gpu-marked): ZeRO-2 in bf16 trains and resumes.
@@ -156,6 +156,8 @@ def test_a_config_that_contradicts_the_arguments_names_both_values(tmp_path):
         ds.finalize(torch.nn.Linear(2, 2), num_training_steps=10, warmup_steps=3)
     with pytest.raises(ValueError, match="deepspeed and fsdp='full_shard' were both given"):
         TrainingArguments(tmp_path, deepspeed=ZERO3, fsdp="full_shard")
+    with pytest.raises(NotImplementedError, match="torch_compile=True under DeepSpeed"):
+        TrainingArguments(tmp_path, deepspeed=ZERO3, torch_compile=True)
 
 
 def test_without_deepspeed_the_error_names_the_extra(monkeypatch, tmp_path):
@@ -242,6 +244,31 @@ def test_one_process_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here, caplog
     test process (made by the first Trainer, used by the second)."""
     zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path / "zero2")
     zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path / "zero3", caplog)
+    lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path / "lora")
+
+
+def lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    from gpuformers.lora import LoraConfig, get_peft_model
+    from gpuformers.training import Trainer
+
+    zero3 = {**ZERO3, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    losses, adapters = {}, {}
+    for name, extra in (("plain", {}), ("zero3", {"deepspeed": zero3})):
+        torch.manual_seed(0)  # the same LoRA initialisation
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        trainer = Trainer(model, helpers.tiny_args(tmp_path / name, max_steps=3, learning_rate=3e-2, **extra),
+                          train_dataset=helpers.make_rows(16))
+        trainer.train()
+        losses[name] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
+        trainer.save_model(tmp_path / name / "final")  # the adapter alone, gathered from the ZeRO-3 shards
+        adapters[name] = load_file(tmp_path / name / "final" / "adapter_model.safetensors")
+    assert losses["zero3"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert sorted(adapters["zero3"]) == sorted(adapters["plain"])
+    for key, value in adapters["plain"].items():
+        torch.testing.assert_close(adapters["zero3"][key], value, atol=1e-5, rtol=1e-5)
 
 
 def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path):

@@ -381,6 +381,9 @@ class TrainingArguments:
             raise NotImplementedError('lr_scheduler_type "reduce_lr_on_plateau" under DeepSpeed is not supported '
                                       "(DeepSpeed steps the scheduler after every optimizer step, without the "
                                       "metric); pick another lr_scheduler_type")
+        if self.torch_compile:
+            raise NotImplementedError("torch_compile=True under DeepSpeed is not supported yet (the engine's hooks "
+                                      "around each module are not compiled here); drop torch_compile or deepspeed")
         if self.device.type == "cpu":  # DeepSpeed picks its accelerator once, at its first use: the CPU's here
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         require_deepspeed()
