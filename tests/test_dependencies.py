@@ -32,7 +32,7 @@ PROBED = {
     "pynvml": "NVML's bindings (nvidia-ml-py), tried only when nvidia-smi is missing (device.py)",
 }
 # Import names whose distribution is named otherwise, for packages that may not be installed here.
-DISTRIBUTION_OF = {"flash_attn": "flash-attn", "functorch": "torch", "jinja2": "jinja2", "yaml": "pyyaml"}
+DISTRIBUTION_OF = {"flash_attn": "flash-attn", "functorch": "torch", "jinja2": "jinja2", "yaml": "pyyaml", "zmq": "pyzmq"}
 
 
 def _normal(name: str) -> str:

@@ -37,6 +37,12 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
+        # GPUFORMERS_TEST_API_SERVER_COUNT=2: every generation server of the suite with its HTTP front end in API
+        # server processes of its own (test_api_server_processes.py runs a share of the suite so in CI)
+        count = os.environ.get("GPUFORMERS_TEST_API_SERVER_COUNT")
+        if count and not {"--api-server-count", "--task", "--tensor-parallel-size",
+                          "--allow-runtime-lora-updating"} & set(extra):
+            extra = (*extra, "--api-server-count", count)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUFORMERS_DEBUG": "1"}
         env.pop("GPUFORMERS_API_KEY", None)
         # gpus "" hides the GPUs (a CPU server); None leaves CUDA_VISIBLE_DEVICES as it is.

@@ -100,6 +100,9 @@ class ContinuousBatchingManager:
         self.num_steps = 0
         self._in_flight: LaunchedStep | None = None  # async batching: the launched step not collected yet
         self._lockstep = None  # a Lockstep (lockstep.py) when the processes of a tensor-parallel model step together
+        # Called in the loop's thread after each pass of start()'s loop (a step, or an idle wait) and once as the
+        # loop ends: serving/engine_core.py sends the outputs a step published, one message per front end
+        self.after_step: Callable[[], None] | None = None
         try:
             for name, folder in (adapters or {}).items():
                 self.load_adapter(folder, name)
@@ -255,7 +258,10 @@ class ContinuousBatchingManager:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.step():
+                ran = self.step()
+                if self.after_step is not None:
+                    self.after_step()
+                if not ran:
                     time.sleep(0.002)  # idle: wait for requests without spinning a core
         except Exception as error:  # the engine itself broke: fail what is queued so that no caller waits forever
             logger.exception("the continuous batching loop stopped")
@@ -268,6 +274,8 @@ class ContinuousBatchingManager:
                 self._publish_one(seq, final=True)
             self._fail_inbox(message)
         finally:
+            if self.after_step is not None:  # what the loop's end published (the failed requests)
+                self.after_step()
             self.adapter_bank.uninstall()
             if self._lockstep is not None:
                 from gpuformers.engine.lockstep import STOP

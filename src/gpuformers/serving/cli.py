@@ -15,6 +15,10 @@ repetition_penalty or min_p gets, else OpenAI's defaults (serving/sampling_defau
 engine does not implement (no_repeat_ngram_size, say) is dropped with a warning rather than failing every request,
 since no request can set it anyway.
 
+With --api-server-count N > 1 this process keeps the engine and N API server processes serve HTTP on the same
+port (serving/engine_core.py, api_server.py, engine_client.py); 1 (the default on 4 cores or fewer) serves HTTP in
+this process.
+
 With --task embed the model is loaded as a bare decoder (AutoModel) and serves only /v1/embeddings, pooled as its
 sentence-transformers files say (serving/pooling.py); the engine flags do not apply.
 
@@ -115,6 +119,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--reasoning-parser qwen3 (default: detected from the chat template: qwen3 for Qwen3, "
                              "deepseek_r1 when the template opens the think block, gpt_oss for gpt-oss's harmony "
                              "channels; none: the text as generated)")
+    parser.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                        help="HTTP front-end processes: 1 runs it in the engine's process; N > 1 runs the engine in "
+                             "this process and N API server processes (HTTP, tokenization, detokenization, SSE) "
+                             "sharing the port, so their Python never holds the engine's GIL (default: 1 on a "
+                             "machine with 4 cores or fewer, else cores // 4, at most 4)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -126,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RuntimeError(f"serving needs the serve extra ({', '.join(missing)} missing): "
                            "pip install 'gpuformers[serve]'")
     for name in ("port", "max_model_len", "max_num_seqs", "max_batch_tokens", "num_blocks", "max_pending",
-                 "tensor_parallel_size"):
+                 "tensor_parallel_size", "api_server_count"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
@@ -149,6 +158,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--pooling and --no-normalize apply to embedding models: add --task embed")
     if args.hf_overrides is not None:
         raise ValueError("--hf-overrides applies to embedding models (--task embed) only")
+    api_servers = args.api_server_count or default_api_server_count()
+    if api_servers > 1:
+        _check_api_servers(args, processes)
     adapters = _lora_modules(args.lora_modules)
     if name in adapters:
         raise ValueError(f"--lora-modules names an adapter {name!r}, the base model's own name; rename the adapter")
@@ -175,6 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # what a request without temperature gets, as vLLM warns when the model's file overrides its defaults
     print(f"gpuformers serve: {SamplingDefaults.from_generation_config(manager.generation_config).describe()}",
           flush=True)
+    if api_servers > 1:
+        return _run_engine_core(args, manager, tokenizer, name, api_servers, limits)
     code = 1
     try:
         run_server(manager, tokenizer, name, host=args.host, port=args.port, api_key=args.api_key,
@@ -192,6 +206,47 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_api_server_count(cores: int | None = None) -> int:
+    """--api-server-count's default: 1 (the front end in the engine's process) on 4 cores or fewer, where more
+    processes would only compete with the engine for the same cores; else cores // 4, at most 4."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cores <= 4 else min(4, cores // 4)
+
+
+def _check_api_servers(args: argparse.Namespace, processes: int) -> None:
+    """Refuse, by name, what API server processes do not do yet."""
+    if processes > 1 or (args.tensor_parallel_size or 1) > 1:
+        raise NotImplementedError("--api-server-count > 1 with --tensor-parallel-size is not implemented: the "
+                                  "tensor-parallel server runs its front end in process 0; use --api-server-count 1")
+    if args.allow_runtime_lora_updating:
+        raise NotImplementedError("--allow-runtime-lora-updating with --api-server-count > 1 is not implemented "
+                                  "(each API server would have to reach the engine core's adapters); serve adapters "
+                                  "with --lora-modules, or use --api-server-count 1")
+
+
+def _run_engine_core(args: argparse.Namespace, manager, tokenizer, name: str, count: int, limits) -> int:
+    """This process as the engine core of `count` API server processes (serving/engine_core.py)."""
+    import logging
+
+    from gpuformers.serving.engine_core import EngineCore, listening_socket
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    sock = listening_socket(args.host, args.port, limits.backlog)
+    print(f"gpuformers serve: the engine in this process (pid {os.getpid()}), HTTP in {count} API server processes "
+          f"(--api-server-count)", flush=True)
+    server_config = {"model_name": name, "max_model_len": args.max_model_len,
+                     "max_pending": -(-args.max_pending // count), "tool_call_parser": args.tool_call_parser,
+                     "reasoning_parser": args.reasoning_parser, "log_level": args.log_level,
+                     "shutdown_timeout": args.shutdown_timeout, "host": args.host, "port": args.port,
+                     "limits": [limits.header_timeout, limits.keep_alive_timeout, limits.max_connections]}
+    code = EngineCore(manager, tokenizer, count, sock, server_config, args.api_key).serve()
+    if code:
+        sys.exit(code)
+    return 0
+
+
 def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
     """Serve args.model's embeddings (serving/embedding_app.py) until Ctrl-C or SIGTERM."""
     if processes > 1 or (args.tensor_parallel_size or 1) > 1:
@@ -199,6 +254,9 @@ def _run_embed(args: argparse.Namespace, name: str, processes: int) -> int:
     if args.model is None:
         raise ValueError("--task embed needs an embedding model, e.g. gpuformers serve Qwen/Qwen3-Embedding-0.6B "
                          "--task embed")
+    if (args.api_server_count or 1) > 1:
+        raise NotImplementedError("--api-server-count > 1 with --task embed is not implemented: the embedding server "
+                                  "runs in one process; drop --api-server-count")
     if args.lora_modules or args.allow_runtime_lora_updating:
         raise ValueError("LoRA adapters (--lora-modules, --allow-runtime-lora-updating) are served with --task "
                          "generate only; drop them for --task embed")

@@ -299,7 +299,14 @@ class Job:
     def _check_error(self) -> None:
         for choice in self.choices:
             if choice.error is not None:
-                raise APIError(500, f"generation failed: {choice.error}", type="server_error")
+                raise APIError(*self._failure(choice))
+
+    def _failure(self, choice: ChoiceText) -> tuple[int, str, None, str, str | None]:
+        """APIError's arguments for a failed choice: a 503 when the engine has stopped under it (its loop broke,
+        or its core process exited: engine_client.py), else a 500."""
+        if not self.state.manager.is_running():
+            return 503, f"the engine stopped: {choice.error}", None, "server_error", "engine_unavailable"
+        return 500, f"generation failed: {choice.error}", None, "server_error", None
 
     def _usage(self) -> dict:
         completion = sum(c.num_tokens_kept() for c in self.choices)
@@ -402,8 +409,8 @@ class Job:
                 index, text = await self._next(request)
                 choice = self.choices[index]
                 if choice.error is not None:
-                    body = error_body(f"generation failed: {choice.error}", "server_error")
-                    events.append(f"data: {json.dumps(body)}\n\n")
+                    _, message, param, kind, code = self._failure(choice)
+                    events.append(f"data: {json.dumps(error_body(message, kind, param, code))}\n\n")
                     break
                 # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
                 end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)

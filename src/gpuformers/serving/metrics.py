@@ -6,6 +6,11 @@ histograms (time to first token, time between tokens), all under the `gpuformers
 (a connections.ConnectionStats, by serve_app), the connections too: open, accepted, refused past --max-connections,
 closed by the server (by reason), invalid HTTP and failed accept() calls.
 
+With --api-server-count N > 1 each API server process counts its own requests; twice a second it sends the core a
+`snapshot()` of them, the core hands every server the others' latest, and /metrics (on whichever server answers)
+renders its own counts plus those: one view of all the servers, the peers' part and the engine's gauges at most
+~1 s old.
+
 Offers: Histogram, Metrics.
 """
 
@@ -79,7 +84,48 @@ class Metrics:
         with self._lock:
             self.itl.observe(seconds)
 
-    def render(self, manager=None, in_flight: int = 0) -> str:
+    def snapshot(self, in_flight: int = 0) -> dict:
+        """This server's counts as plain data (msgpack, engine_wire.py), for the other API server processes."""
+        with self._lock:
+            snap = {"requests": [[endpoint, status, count] for (endpoint, status), count in self.requests.items()],
+                    "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                    "ttft": [list(self.ttft.counts), self.ttft.sum, self.ttft.count],
+                    "itl": [list(self.itl.counts), self.itl.sum, self.itl.count], "in_flight": in_flight}
+        stats = self.connections
+        if stats is not None:
+            snap["connections"] = {"open": stats.open, "accepted": stats.accepted, "refused": stats.refused,
+                                   "invalid_http": stats.invalid_http, "accept_errors": stats.accept_errors,
+                                   "closed": dict(stats.closed)}
+        return snap
+
+    def _add(self, snap: dict) -> None:
+        """Add another server's snapshot to these counts (a view made for one render)."""
+        for endpoint, status, count in snap["requests"]:
+            self.requests[(endpoint, status)] += count
+        self.prompt_tokens += snap["prompt_tokens"]
+        self.generation_tokens += snap["generation_tokens"]
+        for histogram, (counts, total, count) in ((self.ttft, snap["ttft"]), (self.itl, snap["itl"])):
+            histogram.counts = [a + b for a, b in zip(histogram.counts, counts)]
+            histogram.sum += total
+            histogram.count += count
+        theirs = snap.get("connections")
+        if theirs is not None and self.connections is not None:
+            mine = self.connections
+            for name in ("open", "accepted", "refused", "invalid_http", "accept_errors"):
+                setattr(mine, name, getattr(mine, name) + theirs[name])
+            for reason, count in theirs["closed"].items():
+                mine.closed[reason] = mine.closed.get(reason, 0) + count
+
+    def render(self, manager=None, in_flight: int = 0, peers=()) -> str:
+        """The /metrics text; `peers`: the other API server processes' snapshots, added to this one's counts."""
+        if peers:
+            from gpuformers.serving.connections import ConnectionStats
+
+            view = Metrics()
+            view.connections = ConnectionStats() if self.connections is not None else None
+            for snap in (self.snapshot(in_flight), *peers):
+                view._add(snap)
+            return view.render(manager, in_flight + sum(snap["in_flight"] for snap in peers))
         with self._lock:
             lines = ["# HELP gpuformers_requests_total HTTP requests answered, by endpoint and status.",
                      "# TYPE gpuformers_requests_total counter"]

@@ -19,13 +19,17 @@ from gpuformers.serving.server_state import ServerState
 async def health(request: Request):
     state: ServerState = request.app.state.serving
     if not state.manager.is_running():
-        return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+        why = getattr(state.manager, "broken", None)  # its loop broke, or (engine_client.py) its process exited
+        return JSONResponse(error_body(f"the engine is not running{f' ({why})' if why else ''}", "server_error",
+                                       code="engine_unavailable"), status_code=503)
     return {"status": "ok"}
 
 
 async def metrics(request: Request):
     state: ServerState = request.app.state.serving
-    return PlainTextResponse(state.metrics.render(state.manager, state.engine.in_flight),
+    # With API servers in processes of their own (engine_client.py), the others' counts are added: one view
+    peers = getattr(state.manager, "peer_metrics", ())
+    return PlainTextResponse(state.metrics.render(state.manager, state.engine.in_flight, peers),
                              media_type="text/plain; version=0.0.4")
 
 

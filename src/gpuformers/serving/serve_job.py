@@ -42,6 +42,9 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     state: ServerState = request.app.state.serving
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", code="shutting_down")
+    if not state.manager.is_running():  # its loop broke, or its core process exited (engine_client.py)
+        raise APIError(503, "the engine is not running; see the server's log (GET /health says so too)",
+                       code="engine_unavailable")
     choices = parsed.num_choices
     if choices > state.engine.max_pending:  # a 429 would have the client retry a request that can never fit
         what = f"n={parsed.n}" if len(parsed.prompts) <= 1 else f"{len(parsed.prompts)} prompts x n={parsed.n}"

@@ -101,9 +101,11 @@ def run_server(manager, tokenizer, model_name: str, host: str = "127.0.0.1", por
 
 
 def serve_app(app, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0,
-              limits=None) -> None:
+              limits=None, sockets=None) -> None:
     """Serve `app` with uvicorn until Ctrl-C or SIGTERM (also the embedding app of --task embed), on the guarded
-    h11 protocol of connections.py: half-open and idle connections closed in bounded time, a connection limit."""
+    h11 protocol of connections.py: half-open and idle connections closed in bounded time, a connection limit.
+    `sockets`: listening sockets to accept from instead of binding host:port (an API server process's, inherited
+    from the engine core: engine_core.py)."""
     import signal
     import sys
 
@@ -125,4 +127,4 @@ def serve_app(app, host: str, port: int, log_level: str = "info", shutdown_timeo
           f"{limits.keep_alive_timeout:g} s (--timeout-keep-alive)", flush=True)
     config = guarded_config(app, host, port, limits, stats, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
-    GuardedServer(config, stats).run()
+    GuardedServer(config, stats).run(sockets=sockets)

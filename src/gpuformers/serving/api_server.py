@@ -1,0 +1,50 @@
+"""One API server process of `gpuformers serve --api-server-count N` (N > 1), started by the engine core
+(engine_core.py) as `python -m gpuformers.serving.api_server CONFIG INDEX`: the same FastAPI app as the one-process
+server (server.build_app: routes, validation, chat templates, tokenization, detokenization, stop strings, tool-call
+and reasoning parsing, SSE) over an EngineClient (engine_client.py) instead of the engine itself, served by uvicorn
+on the listening socket it inherited from the core.
+
+CONFIG is the core's JSON file (in its private run folder): the app's settings, the socket's file descriptor, the
+core's pid and the facts of its model; the API key comes in $GPUFORMERS_API_KEY, not on the command line.
+
+Offers: main.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, index = argv[0], int(argv[1])
+    with open(config_path) as file:
+        config = json.load(file)
+    logging.basicConfig(level=config["log_level"].upper(),
+                        format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
+    import os
+
+    from gpuformers import AutoTokenizer
+    from gpuformers.serving.connections import ConnectionLimits
+    from gpuformers.serving.engine_client import EngineClient
+    from gpuformers.serving.server import build_app, serve_app
+
+    tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"])
+    client = EngineClient(config["run_dir"], index, config["core_pid"], config["facts"])
+    app = build_app(client, tokenizer, config["model_name"], config["max_model_len"],
+                    os.environ.get("GPUFORMERS_API_KEY"), config["max_pending"], config["tool_call_parser"],
+                    config["reasoning_parser"])
+    state = app.state.serving
+    client.metrics_of = lambda: state.metrics.snapshot(state.engine.in_flight)
+    sock = socket.socket(fileno=config["fd"])
+    limits = ConnectionLimits(*config["limits"])
+    serve_app(app, config["host"], config["port"], config["log_level"], config["shutdown_timeout"], limits,
+              sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

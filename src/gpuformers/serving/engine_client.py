@@ -1,0 +1,210 @@
+"""EngineClient: an API server process's stand-in for the ContinuousBatchingManager that runs in the engine core
+process (`gpuformers serve --api-server-count N`, engine_core.py). It has the part of the manager's interface the
+server uses (add_request with on_output, cancel_request, is_running, start / stop, adapters, generation_config,
+model.config's vocab_size and max_position_embeddings, block_manager's and scheduler's sizes, num_steps), so the
+request handling (server_state.py, serve_job.py, job.py) is one implementation for both modes.
+
+    event loop: add_request ──["add", ...]──► core          (msgpack over ZMQ: engine_wire.py)
+    receiver thread: ◄── one message per engine step: rows of this server's requests ── core
+                     row -> OutputAssembly -> GenerationOutput -> the request's on_output (a LoopRelay put)
+
+The receiver thread also watches the core: this process's parent. When the core exits (killed, or its engine loop
+broke) the process is re-parented; every request in flight then gets a failed final output (job.py answers 503),
+is_running() turns False (GET /health answers 503, new requests 503), and ORPHAN_EXIT_SECONDS later this server
+stops itself (a supervisor restarting the core must find the port free).
+
+Offers: EngineClient, ORPHAN_EXIT_SECONDS.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Callable
+
+from gpuformers.serving.engine_wire import OutputAssembly, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+ORPHAN_EXIT_SECONDS = 5.0  # how long a server whose core is gone answers 503 before it stops
+METRICS_EVERY = 0.5  # seconds between two snapshots of this server's counts sent to the core
+_POLL_MS = 100  # the receiver's wait for a message, between two looks at the core's liveness
+
+
+class _Sized:
+    """A count where the server's metrics read a list's length (len(manager.scheduler.waiting))."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class EngineClient:
+    """The engine core, seen from API server `index`; `facts` are what the core told it at its start (api_server.py):
+    the model's and cache's sizes, the adapters, the generation config."""
+
+    def __init__(self, run_dir: str, index: int, core_pid: int, facts: dict):
+        import zmq
+
+        from gpuformers.generation.config import GenerationConfig
+
+        self.index, self.core_pid = index, core_pid
+        self.generation_config = GenerationConfig.from_dict(facts["generation_config"])
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=facts["vocab_size"],
+                                                            max_position_embeddings=facts["max_position_embeddings"]))
+        self.block_manager = SimpleNamespace(num_blocks=facts["num_blocks"], block_size=facts["block_size"],
+                                             num_free_blocks=facts["num_blocks"])
+        self.scheduler = SimpleNamespace(waiting=_Sized(), running=_Sized())
+        self.num_steps = 0
+        self.adapters: list[str] = list(facts["adapters"])
+        self.peer_metrics: list[dict] = []  # the other servers' latest snapshots (routes_admin's /metrics)
+        self.metrics_of: Callable[[], dict] | None = None  # this server's snapshot (set by api_server.py)
+        self.broken: str | None = None  # why the core is gone
+        self._context = zmq.Context()
+        self._out = self._context.socket(zmq.PUSH)  # to the core: used by the event loop and the receiver
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.connect(f"ipc://{run_dir}/in")
+        self._in = self._context.socket(zmq.PULL)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.connect(f"ipc://{run_dir}/out-{index}")
+        self._send_lock = threading.Lock()
+        self._requests: dict[str, tuple[OutputAssembly, Callable]] = {}
+        self._grammars: collections.OrderedDict = collections.OrderedDict()  # id(grammar) -> (grammar, key)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the manager's interface ---------------------------------------------------------------------------
+
+    def start(self) -> "EngineClient":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name="engine-client", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stop listening to the core (the core's engine goes on serving the other API servers)."""
+        self._stop.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_running(self) -> bool:
+        return self.broken is None and self._thread is not None and self._thread.is_alive()
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, streaming: bool = True,
+                    on_output: Callable | None = None, structured_output=None, **sampling) -> str:
+        """Send one engine request to the core; its outputs reach `on_output` in the receiver thread. An error the
+        core's add_request raises comes back as the request's failed final output."""
+        if self.broken is not None:
+            raise RuntimeError(f"the engine core is gone ({self.broken})")
+        if on_output is None:
+            raise ValueError("an API server's requests need on_output (they stream from the core process)")
+        request_id = request_id or f"srv-{uuid.uuid4().hex}"
+        prompt = list(input_ids)
+        self._requests[request_id] = (OutputAssembly(request_id, prompt), on_output)
+        if structured_output is not None:
+            sampling["structured_output"] = self._grammar_key(structured_output)
+        self._send(["add", self.index, request_id, prompt, sampling])
+        logger.debug("%s: %d prompt tokens, sent to the engine core", request_id, len(prompt))
+        return request_id
+
+    def cancel_request(self, request_id: str) -> None:
+        self._send(["cancel", request_id])
+
+    def load_adapter(self, *args, **kwargs):
+        raise NotImplementedError("loading LoRA adapters at run time with --api-server-count > 1 is not "
+                                  "implemented; serve them with --lora-modules, or run one API server")
+
+    delete_adapter = load_adapter
+
+    # --- inside ---------------------------------------------------------------------------------------------
+
+    def _send(self, message: list) -> None:
+        data = pack(message)
+        with self._send_lock:  # a ZMQ socket is used by one thread at a time
+            self._out.send(data)
+
+    def _grammar_key(self, grammar) -> str:
+        """The key the core knows `grammar` by, sending the compiled grammar first when it does not yet (the
+        compiler hands out one Grammar object per spec, so each is sent once)."""
+        known = self._grammars.get(id(grammar))
+        if known is not None and known[0] is grammar:
+            self._grammars.move_to_end(id(grammar))
+            return known[1]
+        key = uuid.uuid4().hex
+        compiled = grammar.compiled
+        self._send(["grammar", key, grammar.name, grammar.vocab_size, list(compiled.tokenizer_info.stop_token_ids),
+                    compiled.serialize_json()])
+        self._grammars[id(grammar)] = (grammar, key)  # the grammar kept alive: its id stays its own
+        while len(self._grammars) > 512:
+            self._grammars.popitem(last=False)
+        return key
+
+    def _receive(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._in, zmq.POLLIN)
+        next_metrics = time.monotonic()
+        while not self._stop.is_set():
+            if poller.poll(_POLL_MS):
+                while True:
+                    try:
+                        data = self._in.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._deliver(unpack(data))
+            if os.getppid() != self.core_pid:
+                self._core_gone()
+                return
+            now = time.monotonic()
+            if now >= next_metrics and self.metrics_of is not None:
+                next_metrics = now + METRICS_EVERY
+                self._send(["metrics", self.index, self.metrics_of()])
+
+    def _deliver(self, message: list) -> None:
+        facts, rows, peers = message
+        self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken = facts
+        if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
+            self.broken = f"the engine core's loop stopped: {broken}"
+        self.block_manager.num_free_blocks = free
+        if peers is not None:
+            self.peer_metrics = [snap for server, snap in peers.items() if server != self.index]
+        requests = self._requests
+        for row in rows:
+            request_id = row[0]
+            entry = requests.get(request_id)
+            if entry is None:
+                continue
+            assembly, on_output = entry
+            output = assembly.add(row)
+            if output.is_finished():
+                del requests[request_id]
+            try:
+                on_output(output)
+            except Exception:  # as the manager does: a callback that fails gets nothing more
+                logger.exception("on_output of request %r failed; its later outputs are dropped", request_id)
+                requests.pop(request_id, None)
+
+    def _core_gone(self) -> None:
+        self.broken = f"the engine core process {self.core_pid} exited"
+        logger.error("%s: failing the %d requests in flight; this API server stops in %g s", self.broken,
+                     len(self._requests), ORPHAN_EXIT_SECONDS)
+        for request_id, (assembly, on_output) in list(self._requests.items()):
+            try:
+                on_output(assembly.failed(self.broken))
+            except Exception:
+                logger.exception("on_output of request %r failed", request_id)
+        self._requests.clear()
+        timer = threading.Timer(ORPHAN_EXIT_SECONDS, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()

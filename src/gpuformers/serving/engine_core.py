@@ -1,0 +1,298 @@
+"""The engine core process of `gpuformers serve --api-server-count N` (N > 1): the ContinuousBatchingManager
+(scheduler, model runner, sampler, KV cache) in this process, the HTTP front end in N API server processes of its
+own (api_server.py: HTTP, validation, chat templates, tokenization, detokenization, stop strings, tool-call and
+reasoning parsing, SSE), so the front end's Python never holds the engine's GIL.
+
+    API server 0 ─┐  ["add" | "cancel" | "grammar" | "metrics"]   ┌─ this thread: add_request / cancel_request
+    API server 1 ─┼──────────────── PULL ipc://RUN/in ──────────►│
+    ...           │                                               │  engine thread: step, then after_step:
+                  ◄──── PUSH ipc://RUN/out-i: one message per step per server (its requests' new tokens) ──┘
+
+The listening socket is made here and inherited by every API server (they accept from the one socket, so a server
+that dies takes no queued connection with it). The messages are engine_wire.py's.
+
+Crashes. An API server that exits is seen within ~0.2 s: its engine requests are cancelled (their KV blocks
+freed) and, when it had run RESTART_AFTER seconds or more, it is started again; the engine goes on for the others.
+When no API server is left, or the engine loop breaks, this process exits with status 1; the API servers see
+their parent go, fail their requests in flight with a 503 and report unhealthy on /health (engine_client.py).
+SIGTERM or Ctrl-C: each API server gets SIGTERM and its graceful shutdown (--shutdown-timeout), then the engine
+stops.
+
+Offers: EngineCore, listening_socket, RESTART_AFTER.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpuformers.engine.outputs import GenerationOutput
+from gpuformers.engine.sequence import RequestStatus
+from gpuformers.serving.engine_wire import OutputDeltas, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+RESTART_AFTER = 10.0  # an API server that ran at least this long before it exited is started again
+TICK_SECONDS = 0.5  # facts and the servers' metrics go out at least this often, work or not
+_WATCH_SECONDS = 0.2  # how often the API server processes are looked at
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """The server's TCP socket, bound and listening, inheritable by the API server processes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error}; choose another --port or --host") from None
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+class EngineCore:
+    """Runs `manager` for `count` API server processes until SIGTERM / Ctrl-C (`serve()`). `server_config` is what
+    each API server needs besides the facts of the model read here (api_server.py reads it)."""
+
+    def __init__(self, manager, tokenizer, count: int, sock: socket.socket, server_config: dict,
+                 api_key: str | None = None):
+        import zmq
+
+        self.manager, self.tokenizer, self.count, self.sock = manager, tokenizer, count, sock
+        self.api_key = api_key
+        self._run_dir = tempfile.TemporaryDirectory(prefix="gpuformers-serve-")  # 0700: the sockets' folder
+        run_dir = self._run_dir.name
+        tokenizer.save_pretrained(Path(run_dir) / "tokenizer")  # what the API servers load, whatever its source
+        generation_config = manager.generation_config.to_dict()
+        self.config_path = Path(run_dir) / "api_server.json"
+        self.config_path.write_text(json.dumps({
+            **server_config, "run_dir": run_dir, "fd": sock.fileno(), "core_pid": os.getpid(),
+            "tokenizer": str(Path(run_dir) / "tokenizer"),
+            "facts": {"generation_config": generation_config, "vocab_size": manager.model.config.vocab_size,
+                      "max_position_embeddings": getattr(manager.model.config, "max_position_embeddings", None),
+                      "num_blocks": manager.block_manager.num_blocks, "block_size": manager.block_manager.block_size,
+                      "adapters": list(manager.adapters)}}))
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(f"ipc://{run_dir}/in")
+        self._outboxes = []
+        for index in range(count):
+            out = self._context.socket(zmq.PUSH)
+            out.setsockopt(zmq.LINGER, 0)
+            out.setsockopt(zmq.SNDHWM, 0)  # never drop a connected server's outputs
+            out.bind(f"ipc://{run_dir}/out-{index}")
+            self._outboxes.append(out)
+        # Per API server: its engine requests (for cancelling them when it dies) and the outputs the engine
+        # published for them since the last message (deques: appended by the engine's and this thread)
+        self._requests: list[set[str]] = [set() for _ in range(count)]
+        self._pending: list[collections.deque] = [collections.deque() for _ in range(count)]
+        self._callbacks = [self._pending[index].append for index in range(count)]
+        self._deltas = OutputDeltas()
+        self._peers: dict[int, dict] = {}  # API server -> its latest metrics snapshot (kept after it exits)
+        self._last_tick = 0.0
+        self._grammars: collections.OrderedDict = collections.OrderedDict()  # key -> engine Grammar
+        self._tokenizer_infos: dict[tuple, object] = {}
+        self._processes: list[subprocess.Popen | None] = [None] * count
+        self._started: list[float] = [0.0] * count
+        self._stopping = False
+        manager.after_step = self._flush
+
+    # --- the engine thread ----------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """After each pass of the engine loop: each API server's new outputs in one message (and the facts, and
+        the peers' metrics, once a second even when idle)."""
+        import zmq
+
+        now = time.monotonic()
+        tick = now - self._last_tick >= TICK_SECONDS
+        if tick:
+            self._last_tick = now
+        facts = None
+        for index, pending in enumerate(self._pending):
+            if not pending and not tick:
+                continue
+            rows = []
+            while pending:
+                output = pending.popleft()
+                rows.append(self._deltas.row(output))
+                if output.is_finished():
+                    self._requests[index].discard(output.request_id)
+                    logger.debug("%s (api server %d): %s, %d tokens", output.request_id, index, output.status.value,
+                                 len(output.generated_tokens))
+            if facts is None:
+                scheduler, blocks = self.manager.scheduler, self.manager.block_manager
+                # broken: set before the loop fails its requests, so their servers answer 503, not 500
+                facts = [len(scheduler.waiting), len(scheduler.running), blocks.num_free_blocks,
+                         self.manager.num_steps, self.manager.broken]
+            try:
+                self._outboxes[index].send(pack([facts, rows, self._peers if tick else None]), zmq.NOBLOCK)
+            except zmq.Again:  # no server connected to it (it exited): its outputs have no reader
+                pass
+
+    # --- this thread: requests in, API servers watched --------------------------------------------------------
+
+    def serve(self) -> int:
+        """Start the engine and the API servers; take their requests until SIGTERM / Ctrl-C (returns 0) or until
+        the engine breaks or no API server is left (returns 1)."""
+        import zmq
+
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self._on_signal)
+        self.manager.start()
+        for index in range(self.count):
+            self._start_server(index)
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        next_watch = 0.0
+        code = 0
+        try:
+            while True:
+                if poller.poll(_WATCH_SECONDS * 1000):
+                    while True:
+                        try:
+                            data = self._inbox.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(unpack(data))
+                if time.monotonic() >= next_watch:
+                    next_watch = time.monotonic() + _WATCH_SECONDS
+                    if not self.manager.is_running():
+                        logger.error("the engine loop stopped (%s): exiting; the API servers answer 503",
+                                     self.manager.broken)
+                        code = 1
+                        self._stopping = True  # the API servers go on alone: 503s and an unhealthy /health
+                        self._processes = [None] * self.count
+                        break
+                    alive = self._watch_servers()
+                    if not alive:
+                        if not self._stopping:
+                            logger.error("no API server is left: exiting")
+                            code = 1
+                        break
+        finally:
+            self._shutdown()
+        return code
+
+    def _handle(self, message: list) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, index, request_id, prompt, sampling = message
+            key = sampling.get("structured_output")
+            try:
+                if key is not None:
+                    if key not in self._grammars:
+                        raise ValueError("its grammar never reached the engine core")
+                    sampling["structured_output"] = self._grammars[key]
+                self._requests[index].add(request_id)
+                self.manager.add_request(prompt, request_id=request_id, streaming=True,
+                                         on_output=self._callbacks[index], **sampling)
+                logger.debug("%s (api server %d): %d prompt tokens", request_id, index, len(prompt))
+            except (ValueError, RuntimeError, TypeError) as error:  # what add_request refuses: the request fails
+                self._requests[index].discard(request_id)
+                self._pending[index].append(GenerationOutput(request_id=request_id, prompt_ids=prompt,
+                                                             error=str(error), status=RequestStatus.FAILED))
+        elif kind == "cancel":
+            self.manager.cancel_request(message[1])
+        elif kind == "grammar":
+            self._add_grammar(*message[1:])
+        elif kind == "metrics":
+            self._peers[message[1]] = message[2]
+
+    def _add_grammar(self, key: str, name: str, vocab_size: int, stop_token_ids: list[int], data: str) -> None:
+        """A grammar an API server compiled, made an engine Grammar here (its tokenizer info built once)."""
+        import xgrammar
+
+        from gpuformers.engine.structured import Grammar, tokenizer_info
+
+        info = self._tokenizer_infos.get(tuple(stop_token_ids))
+        if info is None:
+            info = self._tokenizer_infos[tuple(stop_token_ids)] = tokenizer_info(self.tokenizer, vocab_size,
+                                                                                 stop_token_ids)
+        self._grammars[key] = Grammar(name, xgrammar.CompiledGrammar.deserialize_json(data, info), vocab_size)
+        while len(self._grammars) > 1024:
+            self._grammars.popitem(last=False)
+
+    def _start_server(self, index: int) -> None:
+        env = dict(os.environ)
+        if self.api_key is not None:
+            env["GPUFORMERS_API_KEY"] = self.api_key  # not on the command line, which any user can read
+        command = [sys.executable, "-m", "gpuformers.serving.api_server", str(self.config_path), str(index)]
+        # A session of its own: Ctrl-C in a terminal reaches this process only, which passes SIGTERM on (a second
+        # signal would cut uvicorn's graceful shutdown short)
+        self._processes[index] = subprocess.Popen(command, env=env, pass_fds=(self.sock.fileno(),),
+                                                  start_new_session=True)
+        self._started[index] = time.monotonic()
+        logger.info("api server %d started (pid %d)", index, self._processes[index].pid)
+
+    def _watch_servers(self) -> int:
+        """Look at the API servers: cancel the requests of one that exited and start it again (unless it died soon
+        after its start, or the server is stopping). Returns how many are running."""
+        alive = 0
+        for index, process in enumerate(self._processes):
+            if process is None:
+                continue
+            code = process.poll()
+            if code is None:
+                alive += 1
+                continue
+            orphans = list(self._requests[index])
+            self._requests[index].clear()
+            for request_id in orphans:
+                self.manager.cancel_request(request_id)
+            self._pending[index].clear()
+            if self._stopping:
+                self._processes[index] = None
+                continue
+            logger.warning("api server %d (pid %d) exited with %s; its %d engine requests cancelled: %s", index,
+                           process.pid, code, len(orphans), ", ".join(orphans[:8]) + (" ..." if len(orphans) > 8
+                                                                                      else ""))
+            if time.monotonic() - self._started[index] >= RESTART_AFTER:
+                self._start_server(index)
+                alive += 1
+            else:
+                logger.error("api server %d exited %.1f s after its start: not restarted", index,
+                             time.monotonic() - self._started[index])
+                self._processes[index] = None
+        return alive
+
+    def _on_signal(self, number, frame) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        logger.info("stopping: the API servers finish their requests (--shutdown-timeout), then the engine stops")
+        for process in self._processes:
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        for process in self._processes:
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self._processes:
+            if process is not None:
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.manager.stop(timeout=10)
+        self.manager.after_step = None
+        for sock in (self._inbox, *self._outboxes):
+            sock.close()
+        self._context.term()
+        self.sock.close()
+        self._run_dir.cleanup()

@@ -1,0 +1,176 @@
+"""`gpuformers serve --api-server-count 2`: the engine core in one process, HTTP in two API server processes sharing
+the port (serving/engine_core.py, api_server.py, engine_client.py), driven by the openai client.
+
+Greedy answers equal model.generate, streamed and whole, through either API server (some of test_server.py's and
+test_structured_output.py's tests run again here against this server: their `server` fixture is this module's);
+/metrics on either server counts the requests of both; killing an API server leaves the other serving and cancels
+its requests in the core; killing the core ends the requests in flight with a 503 and /health says unhealthy.
+The whole serving suite runs against this mode with GPUFORMERS_TEST_API_SERVER_COUNT=2 (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.serving.conftest import MODEL_NAME, ServerProcess, greedy_reference
+from tests.serving.test_server import (client, decode, test_a_batch_of_prompts_answers_each_as_alone,  # noqa: F401
+                                       test_concurrent_streams_with_disconnects, test_greedy_chat_equals_generate,
+                                       test_greedy_completion_equals_generate, test_logprobs_match_the_model,
+                                       test_stop_string_cuts_the_text,
+                                       test_streaming_chat_matches_the_whole_answer_and_ends_in_done,
+                                       test_top_logprobs_are_the_model_top_tokens)
+from tests.serving.test_structured_output import test_json_schema_answers_validate  # noqa: F401
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess(checkpoint, "--num-blocks", "160", "--api-server-count", "2")
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def api_servers(server) -> list[psutil.Process]:
+    return psutil.Process(server.process.pid).children()
+
+
+def connections_to_each(server, tries: int = 40) -> dict[int, httpx.Client]:
+    """One kept-alive connection accepted by each API server: {pid: client}."""
+    found: dict[int, httpx.Client] = {}
+    spare = []
+    for _ in range(tries):
+        before = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+                  if c.raddr and c.raddr.port == server.port}
+        http = httpx.Client(timeout=30)
+        http.get(f"{server.base}/health")
+        port, = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+                 if c.raddr and c.raddr.port == server.port and c.status == psutil.CONN_ESTABLISHED} - before
+        pid = next(p.pid for p in api_servers(server) for c in p.net_connections(kind="tcp")
+                   if c.raddr and c.raddr.port == port and c.laddr.port == server.port)
+        if pid in found:
+            spare.append(http)
+        else:
+            found[pid] = http
+        if len(found) == 2:
+            break
+    for http in spare:
+        http.close()
+    assert len(found) == 2, f"{tries} connections all went to {list(found)}"
+    return found
+
+
+def completions_count(text: str) -> float:
+    label = 'gpuformers_requests_total{endpoint="/v1/completions",status="200"}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(label))
+
+
+def test_both_api_servers_answer_greedy_tokens_and_metrics_count_both(server, reference):
+    """Through a connection to each API server: whole and streamed greedy answers equal generate(); then /metrics,
+    asked on either server, counts the requests answered by both."""
+    _, tokenizer = reference
+    ids = tokenizer.encode("A tale of two servers")
+    expected = decode(reference, greedy_reference(reference, ids, 10))
+    before = completions_count(httpx.get(f"{server.base}/metrics").text)
+    both = connections_to_each(server)
+    try:
+        sent = 0
+        for pid, http in both.items():
+            for _ in range(2):
+                body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 10, "temperature": 0}
+                assert http.post(f"{server.url}/completions", json=body).json()["choices"][0]["text"] == expected
+                with http.stream("POST", f"{server.url}/completions", json={**body, "stream": True}) as response:
+                    events = [line for line in response.iter_lines() if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+                assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == expected
+                sent += 2
+        deadline = time.monotonic() + 10
+        seen = {}
+        while True:
+            seen = {pid: completions_count(http.get(f"{server.base}/metrics").text) for pid, http in both.items()}
+            if all(count - before == sent for count in seen.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(count - before == sent for count in seen.values()), (before, sent, seen)
+    finally:
+        for http in both.values():
+            http.close()
+
+
+def test_killing_an_api_server_leaves_the_other_serving(server, reference):
+    """An API server killed mid-stream: its engine request is cancelled in the core (the KV blocks come free and the
+    steps stop), and the other server goes on answering, new connections included."""
+    both = connections_to_each(server)
+    victim, survivor = list(both)
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    try:
+        with both[victim].stream("POST", f"{server.url}/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+    finally:
+        for http in both.values():
+            http.close()
+    c = client(server)
+    for _ in range(6):  # new connections: each accepted by the one left
+        out = c.completions.create(model=MODEL_NAME, prompt="Still here?", max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while True:  # the killed server's request was cancelled: nothing runs, every block is free
+        metrics = server.metrics()
+        if metrics["gpuformers_kv_blocks_used"] == 0 and metrics["gpuformers_num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.2)
+    steps = metrics["gpuformers_engine_steps_total"]
+    time.sleep(1.2)
+    assert server.metrics()["gpuformers_engine_steps_total"] == steps
+    assert server.process.poll() is None
+    assert "api server 0" in server.output() or "api server 1" in server.output()
+
+
+def test_killing_the_engine_core_fails_requests_in_flight_with_503(server):
+    """The core killed while requests run: the whole one ends in a 503, the streamed one in an error event with
+    code engine_unavailable, /health answers 503 and new requests too; then the API servers exit."""
+    survivors = api_servers(server)
+    results = {}
+
+    def whole():
+        body = {"model": MODEL_NAME, "prompt": [9, 10], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+        results["whole"] = httpx.post(f"{server.url}/completions", json=body, timeout=30)
+
+    thread = threading.Thread(target=whole)
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        thread.start()
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    thread.join(30)
+    assert results["whole"].status_code == 503, results["whole"].text
+    assert results["whole"].json()["error"]["code"] == "engine_unavailable"
+    assert any('"engine_unavailable"' in line for line in rest), rest[-3:]
+    health = httpx.get(f"{server.base}/health", timeout=5)
+    assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+    refused = httpx.post(f"{server.url}/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
+                         timeout=5)
+    assert refused.status_code == 503
+    gone = psutil.wait_procs(survivors, timeout=15)[0]  # ORPHAN_EXIT_SECONDS after they saw the core go
+    assert len(gone) == len(survivors)
