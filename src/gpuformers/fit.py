@@ -9,14 +9,17 @@ before any weight is downloaded.
                                   context at --batch and the largest batch at --context that fit next to them
 
 The KV cache and the activations share what the weights leave free: a prompt of N tokens in a batch of B needs
-B x N x (KV per token + activations per token). Activations assume an attention backend that does not build the
+B x N x (KV per token + activations per token). A model with mamba layers (Mamba2, Nemotron-H) keeps keys and values
+only in its attention layers, and B x its recurrent state (a fixed size per sequence) besides; its activations are
+its scan's. Activations assume an attention backend that does not build the
 (seq x seq) score matrix (sdpa's flash / memory-efficient kernels on a GPU); "eager" needs B x heads x N^2 more.
 A GPU keeps 5% of its free memory (and 512 MiB at least) for the CUDA context, the allocator and kernels' workspace.
 A GGUF file is sized as from_pretrained(gguf_file=) loads it: dequantized (float32 unless --dtype says otherwise) onto
 one device, and quantized after that, so its unquantized weights must fit there first; nothing is offloaded.
 `--train-processes N` adds what training keeps per GPU under DDP and ZeRO-1/2/3 (training/strategy_memory.py).
 
-Offers: FitOption, FitReport, weight_bytes, kv_bytes_per_token, activation_bytes_per_token, fit_report,
+Offers: FitOption, FitReport, weight_bytes, kv_bytes_per_token, activation_bytes_per_token, state_bytes_per_sequence,
+fit_report,
 read_model_config, add_fit_arguments, run_fit.
 """
 
@@ -68,6 +71,7 @@ class FitReport:
     devices: dict[str, int]  # device -> usable bytes
     options: list[FitOption] = field(default_factory=list)
     gguf_file: str | None = None  # the file's name when `model` is the path of a GGUF file
+    state_bytes_per_sequence: int = 0  # a model with mamba layers: its recurrent state, whatever the length
 
     @property
     def recommended(self) -> FitOption | None:
@@ -104,6 +108,37 @@ def weight_bytes(model: torch.nn.Module, dtype: torch.dtype, quantization: str |
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Keys and values of one token in every layer (DynamicCache keeps every token, sliding windows included)."""
     return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+def state_bytes_per_sequence(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The recurrent state one sequence keeps (generation/state_cache.py), whatever its length: per mamba mixer the
+    conv state (conv_dim x (conv_kernel - 1), in the model dtype) and the SSM state (heads x head_dim x state_size,
+    float32)."""
+    from gpuformers.layers.mamba2 import Mamba2Mixer  # here: the layer classes are only needed for these models
+
+    return sum(m.conv_dim * (m.conv1d.kernel_size[0] - 1) * dtype.itemsize + m.num_heads * m.head_dim * m.state_size * 4
+               for m in model.modules() if isinstance(m, Mamba2Mixer))
+
+
+def _attention_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Keys and values of one token in the attention layers of a hybrid model (its other layers keep none)."""
+    return sum(2 * m.num_kv_heads * m.head_dim * dtype.itemsize for m in model.modules() if hasattr(m, "attention_fn"))
+
+
+def _mixer_activation_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The largest transient of one mamba mixer per prompt token in a prefill (an estimate of its torch scan):
+    in_proj's output and the conv window and output in the model dtype; in float32 x, x * dt, the output, the D term
+    and the gated norm's input (5 x intermediate), B and C repeated per head (2 x heads x state_size), and the
+    chunked scan's (chunk x chunk) matrices per head, a row of each per token (4 x heads x chunk_size: the masked
+    steps, their sums, the decay, the scores)."""
+    from gpuformers.layers.mamba2 import Mamba2Mixer
+
+    def per_token(m: Mamba2Mixer) -> int:
+        model_dtype = m.in_proj.out_features + 2 * m.conv_dim
+        float32 = 5 * m.intermediate_size + 2 * m.num_heads * m.state_size + 4 * m.num_heads * m.chunk_size
+        return model_dtype * dtype.itemsize + float32 * 4
+
+    return max((per_token(m) for m in model.modules() if isinstance(m, Mamba2Mixer)), default=0)
 
 
 def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -145,12 +180,17 @@ def parse_devices(text: str) -> dict[str, int]:
     return {(f"cuda:{k}" if isinstance(k, int) else k): v for k, v in parse_max_memory(pairs).items()}
 
 
-def _capacity(budget: int, per_token: int, context: int, batch: int, limit: int) -> tuple[int, int]:
-    """(longest context at `batch`, largest batch at `context`) that `budget` bytes hold."""
+def _capacity(budget: int, per_token: int, context: int, batch: int, limit: int | None,
+              per_sequence: int = 0) -> tuple[int, int]:
+    """(longest context at `batch`, largest batch at `context`) that `budget` bytes hold, each sequence taking
+    `per_sequence` bytes whatever its length (a recurrent state) and `per_token` per token; `limit` caps the context
+    (None: nothing does)."""
     if budget <= 0:
         return 0, 0
-    longest = min(limit, budget // (per_token * max(batch, 1)))
-    return int(longest), int(budget // (per_token * max(context, 1)))
+    longest = max(0, budget // max(batch, 1) - per_sequence) // per_token
+    if limit is not None:
+        longest = min(limit, longest)
+    return int(longest), int(budget // (per_token * max(context, 1) + per_sequence))
 
 
 def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: int = 4096, batch: int = 1,
@@ -158,29 +198,30 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
     """Size the model from `config` and try each placement on `devices` (usable bytes per device). With `gguf_file`,
     only the placements a GGUF file loads into: one device, quantized after loading."""
     model = _meta_model(config)
-    if getattr(model, "is_stateful", False):
-        raise NotImplementedError(
-            f"gpuformers fit does not size {type(model).__name__} yet: a state-space model's memory is a recurrent "
-            f"state per sequence (plus keys and values of its attention layers, if any) and its scan's chunk "
-            f"buffers, which fit does not count; its weights alone take {format_size(weight_bytes(model, dtype))}")
     weights = weight_bytes(model, dtype)
-    kv = kv_bytes_per_token(config, dtype)
-    act = activation_bytes_per_token(config, dtype)
+    if getattr(model, "is_stateful", False):  # mamba layers: a state per sequence, keys only in attention layers
+        state = state_bytes_per_sequence(model, dtype)
+        kv = _attention_kv_bytes_per_token(model, dtype)
+        act = max(_mixer_activation_bytes_per_token(model, dtype),
+                  activation_bytes_per_token(config, dtype) if kv else 0)
+    else:
+        state, kv, act = 0, kv_bytes_per_token(config, dtype), activation_bytes_per_token(config, dtype)
     per_token = kv + act
     logits = batch * config.vocab_size * 4  # float32 logits of the last position
-    limit = config.max_position_embeddings
+    limit = model.position_limit  # None: no positions to run out of (a state-space model)
     gpus = [_usable(v, True) for k, v in devices.items() if k.startswith("cuda")]
     # one GPU: the one with the most room, not cuda:0, which another process may fill
     roomiest = max((k for k in devices if k.startswith("cuda")), key=lambda k: devices[k], default=None)
     cpu = devices.get("cpu", 0)
     report = FitReport(model_name, sum(p.numel() for p in model.parameters()), str(dtype).removeprefix("torch."),
-                       weights, kv, act, context, batch, dict(devices), gguf_file=gguf_file)
+                       weights, kv, act, context, batch, dict(devices), gguf_file=gguf_file,
+                       state_bytes_per_sequence=state)
     name = str(dtype).removeprefix("torch.")
     one_device = "a GGUF file loads onto one device, without offload"
 
     def add(label, device_map, quantization, weights_here, room, note=""):
         budget = room - weights_here - logits
-        longest, largest = _capacity(budget, per_token, context, batch, limit)
+        longest, largest = _capacity(budget, per_token, context, batch, limit, state)
         if budget > 0 and largest < batch:
             note = f"holds the weights, not {context} tokens x batch {batch}" + (f"; {note}" if note else "")
         fits = budget > 0 and longest > 0
@@ -208,17 +249,18 @@ def fit_report(config, devices: dict[str, int], *, dtype: torch.dtype, context: 
             return report
         # Offload: the weights that do not fit on the GPUs wait on the CPU and stream in per layer; the GPUs keep
         # room for the KV cache and activations of the requested context and batch.
-        on_gpus = max(0, sum(gpus) - per_token * context * batch - logits)
+        on_gpus = max(0, sum(gpus) - (per_token * context + state) * batch - logits)
         spill = max(0, weights - on_gpus)
         note = f"{spill / 2**30:.1f} GiB of weights on the CPU: slow (streamed in every forward)"
         fits_cpu = spill <= cpu
         report.options.append(FitOption(f"{len(gpus)} GPU{'s' if many else ''} + CPU offload", '"auto"', name, None,
                                         weights, fits_cpu and on_gpus > 0, *_capacity(
                                             sum(gpus) - min(weights, on_gpus) - logits, per_token, context, batch,
-                                            limit), note if fits_cpu else "the CPU cannot hold the rest: use disk"))
+                                            limit, state),
+                                        note if fits_cpu else "the CPU cannot hold the rest: use disk"))
         report.options.append(FitOption("GPUs + CPU + disk offload", '"auto" with offload_folder=', name, None,
                                         weights, on_gpus > 0, *_capacity(sum(gpus) - min(weights, on_gpus) - logits,
-                                                                        per_token, context, batch, limit),
+                                                                        per_token, context, batch, limit, state),
                                         "very slow: weights are read from disk in every forward"))
     else:
         add("CPU", '"cpu"', None, weights, cpu, "no GPU is visible: runs on the CPU (slow)")
@@ -242,6 +284,9 @@ def format_report(report: FitReport) -> str:
              f"  activations        {report.activation_bytes_per_token / 2**10:.1f} KiB per prompt token "
              f"({format_size(report.activation_bytes_per_token * report.context * report.batch)} for a "
              f"{report.context}-token prefill x batch {report.batch})",
+             *([f"  recurrent state    {format_size(report.state_bytes_per_sequence)} per sequence, whatever its "
+                f"length ({format_size(report.state_bytes_per_sequence * report.batch)} for batch {report.batch})"]
+               if report.state_bytes_per_sequence else []),
              "  devices            " + ", ".join(f"{k} {format_size(v)}" for k, v in report.devices.items()), ""]
     rows = [["option", "device_map", "weights", "fits", f"max context (batch {report.batch})",
              f"max batch ({report.context} tokens)", "note"]]

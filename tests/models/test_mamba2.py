@@ -205,13 +205,23 @@ def test_old_embedding_name_and_the_classifier_load(checkpoints, tmp_path):
         assert (logits - classifier.score(states[:, -1])).abs().max() < 1e-5
 
 
-def test_fit_refuses_to_size_a_state_space_model():
+def test_fit_counts_the_state_the_cache_holds(checkpoints):
+    """gpuformers fit: the recurrent state per sequence is what a RecurrentCache holds after a forward (conv states in
+    the model dtype, SSM states in float32); no keys and values; no position limit on the context."""
     from gpuformers.fit import fit_report
-    from gpuformers.models.config import ModelConfig
+    from gpuformers.generation.state_cache import RecurrentCache
 
-    config = ModelConfig.from_dict(dict(model_type="mamba2", **SHAPES, n_groups=2))
-    with pytest.raises(NotImplementedError, match="does not size Mamba2ForCausalLM yet: a state-space model"):
-        fit_report(config, {"cpu": 2**34}, dtype=torch.float32)
+    ours = load(checkpoints["tied-limit"][0])
+    cache = RecurrentCache()
+    with torch.no_grad():
+        ours(torch.tensor([[5, 9, 23]]), past_key_values=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for i in range(SHAPES["num_hidden_layers"])
+               for t in (cache.conv_state(i), cache.ssm_state(i)))
+    report = fit_report(ours.config, {"cpu": 2**30}, dtype=torch.float32, context=4096, batch=2)
+    assert report.state_bytes_per_sequence == held and report.kv_bytes_per_token == 0
+    assert report.activation_bytes_per_token > 0
+    cpu = report.options[0]
+    assert cpu.fits and cpu.max_context > ours.config.max_position_embeddings  # which caps no Mamba2 context
 
 
 def test_bfloat16_matches_transformers(checkpoints):

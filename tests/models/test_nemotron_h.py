@@ -200,3 +200,17 @@ def test_transformers_in_memory_layout_loads(checkpoints, tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert "model.layers.1.mixer.experts.up_proj" in set(f.keys())
     assert max_logit_diff(load(tmp_path), hf, *left_padded()) < 1e-4
+
+
+def test_fit_counts_states_and_the_attention_layers_keys(checkpoints):
+    from gpuformers.fit import fit_report
+
+    ours = load(checkpoints["hybrid"][0])
+    report = fit_report(ours.config, {"cpu": 2**30}, dtype=torch.bfloat16, context=1024, batch=4)
+    mixer = ours.model.layers[0].mixer  # two mamba layers: conv state (bfloat16) and SSM state (float32) each
+    assert report.state_bytes_per_sequence == 2 * (mixer.conv_dim * 3 * 2 + 8 * 16 * 16 * 4)
+    assert report.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # two attention layers x (k, v) x 2 kv heads x 16 x bf16
+    # the largest batch at 1024 tokens counts the state once per sequence
+    budget = report.devices["cpu"] - report.options[0].weights_bytes - 4 * 128 * 4
+    per_token = report.kv_bytes_per_token + report.activation_bytes_per_token
+    assert report.options[0].max_batch == budget // (per_token * 1024 + report.state_bytes_per_sequence)

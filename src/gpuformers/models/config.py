@@ -402,7 +402,8 @@ class ModelConfig:
 
 def _decode_special_floats(value: Any) -> Any:
     """transformers 5 writes an infinite or NaN float in config.json as {"__float__": "Infinity"} (Mamba2's
-    time_step_limit); older files and ours write JSON's extension Infinity, which json reads as a float. Both -> float."""
+    time_step_limit); older files and ours write JSON's extension Infinity, which json reads as a float. Both ->
+    float."""
     if isinstance(value, dict):
         if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
             return float(value["__float__"].lower().replace("infinity", "inf"))

@@ -311,11 +311,12 @@ def _checkpoint_renames() -> tuple[FanOut, ...]:
     """The Hub's layout (backbone.*, the experts one by one) to and from the bare model's (Mamba2's rules), and
     transformers' in-memory layout, which its save_pretrained(save_original_format=False) writes: model.* for
     backbone.*, each layer's experts fused in (experts, out, in) tensors mixer.experts.up_proj / down_proj."""
-    params = MAMBA_MIXER_PARAMETERS + tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
-        f"{module}{name}.{p}" for module in ("", "shared_experts.", "experts.*.") for name in ("up_proj", "down_proj")
-        for p in ("weight", "bias")) + tuple(
-        f"{name}.{p}" for name in ("fc1_latent_proj", "fc2_latent_proj") for p in ("weight", "bias")) + (
+    attention = tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    mlps = tuple(f"{module}{name}.{p}" for module in ("", "shared_experts.", "experts.*.")
+                 for name in ("up_proj", "down_proj") for p in ("weight", "bias"))
+    moe = tuple(f"{name}.{p}" for name in ("fc1_latent_proj", "fc2_latent_proj") for p in ("weight", "bias")) + (
         "gate.weight", "gate.e_score_correction_bias")
+    params = MAMBA_MIXER_PARAMETERS + attention + mlps + moe
     renames = backbone_renames(params)
     in_memory = tuple(FanOut(f"model.{rule.targets[0].removeprefix('backbone.')}", rule.targets)
                       for rule in renames if rule.targets[0].startswith("backbone.") and "*.mixer.experts.*" not in
