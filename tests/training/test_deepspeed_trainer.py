@@ -1,17 +1,19 @@
 """DeepSpeed ZeRO and `accelerate launch` under the Trainer, on the CPU (DeepSpeed's CPU accelerator, gloo):
 
 - `accelerate launch --multi_gpu` (DDP) and `accelerate launch --use_deepspeed --zero_stage 2` (2 processes, the
-  environment alone asking for DeepSpeed) of the same script, and a ZeRO-3 run from a DeepSpeed config under torchrun train exactly like one process on the same global batches
-  (losses, gradient norms, evaluation, final weights), and their checkpoints hold DeepSpeed's sharded states;
+  environment alone asking for DeepSpeed) of the same script, and a ZeRO-3 run from a DeepSpeed config under
+  torchrun, train exactly like one process on the same global batches (losses, gradient norms, evaluation, final
+  weights), and their checkpoints hold DeepSpeed's sharded states;
 - the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
   weights gathered) loads in transformers with equal logits;
-- in one process: ZeRO-2, and ZeRO-3 offloading parameters and optimizer to the CPU, train like no DeepSpeed, and
-  load_best_model_at_end loads the best checkpoint's states; ZeRO-3
-  with the config's own optimizer and scheduler, and save_model without stage3_gather_16bit_weights_on_model_save
-  writes DeepSpeed's shards; a LoRA model under ZeRO-3 trains like without DeepSpeed and saves the same adapter;
+- in one process (a process group of one, made by the Trainer): ZeRO-2, and ZeRO-3 offloading parameters and
+  optimizer to the CPU, train like no DeepSpeed, and load_best_model_at_end loads the best checkpoint's states;
+  ZeRO-3 with the config's own optimizer and scheduler, and save_model without
+  stage3_gather_16bit_weights_on_model_save writing DeepSpeed's shards; a LoRA model under ZeRO-3 trains like
+  without DeepSpeed and saves the same adapter;
 - the config's "auto" values, its contradictions with the arguments, accelerate's DeepSpeed, FSDP and mixed-precision
   variables, and the missing package;
-- on a GPU (gpu-marked): ZeRO-2 in bf16 trains and resumes.
+- ZeRO-2 in bf16 trains and resumes to the same losses, on the CPU and (gpu-marked) on one GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ pytest.importorskip("deepspeed")
 
 ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
-ACCELERATE_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+ACCELERATE_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                        "ACCELERATE_DEEPSPEED_CONFIG_FILE",
                         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
                         "ACCELERATE_DEEPSPEED_ZERO3_INIT",
                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION",
@@ -169,7 +172,8 @@ def test_without_deepspeed_the_error_names_the_extra(monkeypatch, tmp_path):
 def test_accelerate_deepspeed_plugin_variables(monkeypatch, tmp_path, caplog):
     for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
                         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
-                        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+                        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+                        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
                         "ACCELERATE_MIXED_PRECISION": "bf16"}.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level("WARNING"):
@@ -226,8 +230,12 @@ def test_accelerate_mixed_precision_variable(monkeypatch, tmp_path):
 
 @pytest.fixture
 def deepspeed_here(monkeypatch):
-    """DeepSpeed in this test process: its CPU op build skipped (distributed_worker), the group it ran over left, and
-    the LOCAL_RANK=0 the Trainer sets for DeepSpeed in one process taken back."""
+    """DeepSpeed in this test process: its CPU op build skipped (distributed_worker); afterwards the group it ran over
+    left, DeepSpeed's process-wide record of that group and of its communication backend dropped (so that another
+    test can run it over a new group), and the LOCAL_RANK=0 the Trainer sets for DeepSpeed in one process taken
+    back."""
+    import deepspeed.comm.comm
+    import deepspeed.utils.groups
     import torch.distributed as dist
 
     from tests.training.distributed_worker import skip_deepspeed_shm_build
@@ -237,17 +245,15 @@ def deepspeed_here(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    groups = deepspeed.utils.groups
+    for name, value in list(vars(groups).items()):  # its private caches of groups, back to their values at import
+        if name == "mesh_device" or (name.startswith("_") and name.isupper()
+                                     and isinstance(value, (dict, type(None), dist.ProcessGroup))):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    deepspeed.comm.comm.cdb = None
 
 
-def test_one_process_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here, caplog):
-    """Both checks in one test: DeepSpeed caches its groups process-wide, so it runs over one process group per
-    test process (made by the first Trainer, used by the second)."""
-    zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path / "zero2")
-    zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path / "zero3", caplog)
-    lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path / "lora")
-
-
-def lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path):
+def test_lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path, deepspeed_here):
     from safetensors.torch import load_file
 
     from gpuformers.lora import LoraConfig, get_peft_model
@@ -271,7 +277,7 @@ def lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(adapters["zero3"][key], value, atol=1e-5, rtol=1e-5)
 
 
-def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint, tmp_path):
+def test_one_process_zero2_and_zero3_offload_train_like_no_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here):
     from gpuformers.training import Trainer
 
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
@@ -303,7 +309,8 @@ def zero2_trains_like_no_deepspeed_and_loads_its_best_checkpoint(tiny_checkpoint
         torch.testing.assert_close(value, best[name])
 
 
-def zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path, caplog):
+def test_zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoint, tmp_path, deepspeed_here,
+                                                                         caplog):
     from gpuformers.training import Trainer
 
     config = {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
@@ -332,19 +339,18 @@ def zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_checkpoi
 # --- on a GPU (scripts/gpu_check.sh) -------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path, deepspeed_here):
+def zero2_bf16_trains_and_resumes(tiny_checkpoint, tmp_path, device: str) -> None:
     from gpuformers.training import Trainer
     from tests.training.distributed_worker import StopAt
 
     config = {**ZERO3, "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
 
     def train(folder, stop_at=None, resume=None):
-        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float32", device_map="cuda",
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float32", device_map=device,
                                                      progress=False)
         args = helpers.tiny_args(folder, deepspeed=config, bf16=True, max_steps=6, save_strategy="steps",
-                                 save_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2)
+                                 save_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                                 use_cpu=device == "cpu")
         trainer = Trainer(model, args, train_dataset=helpers.make_rows(24),
                           callbacks=[StopAt(stop_at)] if stop_at else [])
         trainer.train(resume_from_checkpoint=resume)
@@ -354,6 +360,7 @@ def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path, dee
     engine = whole.model_wrapped
     assert engine.bfloat16_enabled() and engine.zero_optimization_stage() == 2
     assert next(whole.model.parameters()).dtype == torch.bfloat16  # DeepSpeed holds bf16 weights, fp32 masters
+    assert next(whole.model.parameters()).device.type == device
     assert all(torch.isfinite(torch.tensor(list(expected.values()))))
     train(tmp_path / "stopped", stop_at=3)
     assert (tmp_path / "stopped" / "checkpoint-3" / "global_step3").is_dir()
@@ -361,3 +368,13 @@ def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path, dee
     assert sorted(resumed) == list(range(1, 7))
     for step, loss in expected.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-3)
+
+
+def test_zero2_bf16_trains_and_resumes_on_the_cpu(tiny_checkpoint, tmp_path, deepspeed_here):
+    zero2_bf16_trains_and_resumes(tiny_checkpoint, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero2_bf16_trains_and_resumes_on_one_gpu(tiny_checkpoint, tmp_path, deepspeed_here):
+    zero2_bf16_trains_and_resumes(tiny_checkpoint, tmp_path, "cuda")

@@ -10,7 +10,8 @@
         gradient_clipping                <- max_grad_norm
         optimizer.params lr, betas, eps, weight_decay   <- learning_rate, adam_beta1/2, adam_epsilon, weight_decay
         scheduler.params warmup_max_lr   <- learning_rate (warmup_min_lr: 0)
-        fp16.enabled / bf16.enabled      <- fp16 / bf16 (a section added when the arguments ask and the config is silent)
+        fp16.enabled / bf16.enabled      <- fp16 / bf16 (a section is added when the arguments ask and the config
+                                            is silent)
     Trainer.train()                                    once the model and the run's length are known (finalize):
         zero_optimization reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold
                                          <- hidden_size^2, 0.9 hidden_size^2, 10 hidden_size

@@ -155,8 +155,8 @@ def whole_state_dict(engine, config: DeepSpeedConfig) -> dict[str, torch.Tensor]
 def write_sharded_model(engine, folder: Path) -> None:
     """save_model under ZeRO-3 without gathering: DeepSpeed's checkpoint in `folder` (every process), from which
     DeepSpeed's zero_to_fp32.py (written beside it) rebuilds the whole weights."""
-    logger.warning("stage3_gather_16bit_weights_on_model_save is off in the DeepSpeed config, so the ZeRO-3 weights are "
-                   "not gathered: %s gets DeepSpeed's sharded checkpoint instead of model.safetensors; run its "
+    logger.warning("stage3_gather_16bit_weights_on_model_save is off in the DeepSpeed config, so the ZeRO-3 weights "
+                   "are not gathered: %s gets DeepSpeed's sharded checkpoint instead of model.safetensors; run its "
                    "zero_to_fp32.py to rebuild the weights, or set the option to true", folder)
     for stale in folder.glob("global_step*"):
         if distributed.is_main_process():
