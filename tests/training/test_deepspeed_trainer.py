@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -234,6 +235,7 @@ def deepspeed_here(monkeypatch):
     left, DeepSpeed's process-wide record of that group and of its communication backend dropped (so that another
     test can run it over a new group), and the LOCAL_RANK=0 the Trainer sets for DeepSpeed in one process taken
     back."""
+    import deepspeed.accelerator.real_accelerator
     import deepspeed.comm.comm
     import deepspeed.utils.groups
     import torch.distributed as dist
@@ -242,9 +244,16 @@ def deepspeed_here(monkeypatch):
 
     skip_deepspeed_shm_build()
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    accelerator = os.environ.get("DS_ACCELERATOR")  # the Trainer sets it to cpu for a run on the CPU
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    # the accelerator DeepSpeed picked (CPU or CUDA) is chosen again by the next test that runs it
+    deepspeed.accelerator.real_accelerator.ds_accelerator = None
+    if accelerator is None:
+        os.environ.pop("DS_ACCELERATOR", None)
+    else:
+        os.environ["DS_ACCELERATOR"] = accelerator
     groups = deepspeed.utils.groups
     for name, value in list(vars(groups).items()):  # its private caches of groups, back to their values at import
         if name == "mesh_device" or (name.startswith("_") and name.isupper()
