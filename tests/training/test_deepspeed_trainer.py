@@ -162,6 +162,13 @@ def test_a_config_that_contradicts_the_arguments_names_both_values(tmp_path):
         TrainingArguments(tmp_path, deepspeed=ZERO3, fsdp="full_shard")
     with pytest.raises(NotImplementedError, match="torch_compile=True under DeepSpeed"):
         TrainingArguments(tmp_path, deepspeed=ZERO3, torch_compile=True)
+    from gpuformers.training.model_setup import check_trainable
+
+    class Quantized(torch.nn.Linear):
+        is_quantized = True
+
+    with pytest.raises(NotImplementedError, match="DeepSpeed with a quantized model"):
+        check_trainable(Quantized(2, 2), TrainingArguments(tmp_path, deepspeed=ZERO3), tensor_parallel=False)
 
 
 def test_without_deepspeed_the_error_names_the_extra(monkeypatch, tmp_path):

@@ -40,6 +40,9 @@ def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> No
             raise ValueError(f"fp16=True trains float32 weights under autocast with a gradient scaler, but {half} "
                              f"is float16: load the model with dtype=torch.float32 (not dtype=\"auto\" on a float16 "
                              f"checkpoint), or use bf16=True on a GPU that has it (Ampere or newer)")
+    if getattr(model, "is_quantized", False) and args.deepspeed_config is not None:
+        raise NotImplementedError("DeepSpeed with a quantized model (QLoRA) is not supported yet; train it without "
+                                  "deepspeed (one GPU, DDP or FSDP2), or load the model without quantization_config")
     if getattr(model, "is_quantized", False) and not _has_lora(model):
         raise ValueError("the model's linear layers are quantized and cannot be trained: attach LoRA adapters "
                          "to train it (get_peft_model(model, LoraConfig(...)): QLoRA), or train the model loaded "
