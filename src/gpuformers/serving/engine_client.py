@@ -82,6 +82,7 @@ class EngineClient:
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # id(grammar) -> (grammar, key)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._waiters: collections.deque = collections.deque()  # (loop, future) of refresh() calls
 
     # --- the manager's interface ---------------------------------------------------------------------------
 
@@ -171,14 +172,34 @@ class EngineClient:
                 next_metrics = now + METRICS_EVERY
                 self._send(["metrics", self.index, self.metrics_of()])
 
+    async def refresh(self, timeout: float = 1.0) -> None:
+        """Wait (at most `timeout` s) for the core's facts as they are now: its next pass of the engine loop sends
+        them, with the other servers' latest counts (/metrics calls this first: routes_admin.py)."""
+        import asyncio
+
+        if not self.is_running():
+            return
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiters.append((loop, future))
+        self._send(["facts?", self.index])
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+
     def _deliver(self, message: list) -> None:
-        facts, rows, peers = message
+        facts, rows, peers, asked = message
         self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken = facts
         if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
             self.broken = f"the engine core's loop stopped: {broken}"
         self.block_manager.num_free_blocks = free
         if peers is not None:
             self.peer_metrics = [snap for server, snap in peers.items() if server != self.index]
+        if asked:
+            while self._waiters:
+                loop, future = self._waiters.popleft()
+                loop.call_soon_threadsafe(_resolve, future)
         requests = self._requests
         for row in rows:
             request_id = row[0]
@@ -208,3 +229,8 @@ class EngineClient:
         timer = threading.Timer(ORPHAN_EXIT_SECONDS, os.kill, (os.getpid(), signal.SIGTERM))
         timer.daemon = True
         timer.start()
+
+
+def _resolve(future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -102,6 +102,7 @@ class EngineCore:
         self._deltas = OutputDeltas()
         self._peers: dict[int, dict] = {}  # API server -> its latest metrics snapshot (kept after it exits)
         self._last_tick = 0.0
+        self._asked = [False] * count  # a server's /metrics waits for fresh facts: sent after the next pass
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # key -> engine Grammar
         self._tokenizer_infos: dict[tuple, object] = {}
         self._processes: list[subprocess.Popen | None] = [None] * count
@@ -122,8 +123,10 @@ class EngineCore:
             self._last_tick = now
         facts = None
         for index, pending in enumerate(self._pending):
-            if not pending and not tick:
+            asked = self._asked[index]
+            if not pending and not tick and not asked:
                 continue
+            self._asked[index] = False
             rows = []
             while pending:
                 output = pending.popleft()
@@ -138,7 +141,8 @@ class EngineCore:
                 facts = [len(scheduler.waiting), len(scheduler.running), blocks.num_free_blocks,
                          self.manager.num_steps, self.manager.broken]
             try:
-                self._outboxes[index].send(pack([facts, rows, self._peers if tick else None]), zmq.NOBLOCK)
+                self._outboxes[index].send(pack([facts, rows, self._peers if tick or asked else None, asked]),
+                                           zmq.NOBLOCK)
             except zmq.Again:  # no server connected to it (it exited): its outputs have no reader
                 pass
 
@@ -210,6 +214,8 @@ class EngineCore:
             self._add_grammar(*message[1:])
         elif kind == "metrics":
             self._peers[message[1]] = message[2]
+        elif kind == "facts?":
+            self._asked[message[1]] = True
 
     def _add_grammar(self, key: str, name: str, vocab_size: int, stop_token_ids: list[int], data: str) -> None:
         """A grammar an API server compiled, made an engine Grammar here (its tokenizer info built once)."""

@@ -7,12 +7,15 @@ over ZMQ sockets on Unix domain sockets (ipc://) in a private folder.
                                                             output is the key of a grammar sent before it
         ["cancel", request_id]
         ["grammar", key, name, vocab_size, stop_token_ids, compiled grammar as xgrammar's JSON]
-        ["metrics", server, snapshot]                        its request counters (metrics.Metrics.snapshot), 1/s
+        ["metrics", server, snapshot]                        its request counters (metrics.Metrics.snapshot), 2/s
+        ["facts?", server]                                   /metrics wants the facts as they are (answered after
+                                                            the engine loop's next pass, with asked true)
     core -> API server i (the core's PUSH i, into the server's PULL), once per engine step that published an output
-    of one of its requests, and at least once a second:
-        [facts, rows, peers]    facts: [waiting, running, free KV blocks, engine steps, why the engine loop broke
-                                or None]; peers: None, or every API
-                                server's latest snapshot ({server: snapshot}), about once a second
+    of one of its requests, when it asked for facts, and at least twice a second:
+        [facts, rows, peers, asked]
+            facts: [waiting, running, free KV blocks, engine steps, why the engine loop broke or None]
+            peers: None, or every API server's latest snapshot ({server: snapshot}): twice a second and when asked
+            asked: whether this message answers a "facts?"
         row: [request_id, status, new token ids, their logprobs, their top logprobs (or None), new prompt logprobs,
               their top logprobs, error, created_time, finished_time]
 

@@ -27,7 +27,11 @@ async def health(request: Request):
 
 async def metrics(request: Request):
     state: ServerState = request.app.state.serving
-    # With API servers in processes of their own (engine_client.py), the others' counts are added: one view
+    # With API servers in processes of their own (engine_client.py): the engine core's facts as they are now, and
+    # the other servers' counts added to this one's: one view
+    refresh = getattr(state.manager, "refresh", None)
+    if refresh is not None:
+        await refresh()
     peers = getattr(state.manager, "peer_metrics", ())
     return PlainTextResponse(state.metrics.render(state.manager, state.engine.in_flight, peers),
                              media_type="text/plain; version=0.0.4")
