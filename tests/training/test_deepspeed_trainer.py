@@ -6,7 +6,7 @@
   weights), and their checkpoints hold DeepSpeed's sharded states;
 - the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
   weights gathered) loads in transformers with equal logits;
-- in one process (a process group of one, made by the Trainer): ZeRO-2, and ZeRO-3 offloading parameters and
+- in one process (a process group of one, made by the Trainer): ZeRO-1, ZeRO-2, and ZeRO-3 offloading parameters and
   optimizer to the CPU, train like no DeepSpeed, and load_best_model_at_end loads the best checkpoint's states;
   ZeRO-3 with the config's own optimizer and scheduler, and save_model without
   stage3_gather_16bit_weights_on_model_save writing DeepSpeed's shards; a LoRA model under ZeRO-3 trains like
@@ -293,7 +293,7 @@ def test_lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path
         torch.testing.assert_close(adapters["zero3"][key], value, atol=1e-5, rtol=1e-5)
 
 
-def test_one_process_zero2_and_zero3_offload_train_like_no_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here):
+def test_one_process_zero1_2_and_3_offload_train_like_no_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here):
     from gpuformers.training import Trainer
 
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
@@ -304,7 +304,8 @@ def test_one_process_zero2_and_zero3_offload_train_like_no_deepspeed(tiny_checkp
     offload = {**ZERO3, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
     runs = {}
-    for name, extra in (("plain", {}), ("zero2", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 2}}}),
+    for name, extra in (("plain", {}), ("zero1", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 1}}}),
+                        ("zero2", {"deepspeed": {**ZERO3, "zero_optimization": {"stage": 2}}}),
                         ("zero3_offload", {"deepspeed": offload})):
         trainer = Trainer(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False),
                           helpers.tiny_args(tmp_path / name, **values, **extra), train_dataset=helpers.make_rows(16),
@@ -313,6 +314,7 @@ def test_one_process_zero2_and_zero3_offload_train_like_no_deepspeed(tiny_checkp
         runs[name] = trainer
     history = {name: [v for e in t.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
                for name, t in runs.items()}
+    assert history["zero1"] == pytest.approx(history["plain"], rel=1e-5)
     assert history["zero2"] == pytest.approx(history["plain"], rel=1e-5)
     assert history["zero3_offload"] == pytest.approx(history["plain"], rel=1e-5)
     assert runs["zero3_offload"].model_wrapped.zero_cpu_offload()
