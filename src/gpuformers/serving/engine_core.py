@@ -256,9 +256,8 @@ class EngineCore:
                 continue
             orphans = list(self._requests[index])
             self._requests[index].clear()
-            for request_id in orphans:
-                self.manager.cancel_request(request_id)
-            self._pending[index].clear()
+            for request_id in orphans:  # their final outputs go out to no one (or to the restarted server, which
+                self.manager.cancel_request(request_id)  # knows none of their ids)
             if self._stopping:
                 self._processes[index] = None
                 continue
