@@ -4,7 +4,8 @@ Triton kernels run on NVIDIA GPUs, and on the CPU only under its interpreter (`T
 triton is imported), which is how the tests run them. bfloat16 is computed wrongly by the interpreter's `tl.dot`,
 so bfloat16 is tested on the GPU only.
 
-Offers: triton_importable, interpreter_on, triton_runs_on, check_tensor, check_same, next_power_of_2, dot_precision.
+Offers: triton_importable, interpreter_on, triton_runs_on, check_tensor, check_same, next_power_of_2, dot_precision,
+leave_to_torch.
 """
 
 from __future__ import annotations
@@ -91,3 +92,11 @@ def next_power_of_2(n: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs would silently use TF32 on Ampere+ (about 1e-3 relative error); the reference is exact.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def leave_to_torch(*tensors) -> bool:
+    """Whether a forward-only kernel function must hand this call back to its torch function (return
+    NotImplemented): autograd would need a gradient through it, or torch.compile is tracing (no op registered)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

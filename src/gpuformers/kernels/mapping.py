@@ -10,8 +10,9 @@ torch's nn.SiLU counts as "SiLU"); functions do it with the `use_kernel_function
                       forward hooks on the model, so two models in one process keep their own choice; torch.compile
                       cannot read a ContextVar, so compiled code reads the same choice from a stack the hooks push)
 
-Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place; the MoE block's grouped-GEMM experts, which
-have no backward), Mode.TRAINING (kernels with a backward; the MoE block keeps its torch forward),
+Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place; the MoE block's grouped-GEMM experts and the
+Mamba2 mixer's conv, scan and state step, which have no backward), Mode.TRAINING (kernels with a backward; the MoE
+block and the Mamba2 functions keep torch),
 Mode.TORCH_COMPILE (added to either, for a model that will run under torch.compile; it installs the same kernels).
 Every kernel is also a torch.library op (ops.py, namespace `gpuformers`; the MoE one in moe.py) and the kernel
 functions call their op while torch.compile traces them, so a compiled model keeps the kernels in its graph with no
@@ -112,6 +113,14 @@ for _kernel in (
     LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
                 "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton", is_function=True),
     LayerKernel("AddRMSNorm", "triton", f"{_ADAPTERS}:_add_rms_norm", f"{_ADAPTERS}:_add_rms_norm", is_function=True),
+    # The Mamba2 mixer's parts (layers/mamba2.py, layers/ssd.py), inference only: the kernels have no backward, so
+    # training keeps the torch functions (and at inference a call that needs gradients falls back to them too).
+    LayerKernel("causal_conv1d", "triton", "gpuformers.kernels.causal_conv1d:causal_conv1d_triton",
+                f"{_ADAPTERS}:_torch_function", is_function=True),
+    LayerKernel("ssd_chunk_scan", "triton", "gpuformers.kernels.ssd:ssd_chunk_scan_triton",
+                f"{_ADAPTERS}:_torch_function", is_function=True),
+    LayerKernel("ssm_state_step", "triton", "gpuformers.kernels.ssd:ssm_state_step_triton",
+                f"{_ADAPTERS}:_torch_function", is_function=True),
     # Training only: the model takes this path in train() mode alone, so evaluation still returns logits.
     LayerKernel("LinearForCausalLMLoss", "triton", "gpuformers.layers.loss:linear_causal_lm_loss",
                 "gpuformers.kernels.fused_linear_cross_entropy:linear_causal_lm_loss_triton", is_function=True),
@@ -148,6 +157,11 @@ def _silu_forward(self, x):
 def _torch_forward(self, *args, **kwargs):
     # A mode without a kernel for this layer: the class's own forward.
     return type(self).forward(self, *args, **kwargs)
+
+
+def _torch_function(*args, **kwargs):
+    # A function layer's mode without a kernel: NotImplemented sends the call to the torch function.
+    return NotImplemented
 
 
 # --- function layers ----------------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ new ones: a prompt (or a prefill chunk) runs the chunked scan from the cached st
 Without a cache both start from zeros. Padding (a 0 in the attention mask) is zeroed before in_proj and after the
 conv, as transformers does, so left padding leaves the state untouched.
 
-`kernel_layer_name` marks the mixer replaceable by a fused kernel (`use_kernels=True`); its parts (the scan and the
-state step, layers/ssd.py) are marked one by one too. No kernel is registered for them yet.
+`kernel_layer_name` marks the mixer replaceable by a fused kernel (a Hub kernel through a KernelConfig); its parts
+are marked one by one with use_kernel_function, and `use_kernels=True` puts our Triton kernels in their place at
+inference: the causal conv (causal_conv1d below, kernels/causal_conv1d.py), the scan and the state step
+(layers/ssd.py, kernels/ssd.py).
 
-Offers: Mamba2Mixer, GatedRMSNorm.
+Offers: Mamba2Mixer, GatedRMSNorm, causal_conv1d.
 """
 
 from __future__ import annotations
@@ -24,7 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuformers.kernels.mapping import use_kernel_function
 from gpuformers.layers.ssd import ssd_chunk_scan, ssm_state_step
+
+
+@use_kernel_function("causal_conv1d")  # use_kernels=True may route this to a Triton kernel
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu of the causal depthwise conv over [conv state | inputs]: exactly seq outputs, each from its kernel last
+    inputs. x (batch, seq, channels), conv_state (batch, channels, kernel - 1) or None (zeros), weight (channels, 1,
+    kernel), bias (channels,) or None. Returns the outputs (batch, seq, channels) and the new conv state (batch,
+    channels, kernel - 1): the last kernel - 1 inputs, in x's dtype."""
+    x = x.transpose(1, 2)  # (batch, channels, seq)
+    if conv_state is None:
+        conv_state = x.new_zeros(x.shape[0], x.shape[1], weight.shape[-1] - 1)
+    window = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # (batch, channels, kernel - 1 + seq)
+    out = F.silu(F.conv1d(window, weight, bias, groups=x.shape[1])).transpose(1, 2)
+    return out, window[:, :, window.shape[-1] - conv_state.shape[-1]:]
 
 
 class GatedRMSNorm(nn.Module):
@@ -89,12 +107,8 @@ class Mamba2Mixer(nn.Module):
         conv_state = cache.conv_state(self.layer_idx) if cache is not None else None
         ssm_state = cache.ssm_state(self.layer_idx) if cache is not None else None
 
-        # causal conv over [conv state | new inputs]: exactly seq outputs, each from its conv_kernel last inputs
-        xbc = xbc.transpose(1, 2)  # (batch, conv_dim, seq)
-        if conv_state is None:
-            conv_state = xbc.new_zeros(batch, self.conv_dim, self.conv1d.kernel_size[0] - 1)
-        window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=-1)  # (batch, conv_dim, kernel - 1 + seq)
-        xbc = F.silu(self.conv1d(window)).transpose(1, 2)  # (batch, seq, conv_dim)
+        # causal conv over [conv state | new inputs], (batch, seq, conv_dim), and the conv state after them
+        xbc, conv_state = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
         if attention_mask is not None:
             xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
         x, B, C = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
@@ -111,7 +125,6 @@ class Mamba2Mixer(nn.Module):
                                           C.view(batch, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
                                           self.chunk_size, self.time_step_limit, ssm_state)
         if cache is not None:
-            cache.update_state(self.layer_idx, window[:, :, window.shape[-1] - conv_state.shape[-1]:], ssm_state,
-                               seq)
+            cache.update_state(self.layer_idx, conv_state, ssm_state, seq)
         y = self.norm(y.reshape(batch, seq, self.intermediate_size), gate)
         return self.out_proj(y.to(dtype))

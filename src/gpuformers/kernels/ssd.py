@@ -1,0 +1,298 @@
+"""The Mamba2 state-space (SSD) recurrence as Triton kernels: the chunked scan of a prompt and the one-token state
+update of decode. Their torch reference, and the definition of every quantity below, is layers/ssd.py
+(ssd_chunk_scan, ssm_state_step); the tests compare the two.
+
+The scan runs as four kernels, the split the SSD paper's block decomposition suggests (mamba_ssm splits it the same
+way): only the third walks the chunks in order, over states, never over tokens.
+
+    1. _chunk_dt_kernel      (batch, heads, chunks)  dt = clamp(softplus(dt + dt_bias), limit) and the running sum
+                             of the log-decays dt * A inside each chunk (a_cum), float32 (batch, heads, seq)
+    2. _chunk_state_kernel   (batch * heads, chunks, head_dim blocks)  what each chunk adds to the state by its end:
+                             sum_s exp(a_cum[end] - a_cum[s]) dt_s x_s (outer) B_s      (head_dim, state) per chunk
+    3. _state_pass_kernel    (batch * heads, head_dim blocks)  the state at each chunk's start, carried chunk by
+                             chunk from the initial state (written over step 2's buffer), and the final state
+    4. _chunk_scan_kernel    (batch * heads, chunks, rows x head_dim blocks)  y_l = exp(a_cum[l]) C_l . start
+                             + sum_{s <= l} (C_l . B_s) exp(a_cum[l] - a_cum[s]) dt_s x_s + D x_l
+
+A prompt that chunk_size does not divide ends in a short chunk (positions past the end are masked: no input, no
+decay), which is what the reference's padding computes. Everything is float32 inside; y and the states come back in
+float32 like the reference's. The decode step (_state_step_kernel) gives each program one (sequence, head, head_dim
+block) and its (block, state) slice of the state.
+
+Forward only: the kernel functions (ssd_chunk_scan_triton, ssm_state_step_triton) hand the call back to torch
+(NotImplemented, see kernels/mapping.use_kernel_function) when autograd would need their gradient or torch.compile
+is tracing, and the mapping's training mode keeps the torch functions.
+
+Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, leave_to_torch, next_power_of_2
+
+
+@triton.jit
+def _softplus_like(v, like):
+    # softplus(v) with v and the result rounded to like's dtype, as F.softplus(dt + dt_bias) on that dtype gives
+    # them (torch's threshold 20 included); float32 out
+    v = v.to(like.dtype).to(tl.float32)
+    return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0)))).to(like.dtype).to(tl.float32)
+
+
+@triton.jit
+def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, stride_dt_b, stride_dt_s, stride_dt_h,
+                     dt_min, dt_max, BLOCK_L: tl.constexpr):
+    b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = c * chunk_size + tl.arange(0, BLOCK_L)
+    live = (tl.arange(0, BLOCK_L) < chunk_size) & (pos < seq)
+    raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + pos * stride_dt_s + h * stride_dt_h, mask=live, other=0.0)
+    bias = tl.load(DT_BIAS + h).to(raw.dtype).to(tl.float32)
+    dt = _softplus_like(raw.to(tl.float32) + bias, raw)
+    dt = tl.where(live, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)  # masked steps: no input, no decay
+    a_cum = tl.cumsum(dt * tl.load(A + h).to(tl.float32), axis=0)
+    out = (b.to(tl.int64) * heads + h) * seq + pos
+    tl.store(DT_OUT + out, dt, mask=live)
+    tl.store(ACUM + out, a_cum, mask=live)
+
+
+@triton.jit
+def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size, chunk_size, heads_per_group,
+                        stride_x_b, stride_x_s, stride_x_h, stride_b_b, stride_b_s, stride_b_g,
+                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    bh, c, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // heads, bh % heads
+    start = c * chunk_size
+    end = tl.minimum(start + chunk_size, seq)  # the chunk's last position + 1
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    row = bh.to(tl.int64) * seq
+    a_end = tl.load(ACUM + row + end - 1)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        live = s < end
+        x = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h + p[None, :],
+                    mask=live[:, None] & (p[None, :] < head_dim), other=0.0).to(tl.float32)  # (S, P)
+        bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[:, None] * stride_b_s + (h // heads_per_group) * stride_b_g
+                     + n[None, :], mask=live[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (S, N)
+        w = tl.load(DT + row + s, mask=live, other=0.0) * tl.exp(a_end - tl.load(ACUM + row + s, mask=live, other=0.0))
+        acc += tl.dot(tl.trans(x * w[:, None]), bs, input_precision=PRECISION)
+    chunks = tl.num_programs(1)
+    out = STATES + ((bh.to(tl.int64) * chunks + c) * head_dim + p[:, None]) * state_size + n[None, :]
+    tl.store(out, acc, mask=(p[:, None] < head_dim) & (n[None, :] < state_size))
+
+
+@triton.jit
+def _state_pass_kernel(STATES, INIT, FINAL, ACUM, seq, chunks, head_dim, state_size, chunk_size,
+                       HAS_INIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    bh, pb = tl.program_id(0), tl.program_id(1)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    mask = (p[:, None] < head_dim) & (n[None, :] < state_size)
+    inner = p[:, None] * state_size + n[None, :]
+    if HAS_INIT:
+        state = tl.load(INIT + bh.to(tl.int64) * head_dim * state_size + inner, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for c in range(chunks):
+        slot = STATES + (bh.to(tl.int64) * chunks + c) * head_dim * state_size + inner
+        added = tl.load(slot, mask=mask, other=0.0)
+        tl.store(slot, state, mask=mask)  # the slot now holds the state at the chunk's start
+        last = tl.minimum((c + 1) * chunk_size, seq) - 1
+        state = state * tl.exp(tl.load(ACUM + bh.to(tl.int64) * seq + last)) + added
+    tl.store(FINAL + bh.to(tl.int64) * head_dim * state_size + inner, state, mask=mask)
+
+
+@triton.jit
+def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, state_size, chunk_size,
+                       heads_per_group, stride_x_b, stride_x_s, stride_x_h, stride_b_b, stride_b_s, stride_b_g,
+                       stride_c_b, stride_c_s, stride_c_g, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    bh, c, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // heads, bh % heads
+    g = h // heads_per_group
+    p_blocks = tl.cdiv(head_dim, BLOCK_P)
+    mb, pb = tile // p_blocks, tile % p_blocks
+    start = c * chunk_size
+    end = tl.minimum(start + chunk_size, seq)
+    l0 = start + mb * BLOCK_M
+    if l0 < end:
+        l = l0 + tl.arange(0, BLOCK_M)
+        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        n = tl.arange(0, BLOCK_N)
+        row = bh.to(tl.int64) * seq
+        live_l = l < end
+        p_ok = p < head_dim
+        cl = tl.load(C + b.to(tl.int64) * stride_c_b + l[:, None] * stride_c_s + g * stride_c_g + n[None, :],
+                     mask=live_l[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (M, N)
+        a_l = tl.load(ACUM + row + l, mask=live_l, other=0.0)
+        # the start state's part: exp(a_cum[l]) C_l . start  (start: (P, N) of this chunk)
+        chunks = tl.num_programs(1)
+        start_state = tl.load(STARTS + ((bh.to(tl.int64) * chunks + c) * head_dim + p[None, :]) * state_size
+                              + n[:, None], mask=p_ok[None, :] & (n[:, None] < state_size), other=0.0)  # (N, P)
+        y = tl.dot(cl * tl.exp(a_l)[:, None], start_state, input_precision=PRECISION)  # (M, P)
+        # the chunk's own inputs up to l: (C_l . B_s) exp(a_cum[l] - a_cum[s]) dt_s x_s, s <= l
+        for s0 in range(start, tl.minimum(l0 + BLOCK_M, end), BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            live_s = s < end
+            bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[None, :] * stride_b_s + g * stride_b_g + n[:, None],
+                         mask=live_s[None, :] & (n[:, None] < state_size), other=0.0).to(tl.float32)  # (N, S)
+            scores = tl.dot(cl, bs, input_precision=PRECISION)  # (M, S)
+            a_s = tl.load(ACUM + row + s, mask=live_s, other=0.0)
+            causal = (s[None, :] <= l[:, None]) & live_s[None, :]
+            decay = tl.exp(tl.where(causal, a_l[:, None] - a_s[None, :], float("-inf")))
+            dt_s = tl.load(DT + row + s, mask=live_s, other=0.0)
+            xs = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h + p[None, :],
+                         mask=live_s[:, None] & p_ok[None, :], other=0.0).to(tl.float32)  # (S, P)
+            y += tl.dot(scores * decay * dt_s[None, :], xs, input_precision=PRECISION)
+        xl = tl.load(X + b.to(tl.int64) * stride_x_b + l[:, None] * stride_x_s + h * stride_x_h + p[None, :],
+                     mask=live_l[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+        y += xl * tl.load(D + h).to(tl.float32)
+        out = Y + ((b.to(tl.int64) * seq + l[:, None]) * heads + h) * head_dim + p[None, :]
+        tl.store(out, y, mask=live_l[:, None] & p_ok[None, :])
+
+
+@triton.jit
+def _state_step_kernel(STATE, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, head_dim, state_size,
+                       heads_per_group, stride_s_b, stride_s_h, stride_s_p, stride_x_b, stride_x_h, stride_dt_b,
+                       stride_b_b, stride_b_g, stride_c_b, stride_c_g, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    bh, pb = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    g = h // heads_per_group
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_ok, n_ok = p < head_dim, n < state_size
+    mask = p_ok[:, None] & n_ok[None, :]
+    raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + h)
+    dt = _softplus_like(raw.to(tl.float32) + tl.load(DT_BIAS + h).to(raw.dtype).to(tl.float32), raw)
+    x = tl.load(X + b.to(tl.int64) * stride_x_b + h * stride_x_h + p, mask=p_ok, other=0.0).to(tl.float32)
+    bn = tl.load(B + b.to(tl.int64) * stride_b_b + g * stride_b_g + n, mask=n_ok, other=0.0).to(tl.float32)
+    cn = tl.load(C + b.to(tl.int64) * stride_c_b + g * stride_c_g + n, mask=n_ok, other=0.0).to(tl.float32)
+    state = tl.load(STATE + b.to(tl.int64) * stride_s_b + h * stride_s_h + p[:, None] * stride_s_p + n[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+    state = state * tl.exp(dt * tl.load(A + h).to(tl.float32)) + (dt * x)[:, None] * bn[None, :]
+    tl.store(NEW_STATE + ((b.to(tl.int64) * heads + h) * head_dim + p[:, None]) * state_size + n[None, :], state,
+             mask=mask)
+    y = tl.sum(state * cn[None, :], axis=1) + x * tl.load(D + h).to(tl.float32)
+    tl.store(Y + (b.to(tl.int64) * heads + h) * head_dim + p, y, mask=p_ok)
+
+
+def _check_heads(heads: int, groups: int, **per_head: torch.Tensor) -> None:
+    if groups < 1 or heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of the groups of B and C ({groups})")
+    for name, t in per_head.items():
+        check_tensor(name, t, ndim=1)
+        if t.shape[0] != heads:
+            raise ValueError(f"{name} has {t.shape[0]} entries, expected one per head ({heads})")
+
+
+def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
+    """The launcher: layers/ssd.ssd_chunk_scan's arguments and results (shapes there), checked, on the kernels."""
+    check_tensor("x", x, ndim=4)
+    batch, seq, heads, head_dim = x.shape
+    check_tensor("dt", dt, ndim=3, last_dim_contiguous=False)
+    check_tensor("B", B, ndim=4)
+    check_tensor("C", C, ndim=4)
+    groups, state_size = B.shape[2], B.shape[3]
+    if tuple(dt.shape) != (batch, seq, heads):
+        raise ValueError(f"dt has shape {tuple(dt.shape)}, expected (batch, seq, heads) = {(batch, seq, heads)}")
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) != (batch, seq, groups, state_size):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected (batch, seq, groups, state) = "
+                             f"{(batch, seq, groups, state_size)}")
+    _check_heads(heads, groups, A=A, D=D, dt_bias=dt_bias)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, ndim=4)
+        if tuple(initial_state.shape) != (batch, heads, head_dim, state_size):
+            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected (batch, heads, "
+                             f"head_dim, state) = {(batch, heads, head_dim, state_size)}")
+        initial_state = initial_state.contiguous()
+    check_same("device", x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
+    check_same("dtype", x=x, B=B, C=C)
+
+    f32 = dict(dtype=torch.float32, device=x.device)
+    y = torch.empty(batch, seq, heads, head_dim, **f32)
+    final = torch.empty(batch, heads, head_dim, state_size, **f32)
+    if seq == 0:
+        final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
+        return y, final
+    chunks = math.ceil(seq / chunk_size)
+    dt_out = torch.empty(batch, heads, seq, **f32)
+    a_cum = torch.empty(batch, heads, seq, **f32)
+    states = torch.empty(batch, heads, chunks, head_dim, state_size, **f32)
+    block_n = max(16, next_power_of_2(state_size))
+    block_p = max(16, min(64, next_power_of_2(head_dim)))
+    block_s = 32 if block_n <= 128 else 16
+    p_blocks = triton.cdiv(head_dim, block_p)
+    precision = dot_precision(x.dtype)
+    per_group = heads // groups
+    _chunk_dt_kernel[(batch, heads, chunks)](
+        dt, dt_bias, A, dt_out, a_cum, seq, heads, chunk_size, dt.stride(0), dt.stride(1), dt.stride(2),
+        float(dt_limit[0]), float(dt_limit[1]), BLOCK_L=max(16, next_power_of_2(chunk_size)))
+    _chunk_state_kernel[(batch * heads, chunks, p_blocks)](
+        x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, per_group,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision)
+    _state_pass_kernel[(batch * heads, p_blocks)](
+        states, initial_state if initial_state is not None else final, final, a_cum, seq, chunks, head_dim,
+        state_size, chunk_size, HAS_INIT=initial_state is not None, BLOCK_P=block_p, BLOCK_N=block_n)
+    block_m = max(16, min(64, next_power_of_2(chunk_size)))
+    _chunk_scan_kernel[(batch * heads, chunks, triton.cdiv(chunk_size, block_m) * p_blocks)](
+        x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, per_group,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2),
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision)
+    return y, final
+
+
+def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
+    """The launcher: layers/ssd.ssm_state_step's arguments and results (shapes there), checked, on the kernel. The
+    new state is a new tensor (the cache may hold the old one elsewhere)."""
+    check_tensor("x", x, ndim=3)
+    batch, heads, head_dim = x.shape
+    check_tensor("state", state, ndim=4)
+    check_tensor("dt", dt, ndim=2)
+    check_tensor("B", B, ndim=3)
+    check_tensor("C", C, ndim=3)
+    groups, state_size = B.shape[1], B.shape[2]
+    expected = {"state": (batch, heads, head_dim, state_size), "dt": (batch, heads), "B": (batch, groups, state_size),
+                "C": (batch, groups, state_size)}
+    for name, t in (("state", state), ("dt", dt), ("B", B), ("C", C)):
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    _check_heads(heads, groups, A=A, D=D, dt_bias=dt_bias)
+    check_same("device", state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
+    new_state = torch.empty(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+    y = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    if batch:
+        block_p = max(16, min(64, next_power_of_2(head_dim)))
+        _state_step_kernel[(batch * heads, triton.cdiv(head_dim, block_p))](
+            state, x, dt, A, B, C, D, dt_bias, new_state, y, heads, head_dim, state_size, heads // groups,
+            state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
+            B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+            BLOCK_P=block_p, BLOCK_N=max(16, next_power_of_2(state_size)))
+    return y, new_state
+
+
+def ssd_chunk_scan_triton(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
+    """The kernel for use_kernel_function("ssd_chunk_scan"); NotImplemented (the torch scan runs) under autograd or
+    torch.compile."""
+    if leave_to_torch(x, dt, A, B, C, D, dt_bias, initial_state):
+        return NotImplemented
+    return ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state)
+
+
+def ssm_state_step_triton(state, x, dt, A, B, C, D, dt_bias):
+    """The kernel for use_kernel_function("ssm_state_step"); NotImplemented (the torch step runs) under autograd or
+    torch.compile."""
+    if leave_to_torch(state, x, dt, A, B, C, D, dt_bias):
+        return NotImplemented
+    return ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias)
