@@ -82,7 +82,7 @@ def test_each_bad_value_is_refused_by_name(fields, message):
     ("phi3", dict(resid_pdrop=-0.1), "resid_pdrop is -0.1; it must be a number in [0, 1]"),
     ("qwen3_moe", dict(num_experts_per_tok=0), "num_experts_per_tok is 0; it must be a positive integer"),
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step is 0; it must be a positive integer"),
-    ("mixtral", dict(num_local_experts=True), "num_local_experts is true; it must be a positive integer"),
+    ("mixtral", dict(num_local_experts=True), "num_local_experts is true; it must be a non-negative integer"),
     ("olmoe", dict(clip_qkv=-1), "clip_qkv is -1; it must be a positive number or null"),
     ("mistral", dict(sliding_window=0), "sliding_window is 0; it must be a positive integer, or null for no window"),
     ("mistral", dict(sliding_window=-4), "sliding_window is -4; it must be a non-negative integer or null"),

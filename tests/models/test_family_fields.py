@@ -71,9 +71,16 @@ NON_DEFAULT = {
                        mtp_layers_block_type=["full_attention", "mlp"]),
     "gpt2": dict(n_inner=96, layer_norm_epsilon=1e-6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                  scale_attn_weights=False),
+    "granitemoehybrid": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0078125, num_local_experts=4, num_experts_per_tok=1,
+                             router_aux_loss_coef=0.01, shared_intermediate_size=48, position_embedding_type="rope",
+                             mamba_n_heads=16, mamba_n_groups=4, mamba_d_state=32, mamba_d_head=4, mamba_d_conv=3,
+                             mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=False, mamba_proj_bias=True,
+                             time_step_limit=[0.001, 0.5]),
 }
 # Fields whose only value we accept is the default (gpuformers refuses the option)
-REFUSED = {"gpt2": {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"}}
+REFUSED = {"gpt2": {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"},
+           "granitemoehybrid": {"output_router_logits"}}
 
 
 def _own_fields(model_type: str) -> list[str]:
@@ -90,6 +97,8 @@ def _theirs(config, model_type: str, name: str):
         return config.rope_parameters["sliding_attention"]["rope_theta"]
     if model_type == "gemma3_text" and name == "sliding_window_pattern":
         return config._sliding_window_pattern
+    if model_type == "granitemoehybrid" and name == "time_step_limit":
+        return list(config.time_step_limit)  # transformers' Granite 4 config turns the list into a tuple
     return getattr(config, name)
 
 

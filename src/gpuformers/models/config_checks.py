@@ -112,7 +112,7 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "residual_dropout": (_UNIT, False),
     "embedding_dropout": (_UNIT, False),
     # mixture of experts
-    "num_local_experts": (_POSITIVE_INT, False),  # Mixtral's and gpt-oss's num_experts
+    "num_local_experts": (_NON_NEGATIVE_INT, False),  # Mixtral's and gpt-oss's num_experts; 0: dense Granite 4
     "num_experts": (_NON_NEGATIVE_INT, False),  # 0: Qwen-MoE's config for a dense model
     "num_experts_per_tok": (_POSITIVE_INT, False),
     "moe_intermediate_size": (_POSITIVE_INT, False),
@@ -141,6 +141,14 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "mamba_num_heads": (_POSITIVE_INT, False),  # a hybrid's (Nemotron-H's) mamba sizes
     "mamba_head_dim": (_POSITIVE_INT, False),
     "ssm_state_size": (_POSITIVE_INT, False),
+    "mamba_n_heads": (_POSITIVE_INT, False),  # Granite 4's (granitemoehybrid) mamba sizes
+    "mamba_n_groups": (_POSITIVE_INT, False),
+    "mamba_d_state": (_POSITIVE_INT, False),
+    "mamba_d_head": (_POSITIVE_INT, False),  # "auto" is resolved before the check
+    "mamba_d_conv": (_POSITIVE_INT, False),
+    "mamba_expand": (_POSITIVE_INT, False),
+    "mamba_chunk_size": (_POSITIVE_INT, False),
+    "shared_intermediate_size": (_POSITIVE_INT, False),
     # special tokens
     "bos_token_id": (_TOKEN_ID, True),
     "pad_token_id": (_TOKEN_ID, True),

@@ -49,6 +49,8 @@ MODEL_TYPES = {
     "mamba2": ("gpuformers.models.mamba2:Mamba2ForCausalLM", "gpuformers.models.mamba2:Mamba2Config"),
     "nemotron_h": ("gpuformers.models.nemotron_h:NemotronHForCausalLM",
                    "gpuformers.models.nemotron_h:NemotronHConfig"),
+    "granitemoehybrid": ("gpuformers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+                         "gpuformers.models.granitemoehybrid:GraniteMoeHybridConfig"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to
