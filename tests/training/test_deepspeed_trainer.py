@@ -44,9 +44,16 @@ ACCELERATE_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_S
 
 
 @pytest.fixture(autouse=True)
-def clean_environment(monkeypatch):
-    for name in ACCELERATE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+def clean_environment():
+    """The launcher's variables unset during each test, and every variable as it was after it: also those the Trainer
+    sets for DeepSpeed (LOCAL_RANK=0 in one process, DS_ACCELERATOR=cpu on the CPU), which would make later tests'
+    accelerate (under transformers' Trainer) and DeviceMesh believe they run under a launcher."""
+    saved = {name: os.environ.pop(name, None) for name in ACCELERATE_VARIABLES + ("LOCAL_RANK", "DS_ACCELERATOR")}
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
 
 
 def assert_trains_like_one_process(logged: dict, expected: dict, steps: range) -> None:
@@ -237,11 +244,10 @@ def test_accelerate_mixed_precision_variable(monkeypatch, tmp_path):
 
 
 @pytest.fixture
-def deepspeed_here(monkeypatch):
+def deepspeed_here():
     """DeepSpeed in this test process: its CPU op build skipped (distributed_worker); afterwards the group it ran over
-    left, DeepSpeed's process-wide record of that group and of its communication backend dropped (so that another
-    test can run it over a new group), and the LOCAL_RANK=0 the Trainer sets for DeepSpeed in one process taken
-    back."""
+    left, DeepSpeed's process-wide record of that group, of its communication backend and of its accelerator dropped
+    (so that another test can run it over a new group); clean_environment restores the variables."""
     import deepspeed.accelerator.real_accelerator
     import deepspeed.comm.comm
     import deepspeed.utils.groups
@@ -250,17 +256,11 @@ def deepspeed_here(monkeypatch):
     from tests.training.distributed_worker import skip_deepspeed_shm_build
 
     skip_deepspeed_shm_build()
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    accelerator = os.environ.get("DS_ACCELERATOR")  # the Trainer sets it to cpu for a run on the CPU
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
     # the accelerator DeepSpeed picked (CPU or CUDA) is chosen again by the next test that runs it
     deepspeed.accelerator.real_accelerator.ds_accelerator = None
-    if accelerator is None:
-        os.environ.pop("DS_ACCELERATOR", None)
-    else:
-        os.environ["DS_ACCELERATOR"] = accelerator
     groups = deepspeed.utils.groups
     for name, value in list(vars(groups).items()):  # its private caches of groups, back to their values at import
         if name == "mesh_device" or (name.startswith("_") and name.isupper()

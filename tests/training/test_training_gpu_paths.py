@@ -79,7 +79,7 @@ def test_fp16_refuses_float16_trainable_weights_and_takes_float32(tiny_checkpoin
     arguments here are a stand-in saying fp16.)"""
     from types import SimpleNamespace
 
-    fp16 = SimpleNamespace(mixed_precision=torch.float16)
+    fp16 = SimpleNamespace(mixed_precision=torch.float16, deepspeed_config=None)
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype="float32", progress=False)
     check_trainable(model, fp16, tensor_parallel=False)
     model.model.norm.half()

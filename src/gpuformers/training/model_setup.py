@@ -33,7 +33,7 @@ def check_trainable(model, args: TrainingArguments, tensor_parallel: bool) -> No
     if tensor_parallel:
         _check_tensor_parallel_args(args, model)
     # (DeepSpeed keeps float32 master weights of float16 ones itself: no gradient scaler of ours to refuse them)
-    if args.mixed_precision == torch.float16 and args.distributed_strategy != "deepspeed":
+    if args.mixed_precision == torch.float16 and args.deepspeed_config is None:
         half = next((name for name, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16),
                     None)
         if half is not None:  # the scaler refuses to unscale float16 gradients, at the first optimizer step
