@@ -58,17 +58,17 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
              mask=(t < seq)[:, None] & c_ok[None, :])
     if KERNEL > 1:
         if tb == 0:  # the new state: window columns seq .. seq + KERNEL - 2
-            k = tl.arange(0, BLOCK_K)
-            j = seq + k
-            k_ok = k < KERNEL - 1
-            xv = tl.load(x_row + (j - (KERNEL - 1))[None, :] * stride_x_s + c[:, None],
-                         mask=(j >= KERNEL - 1)[None, :] & k_ok[None, :] & c_ok[:, None], other=0.0)
+            col = tl.arange(0, BLOCK_K)
+            pos = seq + col
+            col_ok = col < KERNEL - 1
+            tail = tl.load(x_row + (pos - (KERNEL - 1))[None, :] * stride_x_s + c[:, None],
+                           mask=(pos >= KERNEL - 1)[None, :] & col_ok[None, :] & c_ok[:, None], other=0.0)
             if HAS_STATE:
-                sv = tl.load(st_row + c[:, None] * stride_st_c + j[None, :] * stride_st_k,
-                             mask=(j < KERNEL - 1)[None, :] & c_ok[:, None], other=0.0)
-                xv += sv.to(xv.dtype)
-            tl.store(NEW_STATE + (b.to(tl.int64) * channels + c[:, None]) * (KERNEL - 1) + k[None, :], xv,
-                     mask=k_ok[None, :] & c_ok[:, None])
+                kept = tl.load(st_row + c[:, None] * stride_st_c + pos[None, :] * stride_st_k,
+                               mask=(pos < KERNEL - 1)[None, :] & c_ok[:, None], other=0.0)
+                tail += kept.to(tail.dtype)  # one of the two is 0 at each place
+            tl.store(NEW_STATE + (b.to(tl.int64) * channels + c[:, None]) * (KERNEL - 1) + col[None, :], tail,
+                     mask=col_ok[None, :] & c_ok[:, None])
 
 
 def causal_conv1d_forward(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,

@@ -23,7 +23,7 @@ Forward only: the kernel functions (ssd_chunk_scan_triton, ssm_state_step_triton
 (NotImplemented, see kernels/mapping.use_kernel_function) when autograd would need their gradient or torch.compile
 is tracing, and the mapping's training mode keeps the torch functions.
 
-Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward.
+Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward, scan_tiles.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, strid
 
 @triton.jit
 def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size, chunk_size, heads_per_group,
-                        stride_x_b, stride_x_s, stride_x_h, stride_b_b, stride_b_s, stride_b_g,
+                        stride_x_b, stride_x_s, stride_x_h, stride_x_p, stride_b_b, stride_b_s, stride_b_g, stride_b_n,
                         BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     bh, c, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
@@ -77,12 +77,12 @@ def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         live = s < end
-        x = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h + p[None, :],
-                    mask=live[:, None] & (p[None, :] < head_dim), other=0.0).to(tl.float32)  # (S, P)
+        x = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h
+                    + p[None, :] * stride_x_p, mask=live[:, None] & (p[None, :] < head_dim), other=0.0)  # (S, P)
         bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[:, None] * stride_b_s + (h // heads_per_group) * stride_b_g
-                     + n[None, :], mask=live[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (S, N)
+                     + n[None, :] * stride_b_n, mask=live[:, None] & (n[None, :] < state_size), other=0.0)  # (S, N)
         w = tl.load(DT + row + s, mask=live, other=0.0) * tl.exp(a_end - tl.load(ACUM + row + s, mask=live, other=0.0))
-        acc += tl.dot(tl.trans(x * w[:, None]), bs, input_precision=PRECISION)
+        acc += tl.dot(tl.trans(x.to(tl.float32) * w[:, None]), bs.to(tl.float32), input_precision=PRECISION)
     chunks = tl.num_programs(1)
     out = STATES + ((bh.to(tl.int64) * chunks + c) * head_dim + p[:, None]) * state_size + n[None, :]
     tl.store(out, acc, mask=(p[:, None] < head_dim) & (n[None, :] < state_size))
@@ -111,9 +111,10 @@ def _state_pass_kernel(STATES, INIT, FINAL, ACUM, seq, chunks, head_dim, state_s
 
 @triton.jit
 def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, state_size, chunk_size,
-                       heads_per_group, stride_x_b, stride_x_s, stride_x_h, stride_b_b, stride_b_s, stride_b_g,
-                       stride_c_b, stride_c_s, stride_c_g, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                       heads_per_group, stride_x_b, stride_x_s, stride_x_h, stride_x_p, stride_b_b, stride_b_s,
+                       stride_b_g, stride_b_n, stride_c_b, stride_c_s, stride_c_g, stride_c_n,
+                       BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
     bh, c, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
     g = h // heads_per_group
@@ -129,7 +130,8 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
         row = bh.to(tl.int64) * seq
         live_l = l < end
         p_ok = p < head_dim
-        cl = tl.load(C + b.to(tl.int64) * stride_c_b + l[:, None] * stride_c_s + g * stride_c_g + n[None, :],
+        cl = tl.load(C + b.to(tl.int64) * stride_c_b + l[:, None] * stride_c_s + g * stride_c_g
+                     + n[None, :] * stride_c_n,
                      mask=live_l[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (M, N)
         a_l = tl.load(ACUM + row + l, mask=live_l, other=0.0)
         # the start state's part: exp(a_cum[l]) C_l . start  (start: (P, N) of this chunk)
@@ -141,17 +143,20 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
         for s0 in range(start, tl.minimum(l0 + BLOCK_M, end), BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             live_s = s < end
-            bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[None, :] * stride_b_s + g * stride_b_g + n[:, None],
+            bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[None, :] * stride_b_s + g * stride_b_g
+                         + n[:, None] * stride_b_n,
                          mask=live_s[None, :] & (n[:, None] < state_size), other=0.0).to(tl.float32)  # (N, S)
             scores = tl.dot(cl, bs, input_precision=PRECISION)  # (M, S)
             a_s = tl.load(ACUM + row + s, mask=live_s, other=0.0)
             causal = (s[None, :] <= l[:, None]) & live_s[None, :]
             decay = tl.exp(tl.where(causal, a_l[:, None] - a_s[None, :], float("-inf")))
             dt_s = tl.load(DT + row + s, mask=live_s, other=0.0)
-            xs = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h + p[None, :],
+            xs = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h
+                         + p[None, :] * stride_x_p,
                          mask=live_s[:, None] & p_ok[None, :], other=0.0).to(tl.float32)  # (S, P)
             y += tl.dot(scores * decay * dt_s[None, :], xs, input_precision=PRECISION)
-        xl = tl.load(X + b.to(tl.int64) * stride_x_b + l[:, None] * stride_x_s + h * stride_x_h + p[None, :],
+        xl = tl.load(X + b.to(tl.int64) * stride_x_b + l[:, None] * stride_x_s + h * stride_x_h
+                     + p[None, :] * stride_x_p,
                      mask=live_l[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
         y += xl * tl.load(D + h).to(tl.float32)
         out = Y + ((b.to(tl.int64) * seq + l[:, None]) * heads + h) * head_dim + p[None, :]
@@ -160,8 +165,9 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
 
 @triton.jit
 def _state_step_kernel(STATE, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, head_dim, state_size,
-                       heads_per_group, stride_s_b, stride_s_h, stride_s_p, stride_x_b, stride_x_h, stride_dt_b,
-                       stride_b_b, stride_b_g, stride_c_b, stride_c_g, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                       heads_per_group, stride_s_b, stride_s_h, stride_s_p, stride_x_b, stride_x_h, stride_x_p,
+                       stride_dt_b, stride_dt_h, stride_b_b, stride_b_g, stride_b_n, stride_c_b, stride_c_g, stride_c_n,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     bh, pb = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     g = h // heads_per_group
@@ -169,17 +175,17 @@ def _state_step_kernel(STATE, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, h
     n = tl.arange(0, BLOCK_N)
     p_ok, n_ok = p < head_dim, n < state_size
     mask = p_ok[:, None] & n_ok[None, :]
-    raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + h)
+    raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + h * stride_dt_h)
     dt = _softplus_like(raw.to(tl.float32) + tl.load(DT_BIAS + h).to(raw.dtype).to(tl.float32), raw)
-    x = tl.load(X + b.to(tl.int64) * stride_x_b + h * stride_x_h + p, mask=p_ok, other=0.0).to(tl.float32)
-    bn = tl.load(B + b.to(tl.int64) * stride_b_b + g * stride_b_g + n, mask=n_ok, other=0.0).to(tl.float32)
-    cn = tl.load(C + b.to(tl.int64) * stride_c_b + g * stride_c_g + n, mask=n_ok, other=0.0).to(tl.float32)
+    x = tl.load(X + b.to(tl.int64) * stride_x_b + h * stride_x_h + p * stride_x_p, mask=p_ok, other=0.0).to(tl.float32)
+    bn = tl.load(B + b.to(tl.int64) * stride_b_b + g * stride_b_g + n * stride_b_n, mask=n_ok, other=0.0)
+    cn = tl.load(C + b.to(tl.int64) * stride_c_b + g * stride_c_g + n * stride_c_n, mask=n_ok, other=0.0)
     state = tl.load(STATE + b.to(tl.int64) * stride_s_b + h * stride_s_h + p[:, None] * stride_s_p + n[None, :],
                     mask=mask, other=0.0).to(tl.float32)
-    state = state * tl.exp(dt * tl.load(A + h).to(tl.float32)) + (dt * x)[:, None] * bn[None, :]
+    state = state * tl.exp(dt * tl.load(A + h).to(tl.float32)) + (dt * x)[:, None] * bn.to(tl.float32)[None, :]
     tl.store(NEW_STATE + ((b.to(tl.int64) * heads + h) * head_dim + p[:, None]) * state_size + n[None, :], state,
              mask=mask)
-    y = tl.sum(state * cn[None, :], axis=1) + x * tl.load(D + h).to(tl.float32)
+    y = tl.sum(state * cn.to(tl.float32)[None, :], axis=1) + x * tl.load(D + h).to(tl.float32)
     tl.store(Y + (b.to(tl.int64) * heads + h) * head_dim + p, y, mask=p_ok)
 
 
@@ -192,13 +198,27 @@ def _check_heads(heads: int, groups: int, **per_head: torch.Tensor) -> None:
             raise ValueError(f"{name} has {t.shape[0]} entries, expected one per head ({heads})")
 
 
+def scan_tiles(head_dim: int, state_size: int, chunk_size: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M rows of a chunk, BLOCK_S source steps, BLOCK_P of head_dim, BLOCK_N = the whole state, warps, stages)
+    of the chunk-state and chunk-scan kernels. The state dimension is never split (each program holds whole rows
+    of the (head_dim, state) matrix); a state of 256 halves the step tiles to stay within shared memory (checked for
+    sm_90 by tests/kernels/test_compile_for_gpu.py). 16 is tl.dot's smallest side."""
+    block_n = max(16, next_power_of_2(state_size))
+    block_p = max(16, min(64, next_power_of_2(head_dim)))
+    block_m = max(16, min(64, next_power_of_2(chunk_size)))
+    block_s = 32 if block_n <= 128 else 16
+    return block_m, block_s, block_p, block_n, 4 if block_n <= 64 else 8, 2
+
+
 def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
     """The launcher: layers/ssd.ssd_chunk_scan's arguments and results (shapes there), checked, on the kernels."""
-    check_tensor("x", x, ndim=4)
+    # Any strides: the mixer's x, B, C are views of its conv output, token-major from the kernel and channel-major
+    # from the torch conv.
+    check_tensor("x", x, ndim=4, last_dim_contiguous=False)
     batch, seq, heads, head_dim = x.shape
     check_tensor("dt", dt, ndim=3, last_dim_contiguous=False)
-    check_tensor("B", B, ndim=4)
-    check_tensor("C", C, ndim=4)
+    check_tensor("B", B, ndim=4, last_dim_contiguous=False)
+    check_tensor("C", C, ndim=4, last_dim_contiguous=False)
     groups, state_size = B.shape[2], B.shape[3]
     if tuple(dt.shape) != (batch, seq, heads):
         raise ValueError(f"dt has shape {tuple(dt.shape)}, expected (batch, seq, heads) = {(batch, seq, heads)}")
@@ -228,9 +248,7 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, ini
     dt_out = torch.empty(batch, heads, seq, **f32)
     a_cum = torch.empty(batch, heads, seq, **f32)
     states = torch.empty(batch, heads, chunks, head_dim, state_size, **f32)
-    block_n = max(16, next_power_of_2(state_size))
-    block_p = max(16, min(64, next_power_of_2(head_dim)))
-    block_s = 32 if block_n <= 128 else 16
+    block_m, block_s, block_p, block_n, warps, stages = scan_tiles(head_dim, state_size, chunk_size)
     p_blocks = triton.cdiv(head_dim, block_p)
     precision = dot_precision(x.dtype)
     per_group = heads // groups
@@ -238,30 +256,28 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, ini
         dt, dt_bias, A, dt_out, a_cum, seq, heads, chunk_size, dt.stride(0), dt.stride(1), dt.stride(2),
         float(dt_limit[0]), float(dt_limit[1]), BLOCK_L=max(16, next_power_of_2(chunk_size)))
     _chunk_state_kernel[(batch * heads, chunks, p_blocks)](
-        x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, per_group,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision)
+        x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(), *B.stride(),
+        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages)
     _state_pass_kernel[(batch * heads, p_blocks)](
         states, initial_state if initial_state is not None else final, final, a_cum, seq, chunks, head_dim,
         state_size, chunk_size, HAS_INIT=initial_state is not None, BLOCK_P=block_p, BLOCK_N=block_n)
-    block_m = max(16, min(64, next_power_of_2(chunk_size)))
     _chunk_scan_kernel[(batch * heads, chunks, triton.cdiv(chunk_size, block_m) * p_blocks)](
-        x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, per_group,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        C.stride(0), C.stride(1), C.stride(2),
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision)
+        x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(),
+        *B.stride(), *C.stride(),
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps,
+        num_stages=stages)
     return y, final
 
 
 def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
     """The launcher: layers/ssd.ssm_state_step's arguments and results (shapes there), checked, on the kernel. The
     new state is a new tensor (the cache may hold the old one elsewhere)."""
-    check_tensor("x", x, ndim=3)
+    check_tensor("x", x, ndim=3, last_dim_contiguous=False)
     batch, heads, head_dim = x.shape
     check_tensor("state", state, ndim=4)
-    check_tensor("dt", dt, ndim=2)
-    check_tensor("B", B, ndim=3)
-    check_tensor("C", C, ndim=3)
+    check_tensor("dt", dt, ndim=2, last_dim_contiguous=False)
+    check_tensor("B", B, ndim=3, last_dim_contiguous=False)
+    check_tensor("C", C, ndim=3, last_dim_contiguous=False)
     groups, state_size = B.shape[1], B.shape[2]
     expected = {"state": (batch, heads, head_dim, state_size), "dt": (batch, heads), "B": (batch, groups, state_size),
                 "C": (batch, groups, state_size)}
@@ -276,8 +292,7 @@ def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
         block_p = max(16, min(64, next_power_of_2(head_dim)))
         _state_step_kernel[(batch * heads, triton.cdiv(head_dim, block_p))](
             state, x, dt, A, B, C, D, dt_bias, new_state, y, heads, head_dim, state_size, heads // groups,
-            state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
-            B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+            state.stride(0), state.stride(1), state.stride(2), *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
             BLOCK_P=block_p, BLOCK_N=max(16, next_power_of_2(state_size)))
     return y, new_state
 
