@@ -127,9 +127,9 @@ def load_checkpoint(engine, folder: str | os.PathLike) -> None:
     folder = Path(folder)
     tags = sorted(folder.glob("global_step*"))
     if not tags:
-        raise ValueError(f"{folder} holds no DeepSpeed states (global_step*/): it was not written under DeepSpeed; "
-                         "resume it without deepspeed=..., or start a new DeepSpeed run from its weights "
-                         "(from_pretrained)")
+        raise ValueError(f"{folder} holds no DeepSpeed states (global_step*/): it was written without deepspeed=... "
+                         "or with save_only_model=True; resume it as it was written, or start a new DeepSpeed run "
+                         "from its weights (from_pretrained)")
     if len(tags) > 1:
         raise ValueError(f"{folder} holds several DeepSpeed states {[t.name for t in tags]}; keep one")
     path, _ = engine.load_checkpoint(str(folder), tag=tags[0].name, load_optimizer_states=True,
