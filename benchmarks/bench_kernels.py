@@ -5,7 +5,10 @@ more of the card's measured copy bandwidth; the attention forward reaches 50% or
 matmul rate at 4k+ tokens; the fused linear + cross-entropy peaks at a quarter or less of the unfused memory; a
 Qwen3-0.6B-shaped model gives the same logits with use_kernels=True. The MoE block (Qwen3-30B-A3B shape: hidden 2048,
 expert intermediate 768, 128 experts, top 8, at 1, 64 and 1024 tokens) is timed as the fused grouped-GEMM kernel
-against the torch expert loop in the same run, with the ratio (no target is claimed for it yet).
+against the torch expert loop in the same run, with the ratio (no target is claimed for it yet). The Mamba2 mixer's
+kernels (Mamba2-2.7B mixer: 80 heads of 64, state 128, chunks of 256, conv of 4) are timed the same way against their
+torch functions: the conv and the chunked scan over a 4096-token prompt, the conv update and the state step for 64
+decoding sequences.
 
 Shapes: Qwen3-0.6B (hidden 1024, intermediate 3072, 16 heads / 8 kv heads of 128) and Qwen3-8B (hidden 4096,
 intermediate 12288, 32 / 8 heads of 128), 1 to 16k tokens, vocab 151936. The peak rates are measured in the same
@@ -101,7 +104,10 @@ def compiled(fn, enabled):
 
 def bench_memory_bound(table, models, token_counts, device, dtype, compile_refs):
     from gpuformers.kernels.rms_norm import rms_norm, rms_norm_reference
-    from gpuformers.kernels.rotary import apply_rotary_inplace, rotary_reference
+    from gpuformers.kernels.rotary import apply_rotary_inplace
+    from gpuformers.layers.rotary import apply_rotary_pos_emb
+
+    rotary_reference = apply_rotary_pos_emb.torch_function  # the torch computation the kernel replaces
     from gpuformers.kernels.swiglu import silu_and_mul, swiglu_reference
 
     size = torch.finfo(dtype).bits // 8
@@ -261,6 +267,74 @@ def bench_moe(table, device, dtype, smoke: bool):
     return ratios
 
 
+MAMBA2_MIXER = dict(heads=80, head_dim=64, state=128, groups=1, chunk=256, conv_kernel=4)  # Mamba2-2.7B
+SMOKE_MAMBA2_MIXER = dict(heads=4, head_dim=16, state=16, groups=2, chunk=8, conv_kernel=4)
+
+
+def bench_ssd(table, device, dtype, smoke: bool):
+    """The Mamba2 mixer's kernels (use_kernels=True at inference) against their torch functions, same run: the conv
+    and the chunked scan over one prompt, the conv update and the state step for a batch of decoding sequences."""
+    from gpuformers.kernels.causal_conv1d import causal_conv1d_forward
+    from gpuformers.kernels.ssd import ssd_chunk_scan_forward, ssm_state_step_forward
+    from gpuformers.layers.mamba2 import causal_conv1d
+    from gpuformers.layers.ssd import ssd_chunk_scan, ssm_state_step
+
+    m = SMOKE_MAMBA2_MIXER if smoke else MAMBA2_MIXER
+    heads, p, n, g = m["heads"], m["head_dim"], m["state"], m["groups"]
+    channels = heads * p + 2 * g * n
+    torch.manual_seed(0)
+    weight = torch.randn(channels, 1, m["conv_kernel"], device=device, dtype=dtype) * 0.5
+    bias = torch.randn(channels, device=device, dtype=dtype)
+    A = -torch.rand(heads, device=device) - 0.5  # float32, as the layer computes it
+    D, dt_bias = torch.randn(heads, device=device), torch.randn(heads, device=device)
+    name = "smoke" if smoke else "mamba2-2.7b"
+    results = []
+
+    def compare(kernel, shape, pair, gbytes=None, tflop=None):
+        got, want = pair[0](), pair[1]()
+        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+        times = {}
+        for impl, fn in zip(("triton", "torch"), pair):
+            table.add(kernel, shape, impl, fn, device, gbytes=gbytes, tflop=tflop)
+            times[impl] = table.rows[-1].get("ms")
+        ratio = round(times["torch"] / times["triton"], 2) if times["torch"] and times["triton"] else None
+        results.append(dict(kernel=kernel, shape=shape, triton_ms=times["triton"], torch_ms=times["torch"],
+                            speedup=ratio, max_abs_diff=error, output_scale=float(want[0].float().abs().max())))
+        print(f"{kernel} {shape}: torch / triton = {ratio}, max |diff| {error:.3g}", flush=True)
+
+    with torch.no_grad():
+        for tokens in ((24,) if smoke else (4096,)):
+            xbc = torch.randn(1, tokens, channels, device=device, dtype=dtype)
+            shape = f"{name} x{tokens}"
+            size = xbc.element_size()
+            compare("mamba conv1d", shape, (lambda: causal_conv1d_forward(xbc, None, weight, bias),
+                                            lambda: causal_conv1d.torch_function(xbc, None, weight, bias)),
+                    gbytes=2 * xbc.numel() * size / 1e9)
+            x = torch.randn(1, tokens, heads, p, device=device, dtype=dtype)
+            dt = torch.randn(1, tokens, heads, device=device, dtype=dtype)
+            B, C = (torch.randn(1, tokens, g, n, device=device, dtype=dtype) for _ in range(2))
+            args = (x, dt, A, B, C, D, dt_bias, m["chunk"], (0.0, float("inf")))
+            q = m["chunk"]
+            tflop = 2 * tokens * heads * (q * (n + p) + 2 * p * n) / 1e12  # scores, outputs, states
+            compare("ssd chunk scan", shape, (lambda: ssd_chunk_scan_forward(*args), lambda: ssd_chunk_scan(*args)),
+                    tflop=tflop)
+        for batch in ((3,) if smoke else (64,)):
+            shape = f"{name} decode x{batch}"
+            xbc = torch.randn(batch, 1, channels, device=device, dtype=dtype)
+            state = torch.randn(batch, channels, m["conv_kernel"] - 1, device=device, dtype=dtype)
+            compare("mamba conv1d update", shape, (lambda: causal_conv1d_forward(xbc, state, weight, bias),
+                                                   lambda: causal_conv1d.torch_function(xbc, state, weight, bias)),
+                    gbytes=2 * (xbc.numel() + state.numel()) * xbc.element_size() / 1e9)
+            ssm = torch.randn(batch, heads, p, n, device=device)
+            x = torch.randn(batch, heads, p, device=device, dtype=dtype)
+            dt = torch.randn(batch, heads, device=device, dtype=dtype)
+            B, C = (torch.randn(batch, g, n, device=device, dtype=dtype) for _ in range(2))
+            args = (ssm, x, dt, A, B, C, D, dt_bias)
+            compare("ssm state step", shape, (lambda: ssm_state_step_forward(*args), lambda: ssm_state_step(*args)),
+                    gbytes=2 * ssm.numel() * 4 / 1e9)  # the float32 state read and written
+    return results
+
+
 def bench_model(device, dtype, smoke: bool):
     """A Qwen3-0.6B-shaped random model: forward time and logits with and without use_kernels."""
     from gpuformers.kernels.mapping import Mode, kernelize, unkernelize
@@ -340,11 +414,13 @@ def main(argv=None):
     memory = bench_fused_loss(table, {k: models[k] for k in list(models)[:2]}, loss_tokens, device, dtype)
     moe = bench_moe(table, device, dtype, args.smoke)
     model = bench_model(device, dtype, args.smoke)
+    ssd = bench_ssd(table, device, dtype, args.smoke)  # last: the steps before it keep their place in the time box
     info["seconds"] = round(time.perf_counter() - start, 1)
     print(f"done in {info['seconds']} s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(info=info, rows=table.rows, fused_loss_memory=memory, moe=moe, model=model),
+        args.out.write_text(json.dumps(dict(info=info, rows=table.rows, fused_loss_memory=memory, moe=moe, ssd=ssd,
+                                            model=model),
                                        indent=1))
     return 0 if all("error" not in r for r in table.rows) else 1
 

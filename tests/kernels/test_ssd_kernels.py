@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.cases import CASES, DEVICES, assert_close
+from tests.kernels.cases import CASES, CUDA, DEVICES, assert_close
 
 from gpuformers.kernels.causal_conv1d import causal_conv1d_forward, causal_conv1d_triton  # noqa: E402
 from gpuformers.kernels.ssd import ssd_chunk_scan_forward, ssd_chunk_scan_triton, ssm_state_step_forward  # noqa: E402
@@ -185,6 +185,25 @@ def test_model_with_kernels_gives_the_torch_logits_and_tokens(device, model_type
     greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(fused.generate(ids, **greedy), plain.generate(ids, **greedy))
     assert calls["step"]  # decode ran the state-step kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_bfloat16_model_with_kernels_stays_within_torch_rounding(model_type, tmp_path):
+    """In bfloat16 the kernels (float32 inside, TF32 matmuls) move the logits from the float32 model's no more than
+    torch's bfloat16 layers do, give or take a little."""
+    from tests.fixtures.checkpoints import make_checkpoint
+    from tests.models.parity import left_padded, load
+
+    make_checkpoint(tmp_path, model_type, **MODELS[model_type])
+    ids, mask = (t.cuda() for t in left_padded(seq=12, pad=3))
+    logits = []
+    for kwargs in (dict(), dict(dtype=torch.bfloat16), dict(dtype=torch.bfloat16, use_kernels=True)):
+        with torch.no_grad():
+            logits.append(load(tmp_path, device_map="cuda", **kwargs)(ids, attention_mask=mask).logits.float())
+    exact, plain, fused = (t[mask.bool()] for t in logits)
+    assert (fused - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-2 * exact.abs().max()
 
 
 def test_training_mode_keeps_the_torch_functions(tmp_path, monkeypatch):
