@@ -10,6 +10,17 @@ tokens/s, time to first token p50/p99 and inter-token latency p50/p99 per round.
     python benchmarks/bench_serving.py --quick              # seconds: hidden 32, 32 clients, 2 rounds
     python benchmarks/bench_serving.py                      # CPU: ~20M model, 200 clients, 3 rounds
     python benchmarks/bench_serving.py --gpu --clients 64   # Qwen3-0.6B shape, bfloat16 (also --clients 256)
+
+--compare measures the front end instead (issue 31): for each client count (--client-counts, default 64 256) and
+each --api-server-counts (default 1 2: the front end in the engine's process, then in 2 API server processes of its
+own), a fresh server answers one warm-up round and then one round of that many streaming clients at once (fixed
+--output-len tokens each, eos ignored, no disconnects), sent by a client process of raw sockets (so the client's
+own CPU is apart and measured). It reports the server's output tok/s beside the engine alone on the same requests
+(a ContinuousBatchingManager in this process, same checkpoint and cache settings, run_until_done), the server/engine
+ratio, TTFT and inter-token latency p50/p99, and the host CPU per streamed token of each process (the engine core,
+each API server, the clients), from their CPU clocks over the round:
+
+    python benchmarks/bench_serving.py --compare --shape micro --client-counts 64 256 1024 --output-len 64 64
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ SHAPES = {  # Qwen3-shaped (the Qwen3 tokenizer's vocabulary, so the server can 
                   intermediate_size=64, head_dim=8),
     "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=384, head_dim=32),
+    # the issue 31 measurement's: 256 wide, 2 layers, the tokenizer's first 4096 ids only, so that the engine's step
+    # is short and the host's work per token (the server's) shows (--compare)
+    "host": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512, head_dim=64, vocab_size=4096),
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=3072, head_dim=128),
 }
@@ -50,7 +65,7 @@ def make_checkpoint(folder: Path, shape: str) -> Path:
     if not (tokenizer_dir / "tokenizer.json").is_file():
         sys.exit(f"the Qwen3 tokenizer is missing at {tokenizer_dir}; fetch it with scripts/fetch_test_assets.sh, "
                  "or pass --model")
-    config = transformers.Qwen3Config(**SHAPES[shape], vocab_size=151936, max_position_embeddings=4096,
+    config = transformers.Qwen3Config(**{"vocab_size": 151936, **SHAPES[shape]}, max_position_embeddings=4096,
                                       tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -67,10 +82,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, args) -> subprocess.Popen:
+def start_server(model: Path, port: int, args, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "gpuformers", "serve", str(model), "--port", str(port), "--served-model-name",
                "bench", "--log-level", "warning", "--max-pending", str(max(512, 2 * args.clients)),
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, *extra]
     if args.num_blocks:
         command += ["--num-blocks", str(args.num_blocks)]
     env = dict(os.environ)
@@ -165,7 +180,16 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the server (CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--compare", action="store_true",
+                        help="the front end's cost: server vs engine alone, per --api-server-counts (see above)")
+    parser.add_argument("--client-counts", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
+    if args.compare:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_serving_compare import compare
+
+        return compare(args, sys.modules[__name__])
     shape = args.shape or ("micro" if args.quick else "0.6b" if args.gpu else "small")
     args.clients = args.clients or (32 if args.quick else 200)
     rounds = args.rounds or (2 if args.quick else 3)

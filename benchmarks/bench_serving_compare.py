@@ -1,0 +1,187 @@
+"""bench_serving.py --compare: what the HTTP front end costs, with the real server and real (raw-socket) clients.
+
+For each client count and each --api-server-count, a fresh `gpuformers serve` answers a warm-up round and then C
+streaming /v1/completions clients at once (prompts of random token ids, --output-len tokens each, eos ignored),
+opened by a client process (this file run as a script: asyncio and raw sockets, no tokenizer), which records when
+each chunk arrives. Beside it, the engine alone (a ContinuousBatchingManager in this process on the same checkpoint
+and cache settings, run_until_done) on the same requests. Each server process's CPU time over the round (its CPU
+clocks: psutil) divided by the tokens streamed is its host CPU per token.
+
+    python benchmarks/bench_serving.py --compare --shape micro --client-counts 64 256 --output-len 64 64
+
+Offers: compare (called by bench_serving.py), and the client process's main.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+# ---------------------------------------------------------------------------------------------- the client process
+
+async def _stream(port: int, body: dict) -> dict:
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + payload)
+    parts, times = [], []  # per read: its time and how many events started in it
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            break
+        events = data.count(b'"text": "')  # a text chunk's (the usage chunk has none)
+        if events:
+            times.append((time.perf_counter(), events))
+        parts.append(data)
+    writer.close()
+    raw = b"".join(parts)
+    usage = raw.rfind(b'"completion_tokens": ')
+    tokens = int(raw[usage + 21:raw.index(b",", usage)]) if usage >= 0 else 0
+    return {"start": start, "times": times, "end": time.perf_counter(), "tokens": tokens,
+            "done": raw.rstrip().endswith(b"data: [DONE]") or b"data: [DONE]" in raw[-64:]}
+
+
+async def _round(port: int, bodies: list[dict]) -> list[dict]:
+    return await asyncio.gather(*(_stream(port, body) for body in bodies))
+
+
+def client_main(port: int, path: Path) -> None:
+    bodies = json.loads(path.read_text())
+    cpu = time.process_time()
+    results = asyncio.run(_round(port, bodies))
+    path.write_text(json.dumps({"results": results, "client_cpu": time.process_time() - cpu}))
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None) -> float:
+    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up."""
+    import torch
+
+    from gpuformers import AutoModelForCausalLM
+    from gpuformers.engine.config import ContinuousBatchingConfig
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, progress=False)
+    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
+        num_blocks=num_blocks, max_memory_percent=0.9))
+    manager.runner.reserve_cache()
+    for prompt, tokens in requests[:16]:  # warm-up
+        manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
+    manager.run_until_done()
+    while manager.get_result(timeout=0) is not None:
+        pass
+    start = time.perf_counter()
+    for prompt, tokens in requests:
+        manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
+    manager.run_until_done()
+    seconds = time.perf_counter() - start
+    produced = 0
+    while (output := manager.get_result(timeout=0)) is not None:
+        produced += len(output.generated_tokens)
+    assert produced == sum(tokens for _, tokens in requests), produced
+    return produced / seconds
+
+
+def _cpu_seconds(processes) -> dict[int, float]:
+    out = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            out[process.pid] = times.user + times.system
+        except Exception:  # it exited
+            pass
+    return out
+
+
+def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: Path) -> dict:
+    import psutil
+
+    port = bench.free_port()
+    args.clients = clients
+    server = bench.start_server(model, port, args, "--api-server-count", str(count))
+    try:
+        core = psutil.Process(server.pid)
+        processes = [core, *core.children()]
+        bodies = [{"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+                   "ignore_eos": True, "stream_options": {"include_usage": True}} for prompt, tokens in requests]
+        file = tmp / f"bodies-{clients}-{count}.json"
+        command = [sys.executable, __file__, str(port), str(file)]
+        file.write_text(json.dumps(bodies[:min(32, clients)]))
+        subprocess.run(command, check=True)  # warm-up
+        file.write_text(json.dumps(bodies))
+        before = _cpu_seconds(processes)
+        subprocess.run(command, check=True)
+        after = _cpu_seconds(processes)
+        report = json.loads(file.read_text())
+    finally:
+        server.terminate()
+        server.wait(60)
+    results = report["results"]
+    assert all(r["done"] and r["tokens"] == tokens for r, (_, tokens) in zip(results, requests)), \
+        "an answer was not whole"
+    tokens = sum(r["tokens"] for r in results)
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    ttft = [r["times"][0][0] - r["start"] for r in results if r["times"]]
+    itl = []
+    for r in results:
+        for (a, _), (b, events) in zip(r["times"], r["times"][1:]):
+            itl += [(b - a) / events] * events  # chunks that arrived in one read share the gap
+    names = ["core" if count > 1 else "server"] + [f"api{i}" for i in range(len(processes) - 1)]
+    cpu = {name: round(1e6 * (after.get(p.pid, 0) - before.get(p.pid, 0)) / tokens, 1)
+           for name, p in zip(names, processes)}
+    cpu["all_server"] = round(sum(cpu.values()), 1)
+    cpu["client"] = round(1e6 * report["client_cpu"] / tokens, 1)
+    return dict(clients=clients, api_server_count=count, tokens=tokens, seconds=round(seconds, 2),
+                server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
+                ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
+                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu)
+
+
+def compare(args, bench) -> None:
+    shape = args.shape or "micro"
+    prompt_len = args.prompt_len or (16, 64)
+    output_len = args.output_len or (64, 64)
+    # every request's blocks fit at once (prompt + answer in 64-token blocks), the same for the server and engine
+    args.num_blocks = args.num_blocks or max(512, max(args.client_counts) * -(-(prompt_len[1] + output_len[1]) // 64))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        model = Path(args.model) if args.model else bench.make_checkpoint(tmp / "model", shape)
+        for clients in args.client_counts:
+            rng = random.Random(args.seed)
+            vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
+            requests = [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
+                         rng.randint(*output_len)) for _ in range(clients)]
+            alone = engine_alone(model, requests, args.num_blocks)
+            print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone)}), flush=True)
+            for count in args.api_server_counts:
+                row = measure(bench, model, args, clients, count, requests, tmp)
+                row.update(engine_alone_tok_s=round(alone), server_over_engine=round(row["server_tok_s"] / alone, 2))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"shape={shape} prompt_len={prompt_len} output_len={output_len} num_blocks={args.num_blocks} "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} cores={os.cpu_count()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(shape=shape, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    client_main(int(sys.argv[1]), Path(sys.argv[2]))
