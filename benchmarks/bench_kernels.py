@@ -105,10 +105,10 @@ def compiled(fn, enabled):
 def bench_memory_bound(table, models, token_counts, device, dtype, compile_refs):
     from gpuformers.kernels.rms_norm import rms_norm, rms_norm_reference
     from gpuformers.kernels.rotary import apply_rotary_inplace
+    from gpuformers.kernels.swiglu import silu_and_mul, swiglu_reference
     from gpuformers.layers.rotary import apply_rotary_pos_emb
 
     rotary_reference = apply_rotary_pos_emb.torch_function  # the torch computation the kernel replaces
-    from gpuformers.kernels.swiglu import silu_and_mul, swiglu_reference
 
     size = torch.finfo(dtype).bits // 8
     rms_c, swi_c, rot_c = (compiled(f, compile_refs) for f in (rms_norm_reference, swiglu_reference, rotary_reference))

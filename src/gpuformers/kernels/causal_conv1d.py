@@ -34,7 +34,7 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
                           BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     b, cb, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # t * stride may pass 2**31 in long prompts
     c_ok = c < channels
     x_row = X + b.to(tl.int64) * stride_x_b
     st_row = STATE + b.to(tl.int64) * stride_st_b
@@ -59,7 +59,7 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
     if KERNEL > 1:
         if tb == 0:  # the new state: window columns seq .. seq + KERNEL - 2
             col = tl.arange(0, BLOCK_K)
-            pos = seq + col
+            pos = (seq + col).to(tl.int64)
             col_ok = col < KERNEL - 1
             tail = tl.load(x_row + (pos - (KERNEL - 1))[None, :] * stride_x_s + c[:, None],
                            mask=(pos >= KERNEL - 1)[None, :] & col_ok[None, :] & c_ok[:, None], other=0.0)

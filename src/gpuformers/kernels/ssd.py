@@ -49,7 +49,7 @@ def _softplus_like(v, like):
 def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, stride_dt_b, stride_dt_s, stride_dt_h,
                      dt_min, dt_max, BLOCK_L: tl.constexpr):
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos = c * chunk_size + tl.arange(0, BLOCK_L)
+    pos = (c * chunk_size + tl.arange(0, BLOCK_L)).to(tl.int64)  # pos * stride may pass 2**31
     live = (tl.arange(0, BLOCK_L) < chunk_size) & (pos < seq)
     raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + pos * stride_dt_s + h * stride_dt_h, mask=live, other=0.0)
     bias = tl.load(DT_BIAS + h).to(raw.dtype).to(tl.float32)
@@ -75,7 +75,7 @@ def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size
     a_end = tl.load(ACUM + row + end - 1)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
+        s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
         live = s < end
         x = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h
                     + p[None, :] * stride_x_p, mask=live[:, None] & (p[None, :] < head_dim), other=0.0)  # (S, P)
@@ -124,7 +124,7 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
     end = tl.minimum(start + chunk_size, seq)
     l0 = start + mb * BLOCK_M
     if l0 < end:
-        l = l0 + tl.arange(0, BLOCK_M)
+        l = (l0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # l * stride may pass 2**31 in long prompts
         p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         n = tl.arange(0, BLOCK_N)
         row = bh.to(tl.int64) * seq
@@ -141,7 +141,7 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
         y = tl.dot(cl * tl.exp(a_l)[:, None], start_state, input_precision=PRECISION)  # (M, P)
         # the chunk's own inputs up to l: (C_l . B_s) exp(a_cum[l] - a_cum[s]) dt_s x_s, s <= l
         for s0 in range(start, tl.minimum(l0 + BLOCK_M, end), BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
+            s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
             live_s = s < end
             bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[None, :] * stride_b_s + g * stride_b_g
                          + n[:, None] * stride_b_n,
