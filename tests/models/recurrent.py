@@ -1,6 +1,7 @@
-"""What the tests of the families with mamba layers (Mamba2, Nemotron-H) share: loss and gradients against
-transformers', the recurrent cache's steps against one full forward, and generate()'s tokens against transformers'
-(greedy with and without chunked prefill, sampling, beam search)."""
+"""What the tests of the families with mamba layers (Mamba2, Nemotron-H, Granite 4, Falcon-H1) share: loss and
+gradients against transformers', the recurrent cache's steps against one full forward, generate()'s tokens against
+transformers' (greedy with and without chunked prefill, sampling, beam search), the bare model, a saved model read by
+transformers, and LoRA against peft."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 
 import torch
 
-from tests.models.parity import left_padded
+from tests.models.parity import left_padded, max_logit_diff
 
 
 def assert_loss_and_gradients_match(ours, hf, checkpoint_name=lambda name: name) -> None:
@@ -76,3 +77,48 @@ def assert_generation_continues_from_its_cache(model) -> None:
     turn = torch.cat([first.sequences, torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(7))], 1)
     continued = model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=6, **greedy)
     assert torch.equal(continued, model.generate(turn, max_new_tokens=6, **greedy))
+
+
+def assert_bare_model_matches(folder, class_name: str) -> None:
+    """AutoModel loads `folder` as the family's bare model (`class_name`), its last hidden states equal
+    transformers' AutoModel's on a left-padded batch."""
+    import transformers
+
+    from gpuformers import AutoModel
+
+    ids, mask = left_padded()
+    ours = AutoModel.from_pretrained(folder, progress=False)
+    theirs = transformers.AutoModel.from_pretrained(folder).eval()
+    assert type(ours).__name__ == class_name
+    with torch.no_grad():
+        diff = ours(ids, attention_mask=mask).last_hidden_state - theirs(ids, attention_mask=mask).last_hidden_state
+    assert diff[mask.bool()].abs().max() < 1e-4
+
+
+def assert_saved_model_loads_in_transformers(model, hf, folder) -> dict:
+    """model.save_pretrained(folder) loads in transformers with the logits of `hf` (the model that wrote the
+    checkpoint `model` was loaded from), exactly; returns the config.json written, for the family's own checks."""
+    import json
+
+    import transformers
+
+    model.save_pretrained(folder)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert max_logit_diff(reloaded, hf, *left_padded()) == 0.0
+    return json.loads((folder / "config.json").read_text())
+
+
+def assert_lora_matches_peft(checkpoint, target_modules: list[str], folder) -> None:
+    """LoRA on `target_modules` of checkpoint (folder, transformers model): logits equal peft's with the same
+    adapter weights (which change the logits), and our saved adapter, in `folder`, loads in peft with our logits."""
+    import peft
+
+    from tests.test_lora import _peft_pair
+
+    hf = checkpoint[1]
+    ours, theirs = _peft_pair(checkpoint, r=4, lora_alpha=8, target_modules=target_modules)
+    assert max_logit_diff(ours, theirs, *left_padded()) < 1e-4
+    assert max_logit_diff(ours, hf, *left_padded()) > 1e-2  # the adapters took part
+    ours.save_pretrained(folder)
+    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), folder).eval()
+    assert max_logit_diff(ours, reloaded, *left_padded()) < 1e-4

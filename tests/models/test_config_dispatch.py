@@ -20,7 +20,7 @@ FAMILY_CLASSES = {"llama": "ModelConfig", "mistral": "ModelConfig", "qwen2": "Mo
                   "ernie4_5": "Ernie4_5Config", "seed_oss": "SeedOssConfig", "starcoder2": "Starcoder2Config",
                   "exaone4": "Exaone4Config", "gpt_neox": "GPTNeoXConfig",
                   "gpt2": "GPT2Config", "mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
-                  "granitemoehybrid": "GraniteMoeHybridConfig"}
+                  "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config"}
 # An attention-free family's sizes (Mamba2: num_heads * head_dim = expand * hidden_size)
 _SIZES = {"mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, n_groups=2),
           # Nemotron-H's layers are its blocks (transformers' default blocks include "moe", which is refused)

@@ -77,6 +77,13 @@ NON_DEFAULT = {
                              mamba_n_heads=16, mamba_n_groups=4, mamba_d_state=32, mamba_d_head=4, mamba_d_conv=3,
                              mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=False, mamba_proj_bias=True,
                              time_step_limit=[0.001, 0.5]),
+    "falcon_h1": dict(num_logits_to_keep=2, mamba_d_ssm=64, mamba_n_heads=16, mamba_d_head=4, mamba_n_groups=4,
+                      mamba_d_state=32, mamba_d_conv=3, mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=False,
+                      mamba_proj_bias=True, mamba_norm_before_gate=False, mamba_rms_norm=True,
+                      time_step_limit=[0.001, 0.5], projectors_bias=True, lm_head_multiplier=0.5,
+                      embedding_multiplier=3.0, mlp_multipliers=[0.7, 1.3], key_multiplier=0.6,
+                      attention_out_multiplier=0.8, attention_in_multiplier=1.2,
+                      ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], ssm_in_multiplier=0.3, ssm_out_multiplier=4.0),
 }
 # Fields whose only value we accept is the default (gpuformers refuses the option)
 REFUSED = {"gpt2": {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"},
@@ -97,8 +104,8 @@ def _theirs(config, model_type: str, name: str):
         return config.rope_parameters["sliding_attention"]["rope_theta"]
     if model_type == "gemma3_text" and name == "sliding_window_pattern":
         return config._sliding_window_pattern
-    if model_type == "granitemoehybrid" and name == "time_step_limit":
-        return list(config.time_step_limit)  # transformers' Granite 4 config turns the list into a tuple
+    if model_type in ("granitemoehybrid", "falcon_h1") and name == "time_step_limit":
+        return list(config.time_step_limit)  # transformers' Granite 4 and Falcon-H1 configs make the list a tuple
     return getattr(config, name)
 
 

@@ -7,15 +7,15 @@ positions, a tied head and biases."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
-from tests.models.recurrent import (assert_greedy_matches, assert_loss_and_gradients_match,
-                                    assert_sampling_and_beams_match, cached_pieces_minus_full)
+from tests.models.recurrent import (assert_bare_model_matches, assert_greedy_matches,
+                                    assert_lora_matches_peft, assert_loss_and_gradients_match,
+                                    assert_sampling_and_beams_match, assert_saved_model_loads_in_transformers,
+                                    cached_pieces_minus_full)
 
 BLOCKS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -109,26 +109,12 @@ def test_sampling_and_beam_search_match_transformers(checkpoints):
 
 
 def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
-    import transformers
-
-    from gpuformers import AutoModel
-
     for case in CASES:
         folder, hf = checkpoints[case]
-        ids, mask = left_padded()
-        ours = AutoModel.from_pretrained(folder, progress=False)
-        theirs = transformers.AutoModel.from_pretrained(folder).eval()
-        assert type(ours).__name__ == "GraniteMoeHybridModel"
-        with torch.no_grad():
-            diff = ours(ids, attention_mask=mask).last_hidden_state - theirs(ids, attention_mask=mask).last_hidden_state
-        assert diff[mask.bool()].abs().max() < 1e-4
-
-        load(folder).save_pretrained(tmp_path / case)
-        saved = json.loads((tmp_path / case / "config.json").read_text())
+        assert_bare_model_matches(folder, "GraniteMoeHybridModel")
+        saved = assert_saved_model_loads_in_transformers(load(folder), hf, tmp_path / case)
         assert saved["layer_types"] == CASES[case]["layer_types"] and saved["mamba_d_head"] == 16
         assert not {"head_dim", "sliding_window", "layers_block_type"} & set(saved)
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / case).eval()
-        assert max_logit_diff(reloaded, hf, *left_padded()) == 0.0
 
 
 def test_transformers_in_memory_layout_loads(checkpoints, tmp_path):
@@ -162,19 +148,6 @@ def test_config_checks_name_the_field():
 
 
 def test_lora_matches_peft_and_our_adapter_loads_in_peft(checkpoints, tmp_path):
-    """LoRA on the mamba in_proj, the attention and the shared MLP: logits equal peft's, and our saved adapter
-    loads in peft (module names are transformers')."""
-    import copy
-
-    import peft
-
-    from tests.test_lora import _peft_pair
-
-    folder, hf = checkpoints["moe-rope"]
-    ours, theirs = _peft_pair(checkpoints["moe-rope"], r=4, lora_alpha=8,
-                              target_modules=["in_proj", "q_proj", "v_proj", "shared_mlp.input_linear"])
-    assert max_logit_diff(ours, theirs, *left_padded()) < 1e-4
-    assert max_logit_diff(ours, hf, *left_padded()) > 1e-2  # the adapters took part
-    ours.save_pretrained(tmp_path)
-    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
-    assert max_logit_diff(ours, reloaded, *left_padded()) < 1e-4
+    """LoRA on the mamba in_proj, the attention and the shared MLP (module names are transformers')."""
+    assert_lora_matches_peft(checkpoints["moe-rope"], ["in_proj", "q_proj", "v_proj", "shared_mlp.input_linear"],
+                             tmp_path)

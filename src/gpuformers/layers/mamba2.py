@@ -94,6 +94,11 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=norm_eps)
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
 
+    def project_in(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> in_proj's output (batch, seq, intermediate + conv_dim + heads): gate | x, B, C | dt.
+        A family that scales the projection's input or its parts (Falcon-H1's multipliers) overrides this."""
+        return self.in_proj(hidden_states)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
         """hidden_states (batch, seq, hidden); attention_mask (batch, seq) over these tokens, or None; cache: a
@@ -102,7 +107,7 @@ class Mamba2Mixer(nn.Module):
         dtype = hidden_states.dtype
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
-        gate, xbc, dt = self.in_proj(hidden_states).split(
+        gate, xbc, dt = self.project_in(hidden_states).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv_state = cache.conv_state(self.layer_idx) if cache is not None else None
         ssm_state = cache.ssm_state(self.layer_idx) if cache is not None else None

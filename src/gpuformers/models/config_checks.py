@@ -149,6 +149,15 @@ NUMERIC_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "mamba_expand": (_POSITIVE_INT, False),
     "mamba_chunk_size": (_POSITIVE_INT, False),
     "shared_intermediate_size": (_POSITIVE_INT, False),
+    "mamba_d_ssm": (_POSITIVE_INT, True),  # Falcon-H1's mixer width; null: mamba_expand * hidden_size
+    "lm_head_multiplier": (_POSITIVE, False),  # Falcon-H1's muP multipliers
+    "key_multiplier": (_POSITIVE, False),
+    "attention_in_multiplier": (_POSITIVE, False),
+    "attention_out_multiplier": (_POSITIVE, False),
+    "ssm_in_multiplier": (_POSITIVE, False),
+    "ssm_out_multiplier": (_POSITIVE, False),
+    "mlp_multipliers": (_POSITIVE_LIST, True),  # null: all 1 (transformers' default)
+    "ssm_multipliers": (_POSITIVE_LIST, True),
     # special tokens
     "bos_token_id": (_TOKEN_ID, True),
     "pad_token_id": (_TOKEN_ID, True),

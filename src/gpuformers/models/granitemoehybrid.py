@@ -21,7 +21,7 @@ router.weight) load through rename rules. The cache is Mamba2's RecurrentCache (
 layers' keys and values). Not implemented: router logits and the auxiliary loss (output_router_logits: refused by the
 config), the fused MoE kernel (the experts run one after the other, as transformers' eager experts).
 
-Offers: GraniteMoeHybridConfig, GraniteMoeHybridAttention, GraniteMoeHybridMoE, GraniteMoeHybridMLP,
+Offers: GraniteMoeHybridConfig, check_mamba_heads, GraniteMoeHybridAttention, GraniteMoeHybridMoE, GraniteMoeHybridMLP,
 GraniteMoeHybridDecoderLayer, GraniteMoeHybridModel, GraniteMoeHybridForCausalLM.
 """
 
@@ -113,17 +113,23 @@ class GraniteMoeHybridConfig(ModelConfig):
         if self.output_router_logits:
             raise NotImplementedError("granitemoehybrid output_router_logits=true (router logits and the auxiliary "
                                       "load-balancing loss) is not implemented; set it to false")
-        if self.mamba_n_heads * self.mamba_d_head != self.mamba_expand * self.hidden_size:
-            raise ValueError(f"granitemoehybrid: mamba_n_heads * mamba_d_head ({self.mamba_n_heads} * "
-                             f"{self.mamba_d_head}) must equal mamba_expand * hidden_size ({self.mamba_expand} * "
-                             f"{self.hidden_size}), as transformers requires: fix the file")
-        if self.mamba_n_heads % self.mamba_n_groups:
-            raise ValueError(f"granitemoehybrid: mamba_n_heads ({self.mamba_n_heads}) must be a multiple of "
-                             f"mamba_n_groups ({self.mamba_n_groups}): each group's B and C serve "
-                             f"mamba_n_heads / mamba_n_groups heads")
+        check_mamba_heads(self, self.mamba_expand * self.hidden_size,
+                          f"mamba_expand * hidden_size ({self.mamba_expand} * {self.hidden_size})")
         if self.num_local_experts and not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"granitemoehybrid: num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
                              f"and num_local_experts ({self.num_local_experts})")
+
+
+def check_mamba_heads(config: ModelConfig, width: int, width_text: str) -> None:
+    """The mamba_* head sizes (Granite 4's and Falcon-H1's spelling) against the mixer's width: mamba_n_heads *
+    mamba_d_head must be it, and mamba_n_groups must divide the heads."""
+    heads, head_dim, groups = config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups
+    if heads * head_dim != width:
+        raise ValueError(f"{config.model_type}: mamba_n_heads * mamba_d_head ({heads} * {head_dim}) must equal "
+                         f"{width_text}, as transformers requires: fix the file")
+    if heads % groups:
+        raise ValueError(f"{config.model_type}: mamba_n_heads ({heads}) must be a multiple of mamba_n_groups "
+                         f"({groups}): each group's B and C serve mamba_n_heads / mamba_n_groups heads")
 
 
 class GraniteMoeHybridAttention(GraniteAttention):
@@ -224,20 +230,28 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
 
 class GraniteMoeHybridModel(GraniteModel):
-    """Granite 3's stack (embed_tokens, layers, norm; embeddings scaled) with the hybrid layers: the attention
-    layers get the 4-D causal mask, the mamba layers the (batch, seq) padding mask of the new tokens; rotary only
-    with position_embedding_type "rope"."""
+    """Granite 3's stack (embed_tokens, layers, norm; embeddings scaled) with the hybrid layers: each layer gets
+    masks {"full_attention": the 4-D causal mask, "linear_attention": the (batch, seq) padding mask of the new
+    tokens}; rotary only with position_embedding_type "rope". Falcon-H1's stack is this one with its hooks
+    (use_rope, scales_inputs_embeds, final_norm)."""
+
+    scales_inputs_embeds = True  # embeddings passed in are scaled too, as transformers' Granite does
 
     def __init__(self, config: GraniteMoeHybridConfig, layer_class=GraniteMoeHybridDecoderLayer):
         super().__init__(config, layer_class)
         self.use_rope = config.position_embedding_type == "rope"
 
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden_states)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, output_hidden_states=False, cache_position=None):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        # embeddings passed in are scaled too, as transformers does
-        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds * self.embedding_multiplier
+        if inputs_embeds is None:
+            hidden_states = self.embed(input_ids)
+        else:
+            hidden_states = inputs_embeds * self.embedding_multiplier if self.scales_inputs_embeds else inputs_embeds
         batch, seq, _ = hidden_states.shape
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         masks = {"full_attention": build_attention_mask(attention_mask, seq, past + seq, past, None,
@@ -253,7 +267,7 @@ class GraniteMoeHybridModel(GraniteModel):
             hidden_states = layer(hidden_states, position_embeddings, masks, past_key_values, cache_position)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.final_norm(hidden_states)
         if output_hidden_states:
             all_hidden[-1] = hidden_states
         return hidden_states, all_hidden

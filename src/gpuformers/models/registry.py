@@ -51,6 +51,7 @@ MODEL_TYPES = {
                    "gpuformers.models.nemotron_h:NemotronHConfig"),
     "granitemoehybrid": ("gpuformers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
                          "gpuformers.models.granitemoehybrid:GraniteMoeHybridConfig"),
+    "falcon_h1": ("gpuformers.models.falcon_h1:FalconH1ForCausalLM", "gpuformers.models.falcon_h1:FalconH1Config"),
 }
 
 # architecture name -> "module:Class", and the model_type each one belongs to
