@@ -2,8 +2,8 @@
 layers/mamba2.causal_conv1d): the chunked scan (ragged last chunk, chunks of one, a chunk longer than the prompt,
 n_groups > 1, an initial state, dt bias + softplus + time_step_limit), the decode step, the conv (prefill with and
 without a state, the one-token update, strided inputs), float32 under the interpreter and float16 / bfloat16 on a GPU;
-the launchers' refusals; and tiny Mamba2 / Nemotron-H models with use_kernels=True, whose logits and greedy tokens
-equal the torch model's, the kernels running at inference and not under autograd or in train()."""
+the launchers' refusals; and tiny Mamba2 / Nemotron-H / Granite 4 / Falcon-H1 models with use_kernels=True, whose
+logits and greedy tokens equal the torch model's, the kernels running at inference and not under autograd or in train()."""
 
 from __future__ import annotations
 
@@ -148,6 +148,15 @@ MODELS = {
     "nemotron_h": dict(vocab_size=128, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                        intermediate_size=48, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
                        chunk_size=3, layers_block_type=["linear_attention", "full_attention", "mlp"]),
+    "granitemoehybrid": dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                             shared_intermediate_size=24, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                             mamba_n_groups=2, mamba_chunk_size=5, position_embedding_type="rope",
+                             layer_types=["linear_attention", "full_attention"]),
+    "falcon_h1": dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                      mamba_n_groups=2, mamba_chunk_size=3, mamba_rms_norm=True,
+                      ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9]),
 }
 
 
