@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.fixtures.checkpoints import rewrite_config
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
 from tests.models.recurrent import (assert_bare_model_matches, assert_greedy_matches,
                                     assert_lora_matches_peft, assert_loss_and_gradients_match,
@@ -36,7 +37,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (folder, transformers model). The MoE case's experts are scaled up (transformers draws std 0.02), so
-    that which experts a token reaches shows in the logits; saved again."""
+    that which experts a token reaches shows in the logits; saved again. The dense case's config.json is rewritten in
+    the released checkpoints' spellings: blocks "mamba" / "attention", position_embedding_type "nope"."""
     cases = checkpoint_cases(tmp_path_factory, "granitemoehybrid", CASES, **SHAPES)
     folder, hf = cases["moe-rope"]
     with torch.no_grad():
@@ -44,6 +46,9 @@ def checkpoints(tmp_path_factory):
             if ".experts." in name or name.endswith("router.weight"):
                 tensor.mul_(10.0)
     hf.save_pretrained(folder)
+    legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+    rewrite_config(cases["dense-nope"][0], position_embedding_type="nope",
+                   layer_types=[legacy[b] for b in CASES["dense-nope"]["layer_types"]])
     return cases
 
 
@@ -113,7 +118,7 @@ def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
         folder, hf = checkpoints[case]
         assert_bare_model_matches(folder, "GraniteMoeHybridModel")
         saved = assert_saved_model_loads_in_transformers(load(folder), hf, tmp_path / case)
-        assert saved["layer_types"] == CASES[case]["layer_types"] and saved["mamba_d_head"] == 16
+        assert saved["layer_types"] == CASES[case]["layer_types"] and saved["mamba_d_head"] == 16  # remapped
         assert not {"head_dim", "sliding_window", "layers_block_type"} & set(saved)
 
 
@@ -137,8 +142,9 @@ def test_config_checks_name_the_field():
         ModelConfig.from_dict({**config, "mamba_d_head": 8})
     with pytest.raises(ValueError, match=r"mamba_n_heads \(8\) must be a multiple of mamba_n_groups \(3\)"):
         ModelConfig.from_dict({**config, "mamba_n_groups": 3})
-    with pytest.raises(ConfigFieldError, match=r"layer_types has the block types \['mamba'\]"):
-        ModelConfig.from_dict({**config, "layer_types": ["mamba", "full_attention"] * 2})
+    assert ModelConfig.from_dict({**config, "layer_types": ["mamba", "attention"] * 2}).layer_types == BLOCKS
+    with pytest.raises(ConfigFieldError, match=r"layer_types has the block types \['moe'\]"):
+        ModelConfig.from_dict({**config, "layer_types": ["moe", "full_attention"] * 2})
     with pytest.raises(ConfigFieldError, match="mamba_d_state is 0; it must be a positive integer"):
         ModelConfig.from_dict({**config, "mamba_d_state": 0})
     with pytest.raises(NotImplementedError, match="output_router_logits=true"):

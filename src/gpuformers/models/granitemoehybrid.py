@@ -7,7 +7,9 @@
     layer:  h = h + mixer(input_layernorm(h)) * residual_multiplier
             mixer: "linear_attention" the Mamba2 mixer (layers/mamba2.py) as `mamba`, its sizes from the mamba_*
                    fields; "full_attention" llama's attention as `self_attn`, scores scaled by attention_multiplier,
-                   rotary when position_embedding_type is "rope", no positions at all when it is null (the default)
+                   rotary when position_embedding_type is "rope", no positions at all when it is "nope" (the released
+                   checkpoints) or null (the default). The Hub's files name the blocks "mamba" and "attention", read
+                   as transformers remaps them
             h = h + (moe(x) + shared_mlp(x)) * residual_multiplier,   x = post_attention_layernorm(h)
             moe: a router (top num_experts_per_tok logits, softmax over those alone) over num_local_experts gated
                  SiLU experts; none when num_local_experts is 0 (a dense model: the shared MLP alone)
@@ -46,6 +48,7 @@ from gpuformers.models.mamba2 import RecurrentStateLM
 from gpuformers.models.modeling import PreTrainedModel
 
 _BLOCKS = ("linear_attention", "full_attention")
+_LEGACY_BLOCKS = {"mamba": "linear_attention", "attention": "full_attention"}  # the released checkpoints' names
 
 
 @dataclass
@@ -88,6 +91,8 @@ class GraniteMoeHybridConfig(ModelConfig):
         blocks = data.pop("layers_block_type", None)  # transformers' other name
         if data.get("layer_types") is None:
             data["layer_types"] = blocks or ["linear_attention"] * data["num_hidden_layers"]
+        if isinstance(data["layer_types"], list):  # the Hub's files say "mamba" / "attention", as transformers remaps
+            data["layer_types"] = [_LEGACY_BLOCKS.get(b, b) if isinstance(b, str) else b for b in data["layer_types"]]
         if data.get("mamba_d_head", "auto") == "auto":
             expand, hidden, heads = data.get("mamba_expand", 2), data["hidden_size"], data.get("mamba_n_heads", 128)
             valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (expand, hidden, heads))
@@ -107,9 +112,9 @@ class GraniteMoeHybridConfig(ModelConfig):
 
     def _check_family(self) -> None:
         super()._check_family()  # hidden_act silu: the experts', the shared MLP's and the mamba conv's
-        if self.position_embedding_type not in (None, "rope"):
+        if self.position_embedding_type not in (None, "nope", "rope"):
             raise NotImplementedError(f"granitemoehybrid position_embedding_type {self.position_embedding_type!r} is "
-                                      f"not supported; supported: null (no positions), \"rope\"")
+                                      f"not supported; supported: \"rope\", \"nope\" or null (no positions)")
         if self.output_router_logits:
             raise NotImplementedError("granitemoehybrid output_router_logits=true (router logits and the auxiliary "
                                       "load-balancing loss) is not implemented; set it to false")
