@@ -64,9 +64,6 @@ class OutputDeltas:
                 output.logprobs[tokens:], top, output.prompt_logprobs[prompt:], prompt_top, output.error,
                 output.created_time, output.finished_time]
 
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-
 
 def _pairs(entries: list) -> list:
     """msgpack's lists of [token id, logprob] as the engine's (token id, logprob) tuples (None stays None)."""
