@@ -122,3 +122,18 @@ def assert_lora_matches_peft(checkpoint, target_modules: list[str], folder) -> N
     ours.save_pretrained(folder)
     reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), folder).eval()
     assert max_logit_diff(ours, reloaded, *left_padded()) < 1e-4
+
+
+def assert_classifier_pools_the_last_state(folder) -> None:
+    """AutoModelForSequenceClassification (which transformers does not have for the mamba families) scores the bare
+    model's state at each row's last non-padding token (left padding with pad_token_id 0)."""
+    from gpuformers import AutoModel, AutoModelForSequenceClassification
+
+    ids = torch.tensor([[5, 9, 23, 42, 7, 8], [0, 0, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, progress=False, num_labels=3,
+                                                                    pad_token_id=0)
+    with torch.no_grad():
+        states = AutoModel.from_pretrained(folder, progress=False)(ids, attention_mask=mask).last_hidden_state
+        logits = classifier(ids, attention_mask=mask).logits
+    assert logits.shape == (2, 3) and (logits - classifier.score(states[:, -1])).abs().max() < 1e-5

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
-from tests.models.recurrent import (assert_bare_model_matches, assert_greedy_matches,
-                                    assert_lora_matches_peft, assert_loss_and_gradients_match,
+from tests.models.recurrent import (assert_bare_model_matches, assert_classifier_pools_the_last_state,
+                                    assert_greedy_matches, assert_lora_matches_peft, assert_loss_and_gradients_match,
                                     assert_sampling_and_beams_match, assert_saved_model_loads_in_transformers,
                                     cached_pieces_minus_full)
 
@@ -119,9 +119,10 @@ def test_sampling_and_beam_search_match_transformers(checkpoints):
     assert_sampling_and_beams_match(load(folder), hf)
 
 
-def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
+def test_bare_model_classifier_and_saving_for_transformers(checkpoints, tmp_path):
     folder, hf = checkpoints["norm-biases-tied"]
     assert_bare_model_matches(folder, "FalconH1Model")
+    assert_classifier_pools_the_last_state(folder)
     saved = assert_saved_model_loads_in_transformers(load(folder), hf, tmp_path)
     assert saved["mamba_d_ssm"] is None and saved["mamba_d_head"] == 16 and saved["ssm_multipliers"][1] == 1.5
     assert not {"layer_types", "layers_block_type", "sliding_window"} & set(saved)

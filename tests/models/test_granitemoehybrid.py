@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from tests.fixtures.checkpoints import rewrite_config
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
-from tests.models.recurrent import (assert_bare_model_matches, assert_greedy_matches,
-                                    assert_lora_matches_peft, assert_loss_and_gradients_match,
+from tests.models.recurrent import (assert_bare_model_matches, assert_classifier_pools_the_last_state,
+                                    assert_greedy_matches, assert_lora_matches_peft, assert_loss_and_gradients_match,
                                     assert_sampling_and_beams_match, assert_saved_model_loads_in_transformers,
                                     cached_pieces_minus_full)
 
@@ -113,10 +113,11 @@ def test_sampling_and_beam_search_match_transformers(checkpoints):
     assert_sampling_and_beams_match(load(folder), hf)
 
 
-def test_bare_model_and_saving_for_transformers(checkpoints, tmp_path):
+def test_bare_model_classifier_and_saving_for_transformers(checkpoints, tmp_path):
     for case in CASES:
         folder, hf = checkpoints[case]
         assert_bare_model_matches(folder, "GraniteMoeHybridModel")
+        assert_classifier_pools_the_last_state(folder)
         saved = assert_saved_model_loads_in_transformers(load(folder), hf, tmp_path / case)
         assert saved["layer_types"] == CASES[case]["layer_types"] and saved["mamba_d_head"] == 16  # remapped
         assert not {"head_dim", "sliding_window", "layers_block_type"} & set(saved)
