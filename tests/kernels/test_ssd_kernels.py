@@ -215,6 +215,26 @@ def test_bfloat16_model_with_kernels_stays_within_torch_rounding(model_type, tmp
     assert (fused - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-2 * exact.abs().max()
 
 
+def test_compiled_model_keeps_the_kernels_as_ops(tmp_path):
+    """A Mamba2 kernelized with Mode.TORCH_COMPILE compiles into one graph (fullgraph) that calls the conv and scan
+    ops, with the eager logits."""
+    from gpuformers.kernels import Mode, kernelize
+    from tests.fixtures.checkpoints import make_checkpoint
+    from tests.kernels.test_compile import OpCounter
+    from tests.models.parity import load
+
+    torch._dynamo.reset()
+    make_checkpoint(tmp_path, "mamba2", **MODELS["mamba2"])
+    plain, fused = load(tmp_path), kernelize(load(tmp_path), mode=Mode.INFERENCE | Mode.TORCH_COMPILE)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    counter = OpCounter()
+    with torch.no_grad():
+        diff = torch.compile(fused, backend=counter, fullgraph=True)(ids).logits - plain(ids).logits
+    assert diff.abs().max() < 1e-4
+    assert counter.forward["gpuformers::causal_conv1d"] == counter.forward["gpuformers::ssd_chunk_scan"] == 2
+    torch._dynamo.reset()
+
+
 def test_training_mode_keeps_the_torch_functions(tmp_path, monkeypatch):
     """In train() the mapping keeps torch (no backward in the kernels): no Mamba2 kernel runs, the loss and the
     mixer's gradients are the plain model's; back in eval() the kernels run again."""

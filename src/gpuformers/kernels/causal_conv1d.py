@@ -13,7 +13,8 @@ programs of the first token block also write the new state of their channels. Th
 rounded to x's dtype before the SiLU, as torch's conv1d then silu round. With one token this is the decode update.
 
 Forward only: causal_conv1d_triton hands the call back to torch (NotImplemented) when autograd would need its
-gradient or torch.compile is tracing, and the mapping's training mode keeps the torch function.
+gradient, and the mapping's training mode keeps the torch function. While torch.compile traces it calls the
+torch.library op gpuformers::causal_conv1d (ops.py).
 
 Offers: causal_conv1d_triton, causal_conv1d_forward.
 """
@@ -24,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, leave_to_torch, next_power_of_2
 
 
@@ -112,8 +114,9 @@ def causal_conv1d_forward(x: torch.Tensor, conv_state: torch.Tensor | None, weig
 
 
 def causal_conv1d_triton(x, conv_state, weight, bias):
-    """The kernel for use_kernel_function("causal_conv1d"); NotImplemented (the torch conv runs) under autograd or
-    torch.compile."""
+    """The kernel for use_kernel_function("causal_conv1d"); NotImplemented (the torch conv runs) under autograd."""
     if leave_to_torch(x, conv_state, weight, bias):
         return NotImplemented
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        return ops.causal_conv1d(x, conv_state, weight, bias)
     return causal_conv1d_forward(x, conv_state, weight, bias)

@@ -96,7 +96,5 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def leave_to_torch(*tensors) -> bool:
     """Whether a forward-only kernel function must hand this call back to its torch function (return
-    NotImplemented): autograd would need a gradient through it, or torch.compile is tracing (no op registered)."""
-    if torch.compiler.is_compiling():
-        return True
+    NotImplemented): autograd would need a gradient through it. (Read while torch.compile traces too.)"""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

@@ -12,6 +12,9 @@ in its graph (no graph break) and can differentiate through them.
     cross_entropy(logits, labels, inv_count, ignore_index, with_grad) -> (loss, grad_logits)
     fused_linear_cross_entropy(hidden, weight, labels, inv_count, ignore_index, chunk_size, grad_hidden, grad_weight)
         -> (loss, grad_hidden, grad_weight)                            the gradients it returned, times d loss
+    ssd_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state) -> (y, state)     none
+    ssm_state_step(state, x, dt, A, B, C, D, dt_bias) -> (y, state)    none (the Mamba2 kernels are forward only)
+    causal_conv1d(x, conv_state, weight, bias) -> (out, conv_state)    none
 
 Each op runs the kernel file's launcher, with its shape, stride and dtype checks (the loss functions check their
 inputs before calling their op, while torch.compile traces); its fake implementation gives the compiler output
@@ -31,7 +34,8 @@ so that path could not be tested here.
 Importing this file registers the ops and imports neither triton nor the kernel files (the op bodies do).
 
 Offers: NAMESPACE, OP_NAMES and the ops (rms_norm, add_rms_norm, rms_norm_backward, silu_and_mul, silu,
-silu_and_mul_backward, rotary, flash_attention, flash_attention_backward, cross_entropy, fused_linear_cross_entropy).
+silu_and_mul_backward, rotary, flash_attention, flash_attention_backward, cross_entropy, fused_linear_cross_entropy,
+ssd_chunk_scan, ssm_state_step, causal_conv1d).
 """
 
 from __future__ import annotations
@@ -363,5 +367,54 @@ def _fused_grad(ctx, dloss, _dhidden, _dweight):
 
 fused_linear_cross_entropy.register_autograd(_fused_grad, setup_context=_fused_setup)
 
+
+
+# --- the Mamba2 mixer (kernels/ssd.py, kernels/causal_conv1d.py): forward only -----------------------------------
+# No autograd formula: the kernel functions call these only when no gradient is needed (checks.leave_to_torch).
+
+@custom_op(f"{NAMESPACE}::ssd_chunk_scan", mutates_args=())
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, dt_bias: torch.Tensor, chunk_size: int, dt_min: float, dt_max: float,
+                   initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from gpuformers.kernels.ssd import ssd_chunk_scan_forward
+
+    return ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, (dt_min, dt_max), initial_state)
+
+
+@ssd_chunk_scan.register_fake
+def _(x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state):
+    batch, _, heads, head_dim = x.shape  # y (batch, seq, heads, head_dim), state (batch, heads, head_dim, state)
+    return x.new_empty(x.shape, dtype=torch.float32), x.new_empty((batch, heads, head_dim, B.shape[-1]),
+                                                                  dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::ssm_state_step", mutates_args=())
+def ssm_state_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from gpuformers.kernels.ssd import ssm_state_step_forward
+
+    return ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias)
+
+
+@ssm_state_step.register_fake
+def _(state, x, dt, A, B, C, D, dt_bias):
+    return x.new_empty(x.shape, dtype=torch.float32), state.new_empty(state.shape, dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from gpuformers.kernels.causal_conv1d import causal_conv1d_forward
+
+    return causal_conv1d_forward(x, conv_state, weight, bias)
+
+
+@causal_conv1d.register_fake
+def _(x, conv_state, weight, bias):
+    # out (batch, seq, channels) contiguous, new state (batch, channels, kernel - 1), both in x's dtype
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], x.shape[2], weight.shape[-1] - 1))
+
+
 OP_NAMES = ("rms_norm", "add_rms_norm", "rms_norm_backward", "silu_and_mul", "silu", "silu_and_mul_backward", "rotary",
-            "flash_attention", "flash_attention_backward", "cross_entropy", "fused_linear_cross_entropy")
+            "flash_attention", "flash_attention_backward", "cross_entropy", "fused_linear_cross_entropy",
+            "ssd_chunk_scan", "ssm_state_step", "causal_conv1d")

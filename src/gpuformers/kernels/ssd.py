@@ -20,8 +20,9 @@ float32 like the reference's. The decode step (_state_step_kernel) gives each pr
 block) and its (block, state) slice of the state.
 
 Forward only: the kernel functions (ssd_chunk_scan_triton, ssm_state_step_triton) hand the call back to torch
-(NotImplemented, see kernels/mapping.use_kernel_function) when autograd would need their gradient or torch.compile
-is tracing, and the mapping's training mode keeps the torch functions.
+(NotImplemented, see kernels/mapping.use_kernel_function) when autograd would need their gradient, and the mapping's
+training mode keeps the torch functions. While torch.compile traces they call the torch.library ops
+gpuformers::ssd_chunk_scan / gpuformers::ssm_state_step (ops.py) instead.
 
 Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward, scan_tiles.
 """
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuformers.kernels import ops
 from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, leave_to_torch, next_power_of_2
 
 
@@ -298,16 +300,19 @@ def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
 
 
 def ssd_chunk_scan_triton(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
-    """The kernel for use_kernel_function("ssd_chunk_scan"); NotImplemented (the torch scan runs) under autograd or
-    torch.compile."""
+    """The kernel for use_kernel_function("ssd_chunk_scan"); NotImplemented (the torch scan runs) under autograd."""
     if leave_to_torch(x, dt, A, B, C, D, dt_bias, initial_state):
         return NotImplemented
+    if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
+        return ops.ssd_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, float(dt_limit[0]), float(dt_limit[1]),
+                                  initial_state)
     return ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state)
 
 
 def ssm_state_step_triton(state, x, dt, A, B, C, D, dt_bias):
-    """The kernel for use_kernel_function("ssm_state_step"); NotImplemented (the torch step runs) under autograd or
-    torch.compile."""
+    """The kernel for use_kernel_function("ssm_state_step"); NotImplemented (the torch step runs) under autograd."""
     if leave_to_torch(state, x, dt, A, B, C, D, dt_bias):
         return NotImplemented
+    if torch.compiler.is_compiling():
+        return ops.ssm_state_step(state, x, dt, A, B, C, D, dt_bias)
     return ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias)
