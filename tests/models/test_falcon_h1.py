@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from tests.models.parity import checkpoint_cases, left_padded, load, max_logit_diff
 from tests.models.recurrent import (assert_bare_model_matches, assert_classifier_pools_the_last_state,
-                                    assert_greedy_matches, assert_lora_matches_peft, assert_loss_and_gradients_match,
+                                    assert_generation_continues_from_its_cache, assert_greedy_matches,
+                                    assert_lora_matches_peft, assert_loss_and_gradients_match,
                                     assert_sampling_and_beams_match, assert_saved_model_loads_in_transformers,
                                     cached_pieces_minus_full)
 
@@ -112,6 +113,11 @@ def test_one_cache_carries_states_and_keys_from_prefill_to_decode(checkpoints, c
 def test_greedy_tokens_match_transformers(checkpoints, case):
     folder, hf = checkpoints[case]
     assert_greedy_matches(load(folder), hf)
+
+
+def test_generate_continues_from_a_returned_cache(checkpoints):
+    """A second turn from the cache the first returned (states, and keys and values at their positions)."""
+    assert_generation_continues_from_its_cache(load(checkpoints["gate"][0]))
 
 
 def test_sampling_and_beam_search_match_transformers(checkpoints):
