@@ -118,6 +118,13 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def server_rss(pid: int) -> float:
+    """The server's resident memory: its process and, with --api-server-count > 1, its API server processes."""
+    import psutil
+
+    return rss_mib(pid) + sum(rss_mib(child.pid) for child in psutil.Process(pid).children())
+
+
 async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, leave_after: int | None):
     """One streaming request: (text, chunk arrival times, start time), or None for a client that left early."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -180,6 +187,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the server (CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="the load test's server with its front end in this many API server processes (1: in the "
+                             "engine's process)")
     parser.add_argument("--compare", action="store_true",
                         help="the front end's cost: server vs engine alone, per --api-server-counts (see above)")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[64, 256])
@@ -207,7 +217,7 @@ def main(argv=None) -> None:
         model = Path(args.model) if args.model else make_checkpoint(Path(tmp), shape)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        process = start_server(model, port, args)
+        process = start_server(model, port, args, "--api-server-count", str(args.api_server_count))
         try:
             url = f"{base}/v1/completions"
             # References: each distinct request answered alone (greedy), to compare the concurrent answers with.
@@ -242,7 +252,7 @@ def main(argv=None) -> None:
                            ttft_p50_ms=round(1000 * percentile(ttft, 50), 1),
                            ttft_p99_ms=round(1000 * percentile(ttft, 99), 1),
                            itl_p50_ms=round(1000 * percentile(itl, 50), 2),
-                           itl_p99_ms=round(1000 * percentile(itl, 99), 2), server_rss_mib=round(rss_mib(process.pid)))
+                           itl_p99_ms=round(1000 * percentile(itl, 99), 2), server_rss_mib=round(server_rss(process.pid)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             rss = [row["server_rss_mib"] for row in rows]
