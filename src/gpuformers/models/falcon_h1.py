@@ -98,13 +98,13 @@ class FalconH1Config(ModelConfig):
             if data.get(name) is None:  # transformers' default for null
                 data[name] = default
         if data.get("mamba_d_head", "auto") == "auto":
-            width = data.get("mamba_d_ssm", 1024)
-            if width is None:
-                width = data.get("mamba_expand", 2) * data["hidden_size"] if isinstance(data.get(
-                    "mamba_expand", 2), int) and isinstance(data["hidden_size"], int) else 0
-            heads = data.get("mamba_n_heads", 128)
-            valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (width, heads))
-            data["mamba_d_head"] = width // heads if valid else 1  # bad sizes: the field checks say so
+            width, heads = data.get("mamba_d_ssm", 1024), data.get("mamba_n_heads", 128)
+            expand, hidden = data.get("mamba_expand", 2), data["hidden_size"]
+            sizes = (heads, expand, hidden) if width is None else (heads, width)
+            if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+                data["mamba_d_head"] = (expand * hidden if width is None else width) // heads
+            else:
+                data["mamba_d_head"] = 1  # bad sizes: the field checks say which
         return data
 
     def _check_family(self) -> None:
