@@ -5,13 +5,13 @@ update of decode. Their torch reference, and the definition of every quantity be
 The scan runs as four kernels, the split the SSD paper's block decomposition suggests (mamba_ssm splits it the same
 way): only the third walks the chunks in order, over states, never over tokens.
 
-    1. _chunk_dt_kernel      (batch, heads, chunks)  dt = clamp(softplus(dt + dt_bias), limit) and the running sum
+    1. _chunk_dt_kernel      (chunks, batch, heads)  dt = clamp(softplus(dt + dt_bias), limit) and the running sum
                              of the log-decays dt * A inside each chunk (a_cum), float32 (batch, heads, seq)
-    2. _chunk_state_kernel   (batch * heads, chunks, head_dim blocks)  what each chunk adds to the state by its end:
+    2. _chunk_state_kernel   (batch * heads * chunks, head_dim blocks)  what each chunk adds to the state by its end:
                              sum_s exp(a_cum[end] - a_cum[s]) dt_s x_s (outer) B_s      (head_dim, state) per chunk
     3. _state_pass_kernel    (batch * heads, head_dim blocks)  the state at each chunk's start, carried chunk by
                              chunk from the initial state (written over step 2's buffer), and the final state
-    4. _chunk_scan_kernel    (batch * heads, chunks, rows x head_dim blocks)  y_l = exp(a_cum[l]) C_l . start
+    4. _chunk_scan_kernel    (batch * heads * chunks, rows x head_dim blocks)  y_l = exp(a_cum[l]) C_l . start
                              + sum_{s <= l} (C_l . B_s) exp(a_cum[l] - a_cum[s]) dt_s x_s + D x_l
 
 A prompt that chunk_size does not divide ends in a short chunk (positions past the end are masked: no input, no
@@ -50,7 +50,7 @@ def _softplus_like(v, like):
 @triton.jit
 def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, stride_dt_b, stride_dt_s, stride_dt_h,
                      dt_min, dt_max, BLOCK_L: tl.constexpr):
-    b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0: CUDA caps axes 1-2 at 65535
     pos = (c * chunk_size + tl.arange(0, BLOCK_L)).to(tl.int64)  # pos * stride may pass 2**31
     live = (tl.arange(0, BLOCK_L) < chunk_size) & (pos < seq)
     raw = tl.load(DT + b.to(tl.int64) * stride_dt_b + pos * stride_dt_s + h * stride_dt_h, mask=live, other=0.0)
@@ -67,7 +67,8 @@ def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, strid
 def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size, chunk_size, heads_per_group,
                         stride_x_b, stride_x_s, stride_x_h, stride_x_p, stride_b_b, stride_b_s, stride_b_g, stride_b_n,
                         BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    bh, c, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunks = tl.cdiv(seq, chunk_size)
+    bh, c, pb = tl.program_id(0) // chunks, tl.program_id(0) % chunks, tl.program_id(1)
     b, h = bh // heads, bh % heads
     start = c * chunk_size
     end = tl.minimum(start + chunk_size, seq)  # the chunk's last position + 1
@@ -85,7 +86,6 @@ def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size
                      + n[None, :] * stride_b_n, mask=live[:, None] & (n[None, :] < state_size), other=0.0)  # (S, N)
         w = tl.load(DT + row + s, mask=live, other=0.0) * tl.exp(a_end - tl.load(ACUM + row + s, mask=live, other=0.0))
         acc += tl.dot(tl.trans(x.to(tl.float32) * w[:, None]), bs.to(tl.float32), input_precision=PRECISION)
-    chunks = tl.num_programs(1)
     out = STATES + ((bh.to(tl.int64) * chunks + c) * head_dim + p[:, None]) * state_size + n[None, :]
     tl.store(out, acc, mask=(p[:, None] < head_dim) & (n[None, :] < state_size))
 
@@ -117,7 +117,8 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
                        stride_b_g, stride_b_n, stride_c_b, stride_c_s, stride_c_g, stride_c_n,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr):
-    bh, c, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunks = tl.cdiv(seq, chunk_size)
+    bh, c, tile = tl.program_id(0) // chunks, tl.program_id(0) % chunks, tl.program_id(1)
     b, h = bh // heads, bh % heads
     g = h // heads_per_group
     p_blocks = tl.cdiv(head_dim, BLOCK_P)
@@ -137,7 +138,6 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
                      mask=live_l[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (M, N)
         a_l = tl.load(ACUM + row + l, mask=live_l, other=0.0)
         # the start state's part: exp(a_cum[l]) C_l . start  (start: (P, N) of this chunk)
-        chunks = tl.num_programs(1)
         start_state = tl.load(STARTS + ((bh.to(tl.int64) * chunks + c) * head_dim + p[None, :]) * state_size
                               + n[:, None], mask=p_ok[None, :] & (n[:, None] < state_size), other=0.0)  # (N, P)
         y = tl.dot(cl * tl.exp(a_l)[:, None], start_state, input_precision=PRECISION)  # (M, P)
@@ -254,16 +254,16 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, ini
     p_blocks = triton.cdiv(head_dim, block_p)
     precision = dot_precision(x.dtype)
     per_group = heads // groups
-    _chunk_dt_kernel[(batch, heads, chunks)](
+    _chunk_dt_kernel[(chunks, batch, heads)](
         dt, dt_bias, A, dt_out, a_cum, seq, heads, chunk_size, dt.stride(0), dt.stride(1), dt.stride(2),
         float(dt_limit[0]), float(dt_limit[1]), BLOCK_L=max(16, next_power_of_2(chunk_size)))
-    _chunk_state_kernel[(batch * heads, chunks, p_blocks)](
+    _chunk_state_kernel[(batch * heads * chunks, p_blocks)](
         x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(), *B.stride(),
         BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages)
     _state_pass_kernel[(batch * heads, p_blocks)](
         states, initial_state if initial_state is not None else final, final, a_cum, seq, chunks, head_dim,
         state_size, chunk_size, HAS_INIT=initial_state is not None, BLOCK_P=block_p, BLOCK_N=block_n)
-    _chunk_scan_kernel[(batch * heads, chunks, triton.cdiv(chunk_size, block_m) * p_blocks)](
+    _chunk_scan_kernel[(batch * heads * chunks, triton.cdiv(chunk_size, block_m) * p_blocks)](
         x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(),
         *B.stride(), *C.stride(),
         BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps,
