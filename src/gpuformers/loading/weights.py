@@ -21,6 +21,10 @@ its own (into its parameter, or handed to its load_from_checkpoint module).
 function name -> device); the target "disk" writes the tensor to an offload folder (`DiskOffload`) and leaves a
 meta tensor in the model, which loading/device_map.py streams in when its layer runs.
 
+A model that is already built, whose tensors must stay the objects they are (DeepSpeed ZeRO-3's partitioned
+parameters, models/load_steps.py), is filled in place instead: `fill(target, read)` is called for each tensor, in
+the same order in every process, and decides whether and where to read it (read() returns it on the CPU).
+
 This module is the load loop (which key fills which tensor, missing and unexpected keys, fan-out pieces, the
 hand-over to load_from_checkpoint modules, the progress bar). Its parts live beside it: finding and opening the
 files in loading/checkpoint_files.py, the model's tensors and their placement in loading/targets.py, reading one
@@ -32,6 +36,7 @@ Offers: CheckpointFiles, LoadingInfo, load_weights, assign_tensor.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -49,7 +54,7 @@ from gpuformers.loading.checkpoint_files import (  # noqa: F401
 )
 from gpuformers.loading.fan_out import FanOut, Piece
 from gpuformers.loading.targets import assign_tensor  # noqa: F401
-from gpuformers.loading.targets import assign_loaded, collect_targets, persistent_tensors, placement
+from gpuformers.loading.targets import LoadTarget, assign_loaded, collect_targets, persistent_tensors, placement
 from gpuformers.loading.tensor_reader import StagingBuffer, read_piece, read_tensor
 
 # Bytes per staging chunk when a tensor must be converted or sent to a GPU: big enough that reads and
@@ -57,6 +62,7 @@ from gpuformers.loading.tensor_reader import StagingBuffer, read_piece, read_ten
 CHUNK_BYTES = 64 * 1024 * 1024
 
 ShardFn = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
+FillFn = Callable[[LoadTarget, Callable[[], torch.Tensor]], None]
 
 _CPU = torch.device("cpu")
 
@@ -91,6 +97,7 @@ def load_weights(
     ignore_missing: Sequence[str] = (),
     shard_fn: ShardFn | None = None,
     progress: bool = True,
+    fill: FillFn | None = None,
 ) -> LoadingInfo:
     """Materialise every parameter and persistent buffer of `model` (built on the meta device) from `files`.
 
@@ -106,6 +113,10 @@ def load_weights(
       slice along dim 0 reads only those rows from a safetensors file.
     The model's `checkpoint_fan_out` (a tuple of loading.fan_out.FanOut, default none) maps a checkpoint key it
       lacks to several of its tensors; a tensor found under its own name is never taken from a fan-out.
+    fill(target, read): for a model already built (not on the meta device), put each tensor into target.meta (the
+      model's own tensor) instead of creating it: read() returns the checkpoint's tensor on the CPU (zeros for an
+      allowed missing one) and need not be called (a process that receives the tensor from another). It is called
+      for the tensors in the same order in every process, so it may run collectives. `device` is then unused.
     Non-persistent buffers are left on the meta device: the caller computes them.
     """
     place = placement(device, offload)
@@ -146,6 +157,13 @@ def load_weights(
                         continue
                     if key != target.key or target.loaded:
                         continue  # a tied copy, a key listed twice, or a piece the checkpoint also has on its own
+                    if fill is not None:  # filled in place; the bytes counted are those this process read
+                        staging = stagings.setdefault("fill", StagingBuffer(_CPU, CHUNK_BYTES))
+                        fill(target, _counting_reader(info, stored.dtype.itemsize, lambda: read_tensor(
+                            reader, key, piece, target, dtype, _CPU, shard_fn, staging)))
+                        target.loaded = True
+                        info.num_loaded += 1
+                        continue
                     where = place(target.names[0])
                     load_device = _CPU if where == "disk" else where
                     staging = stagings.setdefault(load_device.type, StagingBuffer(load_device, CHUNK_BYTES))
@@ -161,13 +179,34 @@ def load_weights(
         missing += [f"{prefix}.{n}" if prefix else n for n, t in persistent_tensors(module) if t.is_meta]
     _check_missing(missing, ignore_missing, files)
     for target in unique:
-        if not target.loaded:
+        if not target.loaded and fill is not None:
+            fill(target, functools.partial(_zeros_like_target, target, dtype))
+            target.loaded = True
+        elif not target.loaded:
             final = dtype if (dtype is not None and target.meta.is_floating_point()) else target.meta.dtype
             where = place(target.names[0])
             zeros = torch.zeros(target.meta.shape, dtype=final, device=_CPU if where == "disk" else where)
             assign_loaded(target, zeros, where, offload)
     info.missing = missing
     return info
+
+
+def _counting_reader(info: LoadingInfo, itemsize: int, read: Callable[[], torch.Tensor]):
+    """read(), adding what it read to info.bytes_read."""
+
+    def counted() -> torch.Tensor:
+        value = read()
+        info.bytes_read += value.numel() * itemsize
+        return value
+
+    return counted
+
+
+def _zeros_like_target(target, dtype: torch.dtype | None) -> torch.Tensor:
+    """Zeros for an allowed missing tensor filled in place, in the shape the model's tensor has when read() is
+    called (ZeRO-3: gathered)."""
+    final = dtype if (dtype is not None and target.meta.is_floating_point()) else target.meta.dtype
+    return torch.zeros(target.meta.shape, dtype=final)
 
 
 def _check_missing(missing: list[str], ignore_missing: Sequence[str], files: CheckpointFiles) -> None:
