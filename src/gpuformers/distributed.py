@@ -32,8 +32,14 @@ multiplied by the world size before the backward to give the gradients of one bi
 Checkpoints are written by process 0 from full (gathered) state dicts; every process must call the gathering
 functions, since they are collectives.
 
+DeepSpeed ZeRO-3 (training/deepspeed_engine.py) may also build the model already partitioned: `TrainingArguments(
+deepspeed=<a stage-3 config>)` made before `from_pretrained` registers its config here (`set_zero3_init`, held by
+weak reference: in force while the arguments live, as transformers holds its HfDeepSpeedConfig), and from_pretrained
+(models/load_steps.py) reads it (`zero3_init`): the model is built inside deepspeed.zero.Init, each process keeping
+its partition of every parameter. It lives here, below models, since models may not import training.
+
 Offers: BACKENDS, world_size, rank, is_main_process, process_device, check_backend, init_distributed, DDPOptions,
-FSDPOptions, wrap_model, hybrid_mesh,
+FSDPOptions, wrap_model, hybrid_mesh, ZeroInit, set_zero3_init, zero3_init,
 gradient_sync, all_reduce_sum, all_reduce_min, gather_to_main, barrier, exit_process, full_model_state_dict,
 load_full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict, unwrap.
 """
@@ -44,7 +50,8 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from typing import NoReturn
+import weakref
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -132,6 +139,32 @@ def init_distributed(device: torch.device, timeout_s: float = 1800, single: bool
     else:  # gloo and MPI take CPU and CUDA tensors alike
         dist.init_process_group(backend, timeout=timeout)
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroInit:
+    """A DeepSpeed ZeRO-3 config in force for building models (deepspeed.zero.Init): `config`, the DeepSpeed config
+    dict; `device`, where each process computes (its partitions live there, or where the config offloads them);
+    `join()`, joining the process group DeepSpeed partitions over (the Trainer's, so that the Trainer finds it made)."""
+
+    config: dict
+    device: torch.device
+    join: Callable[[], None]
+
+
+_zero3_init: weakref.ref | None = None  # -> the ZeroInit in force, kept alive by its owner (TrainingArguments)
+
+
+def set_zero3_init(settings: ZeroInit | None) -> None:
+    """Make `settings` the ZeRO-3 config that from_pretrained builds models under, for as long as its owner keeps it
+    (a weak reference); None: build models whole again. The last one set wins, as in transformers."""
+    global _zero3_init
+    _zero3_init = None if settings is None else weakref.ref(settings)
+
+
+def zero3_init() -> ZeroInit | None:
+    """The ZeRO-3 config in force for building models (set_zero3_init), or None."""
+    return None if _zero3_init is None else _zero3_init()
 
 
 @dataclasses.dataclass(frozen=True)

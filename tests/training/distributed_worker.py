@@ -1,11 +1,14 @@
 """One process of a distributed training run, for tests/training/test_distributed_trainer.py:
 `torchrun --nproc_per_node=2 -m tests.training.distributed_worker CHECKPOINT OUTPUT_DIR RUN [--max-steps N]
-[--stop-at N] [--resume]`, RUN one of the named configurations in RUNS. With ddp and the fsdp variants each process
+[--stop-at N] [--resume] [--zero-init]`, RUN one of the named configurations in RUNS. With ddp and the fsdp variants each process
 trains on its share of every batch (1 row x 2 accumulated micro-batches: with 2 processes, global batches of 4); with
 tp (the model loaded with tp_plan="auto") every process takes the whole batch (2 rows x 2 micro-batches) on its
 slices of the model; process 0 writes the logged losses and gradient norms (and what compute_metrics saw) to
 OUTPUT_DIR/losses.json and the final weights to OUTPUT_DIR/final; every process writes predict()'s logits over the
-eval rows to OUTPUT_DIR/predictions_RANK.npy."""
+eval rows to OUTPUT_DIR/predictions_RANK.npy. --zero-init (ZeRO-3 runs): the TrainingArguments are made before
+from_pretrained, which then builds the model partitioned (deepspeed.zero.Init); each process writes what it holds of
+each parameter to OUTPUT_DIR/partitions_RANK.json, and process 0 the weights gathered from the partitions to
+OUTPUT_DIR/gathered.safetensors, before training."""
 
 from __future__ import annotations
 
@@ -115,6 +118,21 @@ def skip_deepspeed_shm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def record_partitions(model, output_dir: Path, rank: int) -> None:
+    """name -> [whole shape, elements of the whole, elements this process holds, shape of the parameter itself]
+    (DeepSpeed's ds_shape / ds_numel / ds_tensor); process 0 also saves the weights gathered from every process."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    held = {name: [list(p.ds_shape), p.ds_numel, p.ds_tensor.numel(), list(p.shape)]
+            for name, p in model.named_parameters()}
+    (output_dir / f"partitions_{rank}.json").write_text(json.dumps(held))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # a collective: every process
+        if rank == 0:
+            save_file({name: p.detach().clone() for name, p in model.named_parameters()},
+                      output_dir / "gathered.safetensors")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
@@ -123,15 +141,21 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-at", type=int, help="end training after this step (its checkpoint is written)")
+    parser.add_argument("--zero-init", action="store_true", help="ZeRO-3: the model built partitioned")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tp = args.run == "tp"
     if args.run in ("zero3", "accelerate"):
         skip_deepspeed_shm_build()
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False, tp_plan="auto" if tp else None)
-    eval_batches, layout = CountEvalBatches(), RecordLayout()
     values = {**DISTRIBUTED_ARGS, **RUNS[args.run], "max_steps": args.max_steps, "use_cpu": True}
-    trainer = Trainer(model, tiny_args(args.output_dir, **values),
+    # made before from_pretrained, a ZeRO-3 config is in force for it (as in transformers): a partitioned model
+    training_args = tiny_args(args.output_dir, **values) if args.zero_init else None
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, progress=False, tp_plan="auto" if tp else None)
+    if args.zero_init:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        record_partitions(model, Path(args.output_dir), training_args.process_index)
+    eval_batches, layout = CountEvalBatches(), RecordLayout()
+    trainer = Trainer(model, training_args or tiny_args(args.output_dir, **values),
                       train_dataset=make_rows(**ROWS), eval_dataset=make_rows(**EVAL_ROWS), compute_metrics=metrics,
                       preprocess_logits_for_metrics=argmax_ids,
                       callbacks=[eval_batches, layout] + ([StopAt(args.stop_at)] if args.stop_at else []))

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from gpuformers import AutoModelForCausalLM
+from gpuformers import AutoModelForCausalLM, distributed
 from gpuformers.training import TrainingArguments
 from tests.training import helpers
 from tests.training.test_distributed_trainer import single_process, weights  # noqa: F401 (a fixture)
@@ -47,9 +47,12 @@ ACCELERATE_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_S
 def clean_environment():
     """The launcher's variables unset during each test, and every variable as it was after it: also those the Trainer
     sets for DeepSpeed (LOCAL_RANK=0 in one process, DS_ACCELERATOR=cpu on the CPU), which would make later tests'
-    accelerate (under transformers' Trainer) and DeviceMesh believe they run under a launcher."""
+    accelerate (under transformers' Trainer) and DeviceMesh believe they run under a launcher. A ZeRO-3 config that
+    a test's arguments registered for from_pretrained ends with the test (a Trainer's reference cycles may keep the
+    arguments alive until the garbage collector runs: transformers' tests unset theirs likewise)."""
     saved = {name: os.environ.pop(name, None) for name in ACCELERATE_VARIABLES + ("LOCAL_RANK", "DS_ACCELERATOR")}
     yield
+    distributed.set_zero3_init(None)
     for name, value in saved.items():
         os.environ.pop(name, None)
         if value is not None:
@@ -100,9 +103,26 @@ def test_accelerate_launch_trains_like_one_process(options, strategy, tiny_check
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_resumes_exactly_and_saves_whole_weights(tiny_checkpoint, single_process, tmp_path):
+    """The first run's model is built partitioned by from_pretrained (its ZeRO-3 TrainingArguments made first:
+    deepspeed.zero.Init), the resumed run's loaded whole and partitioned by DeepSpeed's engine: both train like one
+    process (as the ZeRO-3 runs without zero.Init of the other tests do)."""
     transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
     helpers.torchrun("tests.training.distributed_worker", str(tiny_checkpoint), str(tmp_path), "zero3",
-                     "--stop-at", "3")
+                     "--stop-at", "3", "--zero-init")
+    checkpoint = load_file(tiny_checkpoint / "model.safetensors")
+    held = [json.loads((tmp_path / f"partitions_{rank}.json").read_text()) for rank in (0, 1)]
+    for name, value in checkpoint.items():
+        for partitions in held:  # each process holds half of every parameter (rounded up), nothing whole
+            shape, numel, local, own_shape = partitions[name]
+            assert (shape, numel, local, own_shape) == (list(value.shape), value.numel(), -(-value.numel() // 2), [0])
+    whole = sum(v.numel() for v in checkpoint.values())
+    assert sum(local for _, _, local, _ in held[0].values()) <= whole // 2 + len(checkpoint)
+    gathered = load_file(tmp_path / "gathered.safetensors")  # the partitions together are the checkpoint's weights
+    assert sorted(gathered) == sorted(checkpoint)
+    for name, value in checkpoint.items():
+        torch.testing.assert_close(gathered[name], value, atol=0, rtol=0)
     expected_losses, expected_weights = single_process
     assert_trains_like_one_process(json.loads((tmp_path / "losses.json").read_text()), expected_losses, range(1, 4))
     # ZeRO-3: parameters sharded too, so every process writes its own model and optimizer states
@@ -191,14 +211,20 @@ def test_accelerate_deepspeed_plugin_variables(monkeypatch, tmp_path, caplog):
                         "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
                         "ACCELERATE_MIXED_PRECISION": "bf16"}.items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level("WARNING"):
-        args = TrainingArguments(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
-    assert "deepspeed.zero.Init loading is not supported yet" in caplog.text  # said, not silently ignored
+    args = TrainingArguments(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    assert distributed.zero3_init().config is args.deepspeed_config.config  # from_pretrained builds it partitioned
     ds = args.deepspeed_config
     assert args.distributed_strategy == "deepspeed" and args.mixed_precision == torch.bfloat16
     assert ds.is_zero3 and ds.offloads and ds.gathers_weights_on_save
     assert ds.config["train_micro_batch_size_per_gpu"] == 2 and ds.config["gradient_accumulation_steps"] == 3
     assert ds.config["bf16"] == {"enabled": True}
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")  # accelerate's zero3_init_flag off: loaded whole
+    assert TrainingArguments(tmp_path).deepspeed_config.is_zero3 and distributed.zero3_init() is None
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    with caplog.at_level("WARNING"):
+        TrainingArguments(tmp_path)
+    assert "ACCELERATE_DEEPSPEED_ZERO3_INIT applies to ZeRO stage 3 only" in caplog.text
     # accelerate's deepspeed_config_file: the file's values stand, the other variables fill its "auto" ones only
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1}}))
@@ -294,6 +320,8 @@ def test_lora_under_zero3_trains_and_saves_its_adapter(tiny_checkpoint, tmp_path
 
 
 def test_one_process_zero1_2_and_3_offload_train_like_no_deepspeed(tiny_checkpoint, tmp_path, deepspeed_here):
+    from safetensors.torch import load_file
+
     from gpuformers.training import Trainer
 
     values = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
@@ -322,7 +350,8 @@ def test_one_process_zero1_2_and_3_offload_train_like_no_deepspeed(tiny_checkpoi
     assert zero2.model_wrapped.zero_optimization_stage() == 2
     # greater_is_better on the loss: the worse checkpoint, step 2, is the best and is loaded back into the engine
     assert zero2.state.best_model_checkpoint.endswith("checkpoint-2")
-    best = weights(tmp_path / "zero2" / "checkpoint-2")
+    # (read from the file: from_pretrained would build it partitioned, zero3_offload's ZeRO-3 arguments being alive)
+    best = load_file(tmp_path / "zero2" / "checkpoint-2" / "model.safetensors")
     for name, value in zero2.model.state_dict().items():
         torch.testing.assert_close(value, best[name])
 
@@ -352,6 +381,42 @@ def test_zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_che
         Trainer(model, helpers.tiny_args(tmp_path, deepspeed=config, max_steps=1),
                 train_dataset=helpers.make_rows(4),
                 optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None)).train()
+
+
+def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint, tmp_path, deepspeed_here):
+    """In one process: made before from_pretrained, ZeRO-3 arguments register their config for as long as they live
+    (a weak reference, as in transformers), and from_pretrained builds the model under deepspeed.zero.Init with the
+    checkpoint's weights; what cannot be built partitioned is refused by name; other arguments end it."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    args = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
+    assert distributed.zero3_init() is not None
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
+    checkpoint = load_file(tiny_checkpoint / "model.safetensors")
+    weight = model.lm_head.weight
+    assert weight.shape == (0,) and tuple(weight.ds_shape) == tuple(checkpoint["lm_head.weight"].shape)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(value, checkpoint[name], atol=0, rtol=0)
+    refused = {"device_map": dict(device_map="cpu"), "quantization_config": dict(quantization_config={
+        "load_in_8bit": True}), "tp_plan": dict(tp_plan="auto"), "gguf_file": dict(gguf_file="model.gguf")}
+    for name, keywords in refused.items():
+        with pytest.raises(NotImplementedError, match=f"{name}=.* while a DeepSpeed ZeRO-3 config is in force"):
+            AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False, **keywords)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
+    with pytest.raises(NotImplementedError, match="LoRA adapter folder .* while a DeepSpeed ZeRO-3 config"):
+        AutoModelForCausalLM.from_pretrained(adapter, progress=False)
+    del args
+    assert distributed.zero3_init() is None  # the arguments are gone: models load whole again
+    helpers.tiny_args(tmp_path, deepspeed=ZERO3)  # (not kept)
+    assert distributed.zero3_init() is None
+    kept = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
+    helpers.tiny_args(tmp_path, deepspeed={**ZERO3, "zero_optimization": {"stage": 2}})  # the last one made wins
+    assert kept.deepspeed_config.is_zero3 and distributed.zero3_init() is None
+    assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False).lm_head.weight.shape == (128, 64)
 
 
 # --- on a GPU (scripts/gpu_check.sh) -------------------------------------------------------------------------------

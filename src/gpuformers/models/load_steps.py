@@ -11,6 +11,17 @@ after); the device plan needs the quantized layers' sizes; tied weights, rotary 
 need the loaded tensors; device_map's hooks and tensor-parallel slicing go on the finished model; kernels replace
 modules last, as they find them; an adapter wraps the model as users get it.
 
+Under a DeepSpeed ZeRO-3 config in force (TrainingArguments(deepspeed=<stage 3>) made before from_pretrained:
+distributed.zero3_init) the model is built partitioned, as transformers builds it: build_on_meta builds it inside
+deepspeed.zero.Init (each parameter made on the device and split over the processes as its module's __init__ ends,
+so the whole model is never in one process) instead of on the meta device, and load_weights fills each parameter in
+place: gathered whole for a moment in every process (deepspeed.zero.GatheredParameters, a collective), process 0
+copies the checkpoint's tensor in, and DeepSpeed broadcasts it from process 0 and keeps each process's partition.
+Process 0 alone reads the file: it is read once, not once per process from what is often a shared filesystem or Hub
+cache; the broadcast costs about what the read does; and only DeepSpeed's public API is used (how a partition is
+laid out is its own). device_map, quantization (asked for or in config.json), tp_plan, a GGUF file and a LoRA
+adapter folder are refused then (NotImplementedError naming the combination).
+
 Offers: LoadState; the steps choose_devices, resolve_files, read_config, pick_class, find_weights, choose_dtype,
 build_on_meta, quantize, plan_devices, load_weights, finish, dispatch, add_generation_config, split_tensor_parallel,
 apply_kernels, load_adapter, and for GGUF read_gguf, place_gguf, load_gguf_weights, quantize_loaded; gguf_path
@@ -19,6 +30,7 @@ apply_kernels, load_adapter, and for GGUF read_gguf, place_gguf, load_gguf_weigh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -27,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpuformers import distributed
 from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
 from gpuformers.lora.config import CONFIG_NAME as ADAPTER_CONFIG_NAME, LoraConfig
 from gpuformers.models.config import ModelConfig
@@ -62,6 +75,7 @@ class LoadState:
     plan: dict | None = None  # plan_devices: module name -> device, for several devices
     offload: object = None  # plan_devices: where disk-offloaded tensors go
     info: object = None  # load_weights: the LoadingInfo (a GGUF load has none)
+    zero3: distributed.ZeroInit | None = None  # choose_devices: the ZeRO-3 config in force (built partitioned)
 
     def result(self, output_loading_info: bool):
         # A GGUF load returns the model alone, even with output_loading_info=True (it has no loading info)
@@ -73,6 +87,11 @@ class LoadState:
 def choose_devices(options: LoadOptions, state: LoadState) -> None:
     """tp_plan: join the process group and load on the CPU; device_map: one torch.device, or a strategy / per-module
     map kept for plan_devices."""
+    state.zero3 = distributed.zero3_init()
+    if state.zero3 is not None:  # ZeRO-3: each process keeps its partitions on its own device
+        _refuse_under_zero3(options)
+        state.device = state.zero3.device
+        return
     device_map = options.device_map
     if options.tp_plan is not None or options.tp_size is not None:
         # Loaded on the CPU, then each process's slices go to its device (tensor_parallel.py)
@@ -105,7 +124,11 @@ def choose_dtype(options: LoadOptions, state: LoadState) -> None:
 
 
 def build_on_meta(options: LoadOptions, state: LoadState) -> None:
-    """The model on the meta device: no memory, no random init; the load creates each tensor once, filled."""
+    """The model on the meta device: no memory, no random init; the load creates each tensor once, filled. Under
+    ZeRO-3, partitioned over the processes instead (deepspeed.zero.Init), its tensors unfilled until load_weights."""
+    if state.zero3 is not None:
+        state.model = _build_partitioned(state.cls, state.config, state.zero3, state.dtype)
+        return
     with torch.device("meta"), skip_init():
         state.model = state.cls(state.config)
 
@@ -161,6 +184,9 @@ def resolve_files(options: LoadOptions, state: LoadState) -> None:
                     token=options.token)
     folder = resolve_model_dir(state.name_or_path, CONFIG_PATTERNS + WEIGHT_PATTERNS + [ADAPTER_CONFIG_NAME], hub)
     if (folder / ADAPTER_CONFIG_NAME).is_file():  # a LoRA adapter: load its base model, then the adapter onto it
+        if state.zero3 is not None:
+            raise _zero3_refusal(f"the LoRA adapter folder {str(folder)!r}", "load its base model, then wrap it with "
+                                 "get_peft_model or load the adapter after the Trainer is made")
         state.adapter_folder = folder
         if not (folder / "config.json").is_file():  # else the folder holds its base model too (transformers' rule)
             state.name_or_path = _adapter_base_model(folder)
@@ -212,9 +238,12 @@ def load_weights(options: LoadOptions, state: LoadState) -> None:
             place = rename_plan(state.plan)
     state.info = load(target, state.files, dtype=state.dtype, device=place or state.device, offload=state.offload,
                       tied=model.tied_weights, ignore_missing=model.allowed_missing if options.task else (),
-                      progress=options.progress)
+                      progress=options.progress, fill=_fill_partitioned if state.zero3 is not None else None)
     if options.task:
-        _report_head_load(model, state.info, state.folder)
+        # under ZeRO-3 the head's missing parameters are drawn whole (process 0's draw is kept)
+        drawn = [target.get_parameter(name) for name in state.info.missing] if state.zero3 is not None else []
+        with _gathered(drawn):
+            _report_head_load(model, state.info, state.folder)
     state.quantization = finish_loading(model, state.quantization, state.info.unexpected)
     model.quantization_config = state.quantization
 
@@ -288,6 +317,73 @@ def quantize_loaded(options: LoadOptions, state: LoadState) -> None:
 
 
 # ---- helpers ----
+
+def _refuse_under_zero3(options: LoadOptions) -> None:
+    """What a model built partitioned by ZeRO-3 cannot be loaded with (yet)."""
+    asked = {"device_map": options.device_map, "tp_plan": options.tp_plan, "tp_size": options.tp_size,
+             "quantization_config": options.quantization_config, "gguf_file": options.gguf_file}
+    for name, value in asked.items():
+        if value is not None:
+            raise _zero3_refusal(f"{name}={value!r}", "drop it" if name != "gguf_file" else
+                                 "load a safetensors checkpoint")
+
+
+def _zero3_refusal(what: str, fix: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"from_pretrained with {what} while a DeepSpeed ZeRO-3 config is in force (TrainingArguments(deepspeed=...) "
+        f"with zero_optimization.stage 3 made before from_pretrained, which builds the model partitioned over the "
+        f"processes with deepspeed.zero.Init) is not supported; {fix}, or load the model before making the "
+        f"TrainingArguments (it then loads whole and DeepSpeed partitions it when training starts)")
+
+
+def _build_partitioned(cls, config: ModelConfig, zero3: distributed.ZeroInit, dtype: torch.dtype):
+    """The model built inside deepspeed.zero.Init over the process group the Trainer will use: each module's
+    parameters are made on the device and split over the processes as its __init__ ends (this process keeps
+    1/world_size of each), left unfilled (skip_init): load_weights fills them. Its dtype: the config's fp16 / bf16
+    when it enables one (what DeepSpeed's engine casts a whole model to), else the load's."""
+    import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 TrainingArguments sets zero3, and needs it
+
+    if config.extra.get("quantization_config") is not None:
+        raise _zero3_refusal(f"a quantized checkpoint ({config.extra['quantization_config'].get('quant_method')})",
+                             "load an unquantized one")
+    half = any(isinstance(zero3.config.get(key), dict) and zero3.config[key].get("enabled") is True
+               for key in ("fp16", "bf16", "bfloat16"))
+    if not half and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"DeepSpeed ZeRO-3 builds models in float32, float16 or bfloat16, not {dtype}; pass one of "
+                         "them as dtype=")
+    zero3.join()
+    deepspeed.init_distributed()  # DeepSpeed's view of that group: its config reads the world size from it
+    # dtype=None: the config's choice (its half precision, else float32); an explicit float32 would be read wrongly
+    # (deepspeed 0.19 takes `dtype or float16 if the accelerator has float16 else ...`: bfloat16 on its CPU one)
+    with deepspeed.zero.Init(config_dict_or_path=zero3.config,
+                             dtype=None if half or dtype == torch.float32 else dtype), skip_init():
+        return cls(config)
+
+
+def _fill_partitioned(target, read) -> None:
+    """load_weights' fill under ZeRO-3: the parameter gathered whole in every process (a collective, in the same
+    order everywhere), process 0 copies the checkpoint's tensor in, and DeepSpeed broadcasts it from process 0 as the
+    block ends, each process keeping its partition (why process 0 reads: the module docstring). A persistent buffer
+    is not partitioned: every process reads its own (buffers are small)."""
+    tensor = target.meta  # the model's own tensor; its shape is the whole one while gathered
+    if not hasattr(tensor, "ds_id"):
+        with torch.no_grad():
+            tensor.copy_(read())
+        return
+    with _gathered([tensor]), torch.no_grad():
+        if distributed.rank() == 0:
+            tensor.copy_(read())
+
+
+def _gathered(parameters: list):
+    """ZeRO-3 `parameters` gathered whole in every process for the block, process 0's values kept in every
+    process's partitions afterwards (DeepSpeed broadcasts them); none: nothing to do."""
+    if not parameters:
+        return contextlib.nullcontext()
+    import deepspeed  # optional: present whenever a ZeRO-3 config is in force
+
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=0)
+
 
 def gguf_path(name_or_path, gguf_file) -> Path:
     """gguf_file= as a path: absolute, or inside the folder (or Hub repo) name_or_path names."""

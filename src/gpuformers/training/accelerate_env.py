@@ -15,8 +15,9 @@ accelerate does); without one, a config is made as accelerate makes it: batch si
 (ACCELERATE_DEEPSPEED_ZERO_STAGE, default 2), offload devices (..._OFFLOAD_OPTIMIZER_DEVICE, ..._OFFLOAD_PARAM_DEVICE,
 their NVMe paths), stage3_gather_16bit_weights_on_model_save (..._ZERO3_SAVE_16BIT_MODEL), and
 ACCELERATE_GRADIENT_ACCUMULATION_STEPS / ACCELERATE_GRADIENT_CLIPPING ("auto" when unset). Either is then filled from
-the arguments like any deepspeed=... config (deepspeed_config.py). ACCELERATE_DEEPSPEED_ZERO3_INIT (building the
-model partitioned in from_pretrained) is not supported yet: a warning says so, and the model loads whole.
+the arguments like any deepspeed=... config (deepspeed_config.py). Under ZeRO-3, ACCELERATE_DEEPSPEED_ZERO3_INIT
+(accelerate's zero3_init_flag; true unless set) lets a from_pretrained called after the TrainingArguments are made
+build the model partitioned (deepspeed.zero.Init: models/load_steps.py); false loads it whole in every process.
 
 FSDP: gpuformers shards with FSDP2 whatever FSDP_VERSION says (FSDP1's sharding strategies have the same meaning
 there): FSDP_SHARDING_STRATEGY or FSDP_RESHARD_AFTER_FORWARD -> full_shard / shard_grad_op / hybrid_shard(_zero2),
@@ -66,7 +67,12 @@ def launcher_overrides(args, env: Mapping[str, str] | None = None) -> dict[str, 
                                       " is not supported; use bf16, fp16 or no")
         overrides[precision] = True
     if not args.deepspeed and _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        overrides["deepspeed"] = deepspeed_config_from_env(env)
+        overrides["deepspeed"] = config = deepspeed_config_from_env(env)
+        if not _flag(env, "ACCELERATE_DEEPSPEED_ZERO3_INIT", default=True):  # ZeRO-3 models load whole
+            overrides["_deepspeed_zero3_init"] = False
+        elif "ACCELERATE_DEEPSPEED_ZERO3_INIT" in env and config["zero_optimization"].get("stage") != 3:
+            logger.warning("ACCELERATE_DEEPSPEED_ZERO3_INIT applies to ZeRO stage 3 only; with stage %s the model "
+                           "loads whole", config["zero_optimization"].get("stage"))
     if not args.fsdp and _flag(env, "ACCELERATE_USE_FSDP"):
         if args.deepspeed or "deepspeed" in overrides:
             raise ValueError("accelerate launch set both ACCELERATE_USE_FSDP and DeepSpeed; pick one of them")
@@ -91,10 +97,6 @@ def deepspeed_config_from_env(env: Mapping[str, str]) -> dict | str:
         "zero_optimization.stage3_gather_16bit_weights_on_model_save":
             _flag(env, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
     }
-    if _flag(env, "ACCELERATE_DEEPSPEED_ZERO3_INIT"):
-        logger.warning("ACCELERATE_DEEPSPEED_ZERO3_INIT (accelerate's zero3_init_flag) has no effect: from_pretrained "
-                       "loads the whole model in every process and DeepSpeed partitions it when training starts "
-                       "(deepspeed.zero.Init loading is not supported yet)")
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path != "none":
         config = DeepSpeedConfig(path)  # the file's own values stand; the variables fill its "auto" ones only

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -135,6 +136,9 @@ class TrainingArguments:
     deepspeed: str | dict | None = None
     resume_from_checkpoint: str | None = None  # read by scripts; Trainer.train takes its own argument
     run_name: str | None = None
+
+    # accelerate launch's ACCELERATE_DEEPSPEED_ZERO3_INIT=false sets it false (accelerate_env.py); not a field
+    _deepspeed_zero3_init = True
 
     def __post_init__(self):
         if self.output_dir is None:
@@ -389,7 +393,22 @@ class TrainingArguments:
         require_deepspeed()
         config = DeepSpeedConfig(self.deepspeed)
         config.fill_from_arguments(self)
+        self._register_zero3_init(config)
         return config
+
+    def _register_zero3_init(self, config) -> None:
+        """Under ZeRO-3, a from_pretrained called while these arguments live builds the model partitioned
+        (deepspeed.zero.Init inside the process group the Trainer will use), as transformers does;
+        ACCELERATE_DEEPSPEED_ZERO3_INIT=false (accelerate launch's zero3_init_flag) leaves it whole. Arguments with
+        another DeepSpeed config end what earlier ones registered (the last one made wins, as in transformers)."""
+        from gpuformers import distributed
+        from gpuformers.training.deepspeed_engine import init_process_group
+
+        self._zero3_init = None  # kept here: the registration is a weak reference to it
+        if config.is_zero3 and self._deepspeed_zero3_init:
+            join = functools.partial(init_process_group, self.device, self.ddp_timeout, self.ddp_backend)
+            self._zero3_init = distributed.ZeroInit(config.config, self.device, join)
+        distributed.set_zero3_init(self._zero3_init)
 
     def _check_precision(self) -> None:
         import torch

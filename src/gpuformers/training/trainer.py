@@ -138,7 +138,9 @@ class Trainer:
         check_trainable(model, self.args, self._tensor_parallel)
         # FSDP2 moves each process's shards to the GPU itself (wrap_for_training, by the first train(), evaluate()
         # or predict()): the whole model stays where it was loaded, never whole on every GPU
-        self.model = model if self._sharded_later else model.to(self.args.device)
+        # (a model from_pretrained built partitioned under ZeRO-3 is where DeepSpeed put its partitions already)
+        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+        self.model = model if self._sharded_later or partitioned else model.to(self.args.device)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
