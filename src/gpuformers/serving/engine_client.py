@@ -68,6 +68,7 @@ class EngineClient:
         self.num_steps = 0
         self.adapters: list[str] = list(facts["adapters"])
         self.peer_metrics: list[dict] = []  # the other servers' latest snapshots (routes_admin's /metrics)
+        self._peers: dict[int, dict] = {}
         self.metrics_of: Callable[[], dict] | None = None  # this server's snapshot (set by api_server.py)
         self.broken: str | None = None  # why the core is gone
         self._context = zmq.Context()
@@ -190,12 +191,15 @@ class EngineClient:
 
     def _deliver(self, message: list) -> None:
         facts, rows, peers, asked = message
-        self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken = facts
+        self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken, running = facts
         if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
             self.broken = f"the engine core's loop stopped: {broken}"
         self.block_manager.num_free_blocks = free
         if peers is not None:
-            self.peer_metrics = [snap for server, snap in peers.items() if server != self.index]
+            self._peers = {server: snap for server, snap in peers.items() if server != self.index}
+        # the other servers' counts, their requests in flight as the core sees them now
+        self.peer_metrics = [{**snap, "in_flight": running[server] if server < len(running) else 0}
+                             for server, snap in self._peers.items()]
         if asked:
             while self._waiters:
                 loop, future = self._waiters.popleft()

@@ -137,9 +137,10 @@ class EngineCore:
                                  len(output.generated_tokens))
             if facts is None:
                 scheduler, blocks = self.manager.scheduler, self.manager.block_manager
-                # broken: set before the loop fails its requests, so their servers answer 503, not 500
+                # broken: set before the loop fails its requests, so their servers answer 503, not 500; and each
+                # server's engine requests now (its peers' /metrics count them in flight without a snapshot's lag)
                 facts = [len(scheduler.waiting), len(scheduler.running), blocks.num_free_blocks,
-                         self.manager.num_steps, self.manager.broken]
+                         self.manager.num_steps, self.manager.broken, [len(ids) for ids in self._requests]]
             try:
                 self._outboxes[index].send(pack([facts, rows, self._peers if tick or asked else None, asked]),
                                            zmq.NOBLOCK)

@@ -13,7 +13,8 @@ over ZMQ sockets on Unix domain sockets (ipc://) in a private folder.
     core -> API server i (the core's PUSH i, into the server's PULL), once per engine step that published an output
     of one of its requests, when it asked for facts, and at least twice a second:
         [facts, rows, peers, asked]
-            facts: [waiting, running, free KV blocks, engine steps, why the engine loop broke or None]
+            facts: [waiting, running, free KV blocks, engine steps, why the engine loop broke or None,
+                    [engine requests of each API server]]
             peers: None, or every API server's latest snapshot ({server: snapshot}): twice a second and when asked
             asked: whether this message answers a "facts?"
         row: [request_id, status, new token ids, their logprobs, their top logprobs (or None), new prompt logprobs,

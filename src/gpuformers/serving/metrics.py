@@ -8,8 +8,8 @@ closed by the server (by reason), invalid HTTP and failed accept() calls.
 
 With --api-server-count N > 1 each API server process counts its own requests; twice a second it sends the core a
 `snapshot()` of them, the core hands every server the others' latest, and /metrics (on whichever server answers)
-renders its own counts plus those: one view of all the servers, the peers' part and the engine's gauges at most
-~1 s old.
+renders its own counts plus those: one view of all the servers. The engine's gauges and the peers' requests in
+flight are the core's at the scrape; the peers' counters and histograms are at most ~0.5 s old.
 
 Offers: Histogram, Metrics.
 """
