@@ -5,7 +5,11 @@
   torchrun, train exactly like one process on the same global batches (losses, gradient norms, evaluation, final
   weights), and their checkpoints hold DeepSpeed's sharded states;
 - the ZeRO-3 run stopped at its checkpoint and resumed equals the uninterrupted run, and its save_model output (the
-  weights gathered) loads in transformers with equal logits;
+  weights gathered) loads in transformers with equal logits; its first run's model is built partitioned by
+  from_pretrained (the ZeRO-3 TrainingArguments made first: deepspeed.zero.Init), each process holding half of every
+  parameter, the partitions together the checkpoint's weights;
+- in one process, that registration's lifetime, the partitioned model training like the one loaded whole, and what
+  is refused under it (device_map, quantization, tp_plan, GGUF, an adapter folder, evaluate() before train());
 - in one process (a process group of one, made by the Trainer): ZeRO-1, ZeRO-2, and ZeRO-3 offloading parameters and
   optimizer to the CPU, train like no DeepSpeed, and load_best_model_at_end loads the best checkpoint's states;
   ZeRO-3 with the config's own optimizer and scheduler, and save_model without
@@ -386,11 +390,14 @@ def test_zero3_with_the_config_optimizer_saves_shards_without_gathering(tiny_che
 def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint, tmp_path, deepspeed_here):
     """In one process: made before from_pretrained, ZeRO-3 arguments register their config for as long as they live
     (a weak reference, as in transformers), and from_pretrained builds the model under deepspeed.zero.Init with the
-    checkpoint's weights; what cannot be built partitioned is refused by name; other arguments end it."""
+    checkpoint's weights, which trains like the model loaded whole; what cannot be built partitioned is refused by
+    name; other arguments end it."""
     import deepspeed
     from safetensors.torch import load_file
 
-    args = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
+    from gpuformers.training import Trainer
+
+    args = helpers.tiny_args(tmp_path / "init", deepspeed=ZERO3, max_steps=3)
     assert distributed.zero3_init() is not None
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
     checkpoint = load_file(tiny_checkpoint / "model.safetensors")
@@ -409,10 +416,25 @@ def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint,
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
     with pytest.raises(NotImplementedError, match="LoRA adapter folder .* while a DeepSpeed ZeRO-3 config"):
         AutoModelForCausalLM.from_pretrained(adapter, progress=False)
-    del args
+
+    losses = {}
+    trainer = Trainer(model, args, train_dataset=helpers.make_rows(12), eval_dataset=helpers.make_rows(4, seed=5))
+    with pytest.raises(NotImplementedError, match=r"evaluate\(\) before train\(\) on a model that from_pretrained"):
+        trainer.evaluate()  # no engine yet to gather the parameters
+    trainer.train()
+    losses["init"] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
+    distributed.set_zero3_init(None)  # (ends the registration: the next model loads whole)
+    whole = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
+    trainer = Trainer(whole, helpers.tiny_args(tmp_path / "whole", deepspeed=ZERO3, max_steps=3),
+                      train_dataset=helpers.make_rows(12))
+    trainer.train()
+    losses["whole"] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
+    assert len(losses["init"]) == 6 and losses["init"] == pytest.approx(losses["whole"], rel=1e-5, abs=1e-5)
+
+    held = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
+    assert distributed.zero3_init() is held._zero3_init
+    del held
     assert distributed.zero3_init() is None  # the arguments are gone: models load whole again
-    helpers.tiny_args(tmp_path, deepspeed=ZERO3)  # (not kept)
-    assert distributed.zero3_init() is None
     kept = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
     helpers.tiny_args(tmp_path, deepspeed={**ZERO3, "zero_optimization": {"stage": 2}})  # the last one made wins
     assert kept.deepspeed_config.is_zero3 and distributed.zero3_init() is None

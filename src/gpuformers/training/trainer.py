@@ -139,8 +139,8 @@ class Trainer:
         # FSDP2 moves each process's shards to the GPU itself (wrap_for_training, by the first train(), evaluate()
         # or predict()): the whole model stays where it was loaded, never whole on every GPU
         # (a model from_pretrained built partitioned under ZeRO-3 is where DeepSpeed put its partitions already)
-        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-        self.model = model if self._sharded_later or partitioned else model.to(self.args.device)
+        self._built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+        self.model = model if self._sharded_later or self._built_partitioned else model.to(self.args.device)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -670,13 +670,24 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (passed here or to the Trainer)")
+        self._check_partitioned_evaluation("evaluate()")
         metrics = self.evaluator.evaluate(dataset, metric_key_prefix, self.compute_metrics)
         self.log(metrics)
         self.control = self._call("on_evaluate", metrics=metrics)
         return metrics
 
+    def _check_partitioned_evaluation(self, what: str) -> None:
+        """A model from_pretrained built partitioned (ZeRO-3) runs only once DeepSpeed's engine, made by train(),
+        gathers its parameters around each module."""
+        if self._built_partitioned and self.model_wrapped is None:
+            raise NotImplementedError(f"{what} before train() on a model that from_pretrained built partitioned under "
+                                      "ZeRO-3 is not supported yet (DeepSpeed's engine, made by train(), gathers its "
+                                      "parameters); call train() first, or load the model before making the "
+                                      "TrainingArguments")
+
     def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
         """Logits (samples, longest seq, vocab, padded with -100), labels and metrics over test_dataset."""
+        self._check_partitioned_evaluation("predict()")
         output = self.evaluator.predict(test_dataset, metric_key_prefix, self.compute_metrics)
         self.control = self._call("on_predict", metrics=output.metrics)
         return output
