@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    process = ServerProcess(checkpoint, "--num-blocks", "160", "--api-server-count", "2")
+    process = ServerProcess(checkpoint, "--num-blocks", "160", "--api-server-count", "2", "--log-level", "debug")
     try:
         yield process.wait_ready()
     finally:
@@ -105,6 +106,26 @@ def test_both_api_servers_answer_greedy_tokens_and_metrics_count_both(server, re
     finally:
         for http in both.values():
             http.close()
+
+
+def test_request_ids_run_through_both_processes_logs(server):
+    """--log-level debug: the API server logs a response's id beside its engine request ids, and the engine core
+    logs each of those ids with the API server it came from."""
+    answer = httpx.post(f"{server.url}/completions", json={"model": MODEL_NAME, "prompt": "ids", "max_tokens": 3,
+                                                          "n": 2}, timeout=30).json()
+    deadline = time.monotonic() + 10
+    while True:
+        log = Path(server.log.name).read_text()
+        mine = [line for line in log.splitlines() if f"{answer['id']}: engine requests" in line]
+        if mine:
+            engine_ids = mine[0].split("engine requests ")[1].split()
+            core = [line for line in log.splitlines() if " engine-core " in line and any(i in line for i in engine_ids)]
+            if len(core) == 4:  # each id's arrival and end
+                break
+        assert time.monotonic() < deadline, log[-3000:]
+        time.sleep(0.2)
+    assert " api-server-" in mine[0] and len(engine_ids) == 2
+    assert all("(api server " in line for line in core)
 
 
 def test_killing_an_api_server_leaves_the_other_serving(server, reference):

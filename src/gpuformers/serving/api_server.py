@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     config_path, index = argv[0], int(argv[1])
     with open(config_path) as file:
         config = json.load(file)
-    logging.basicConfig(level=config["log_level"].upper(),
-                        format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
+    # gpuformers' own lines at --log-level (other libraries' at warning), each naming the process that wrote it
+    logging.basicConfig(format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gpuformers").setLevel(config["log_level"].upper())
     import os
 
     from gpuformers import AutoTokenizer

@@ -231,8 +231,9 @@ def _run_engine_core(args: argparse.Namespace, manager, tokenizer, name: str, co
 
     from gpuformers.serving.engine_core import EngineCore, listening_socket
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    # gpuformers' own lines at --log-level (other libraries' at warning), each naming the process that wrote it
+    logging.basicConfig(format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gpuformers").setLevel(args.log_level.upper())
     sock = listening_socket(args.host, args.port, limits.backlog)
     print(f"gpuformers serve: the engine in this process (pid {os.getpid()}), HTTP in {count} API server processes "
           f"(--api-server-count)", flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any, Callable
 
 from fastapi import Request
@@ -24,6 +25,8 @@ from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
 from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
 from gpuformers.serving.job import Job
 from gpuformers.serving.server_state import ServerState
+
+logger = logging.getLogger(__name__)
 
 # A temperature below this is greedy decoding (vLLM's _SAMPLING_EPS), and a top_p below it is raised to it (which
 # keeps the top token only all the same): in float32 a tinier temperature divides the logits into inf and a tinier
@@ -71,6 +74,8 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     except Exception:
         job.close()
         raise
+    # the response's id beside its engine requests' ids: with API server processes the engine core logs the latter
+    logger.debug("%s: engine requests %s", job.id, " ".join(job.request_ids))
     state.metrics.count_tokens(sum(map(len, prompts)), 0)
     if parsed.stream:
         state.metrics.count_request(endpoint, 200)
