@@ -416,6 +416,13 @@ def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint,
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
     with pytest.raises(NotImplementedError, match="LoRA adapter folder .* while a DeepSpeed ZeRO-3 config"):
         AutoModelForCausalLM.from_pretrained(adapter, progress=False)
+    # a classifier from the causal LM's checkpoint: its missing score drawn whole (N(0, 0.02)), then partitioned
+    from gpuformers import AutoModelForSequenceClassification
+
+    score = AutoModelForSequenceClassification.from_pretrained(tiny_checkpoint, num_labels=3, progress=False).score
+    assert score.weight.shape == (0,)
+    with deepspeed.zero.GatheredParameters([score.weight]):
+        assert score.weight.shape == (3, 64) and 0.01 < score.weight.std().item() < 0.03
 
     losses = {}
     trainer = Trainer(model, args, train_dataset=helpers.make_rows(12), eval_dataset=helpers.make_rows(4, seed=5))
