@@ -424,19 +424,29 @@ def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint,
     with deepspeed.zero.GatheredParameters([score.weight]):
         assert score.weight.shape == (3, 64) and 0.01 < score.weight.std().item() < 0.03
 
-    losses = {}
     trainer = Trainer(model, args, train_dataset=helpers.make_rows(12), eval_dataset=helpers.make_rows(4, seed=5))
     with pytest.raises(NotImplementedError, match=r"evaluate\(\) before train\(\) on a model that from_pretrained"):
         trainer.evaluate()  # no engine yet to gather the parameters
-    trainer.train()
-    losses["init"] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
-    distributed.set_zero3_init(None)  # (ends the registration: the next model loads whole)
-    whole = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
-    trainer = Trainer(whole, helpers.tiny_args(tmp_path / "whole", deepspeed=ZERO3, max_steps=3),
-                      train_dataset=helpers.make_rows(12))
-    trainer.train()
-    losses["whole"] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
-    assert len(losses["init"]) == 6 and losses["init"] == pytest.approx(losses["whole"], rel=1e-5, abs=1e-5)
+    # trains like the model loaded whole: in float32, and in bf16 (built in the config's bf16, not the load's float32)
+    made = {("float32", "partitioned"): trainer}  # the model and arguments above
+    for name, extra in (("float32", {}), ("bf16", {"bf16": True})):
+        losses = {}
+        for load in ("partitioned", "whole"):
+            trainer = made.get((name, load))
+            if trainer is None:
+                distributed.set_zero3_init(None)  # (ends the registration: a model loaded now is whole)
+                if load == "partitioned":
+                    args = helpers.tiny_args(tmp_path / name / load, deepspeed=ZERO3, max_steps=3, **extra)
+                    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
+                    assert model.lm_head.weight.ds_tensor.dtype == torch.bfloat16
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, progress=False)
+                    args = helpers.tiny_args(tmp_path / name / load, deepspeed=ZERO3, max_steps=3, **extra)
+                trainer = Trainer(model, args, train_dataset=helpers.make_rows(12))
+            trainer.train()
+            losses[load] = [v for e in trainer.state.log_history if "loss" in e for v in (e["loss"], e["grad_norm"])]
+        assert len(losses["whole"]) == 6
+        assert losses["partitioned"] == pytest.approx(losses["whole"], rel=1e-5, abs=1e-5), name
 
     held = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
     assert distributed.zero3_init() is held._zero3_init
