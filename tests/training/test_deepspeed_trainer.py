@@ -8,8 +8,8 @@
   weights gathered) loads in transformers with equal logits; its first run's model is built partitioned by
   from_pretrained (the ZeRO-3 TrainingArguments made first: deepspeed.zero.Init), each process holding half of every
   parameter, the partitions together the checkpoint's weights;
-- in one process, that registration's lifetime, the partitioned model training like the one loaded whole, and what
-  is refused under it (device_map, quantization, tp_plan, GGUF, an adapter folder, evaluate() before train());
+- in one process, that registration's lifetime, the partitioned model training like the one loaded whole (float32,
+  bf16), from_config's partitioned model drawing the whole one's weights, and what is refused under it (device_map, quantization, tp_plan, GGUF, an adapter folder, evaluate() before train());
 - in one process (a process group of one, made by the Trainer): ZeRO-1, ZeRO-2, and ZeRO-3 offloading parameters and
   optimizer to the CPU, train like no DeepSpeed, and load_best_model_at_end loads the best checkpoint's states;
   ZeRO-3 with the config's own optimizer and scheduler, and save_model without
@@ -450,6 +450,17 @@ def test_zero3_arguments_made_first_build_the_model_partitioned(tiny_checkpoint,
 
     held = helpers.tiny_args(tmp_path, deepspeed=ZERO3)
     assert distributed.zero3_init() is held._zero3_init
+    # from_config builds partitioned too, drawing what the whole model draws from the same seed
+    torch.manual_seed(0)
+    drawn = AutoModelForCausalLM.from_config(model.config)
+    assert drawn.lm_head.weight.shape == (0,)
+    distributed.set_zero3_init(None)
+    torch.manual_seed(0)
+    expected = AutoModelForCausalLM.from_config(model.config).state_dict()
+    with deepspeed.zero.GatheredParameters(list(drawn.parameters())):
+        for name, value in drawn.state_dict().items():
+            torch.testing.assert_close(value, expected[name], atol=0, rtol=0)
+    distributed.set_zero3_init(held._zero3_init)
     del held
     assert distributed.zero3_init() is None  # the arguments are gone: models load whole again
     kept = helpers.tiny_args(tmp_path, deepspeed=ZERO3)

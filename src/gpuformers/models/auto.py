@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gpuformers import distributed
 from gpuformers.models import load_steps as steps
 from gpuformers.models.config import ModelConfig
 from gpuformers.models.heads import TaskModel, base_model_class, causal_lm_class, sequence_classification_class
@@ -132,13 +133,21 @@ class AutoTokenizer:
 
 
 def _from_config(cls, config: ModelConfig, dtype, attn_implementation):
+    """Under a ZeRO-3 config in force (TrainingArguments made first), built partitioned as from_pretrained builds
+    (load_steps.build_partitioned; transformers does the same), in `dtype` unless the config says fp16 / bf16."""
     from gpuformers.device import parse_dtype
 
-    model = cls(config)
-    model.apply(_init_weights(config.initializer_range))
-    model.tie_weights()
-    if dtype is not None and dtype != "auto":
-        model.to(parse_dtype(dtype))
+    zero3 = distributed.zero3_init()
+    if zero3 is not None:
+        chosen = torch.float32 if dtype is None or dtype == "auto" else parse_dtype(dtype)
+        model = steps.build_partitioned(cls, config, zero3, chosen, initialize=_init_weights(config.initializer_range))
+        model.tie_weights()
+    else:
+        model = cls(config)
+        model.apply(_init_weights(config.initializer_range))
+        model.tie_weights()
+        if dtype is not None and dtype != "auto":
+            model.to(parse_dtype(dtype))
     if attn_implementation:
         model.set_attn_implementation(attn_implementation)
     return model

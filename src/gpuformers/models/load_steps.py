@@ -25,7 +25,7 @@ adapter folder are refused then (NotImplementedError naming the combination).
 Offers: LoadState; the steps choose_devices, resolve_files, read_config, pick_class, find_weights, choose_dtype,
 build_on_meta, quantize, plan_devices, load_weights, finish, dispatch, add_generation_config, split_tensor_parallel,
 apply_kernels, load_adapter, and for GGUF read_gguf, place_gguf, load_gguf_weights, quantize_loaded; gguf_path
-(gguf_file= as a path, which AutoTokenizer uses too).
+(gguf_file= as a path, which AutoTokenizer uses too); build_partitioned (ZeRO-3, which from_config uses too).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch import nn
 
 from gpuformers import distributed
 from gpuformers.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, HubKwargs, resolve_model_dir
@@ -127,7 +128,7 @@ def build_on_meta(options: LoadOptions, state: LoadState) -> None:
     """The model on the meta device: no memory, no random init; the load creates each tensor once, filled. Under
     ZeRO-3, partitioned over the processes instead (deepspeed.zero.Init), its tensors unfilled until load_weights."""
     if state.zero3 is not None:
-        state.model = _build_partitioned(state.cls, state.config, state.zero3, state.dtype)
+        state.model = build_partitioned(state.cls, state.config, state.zero3, state.dtype)
         return
     with torch.device("meta"), skip_init():
         state.model = state.cls(state.config)
@@ -336,11 +337,14 @@ def _zero3_refusal(what: str, fix: str) -> NotImplementedError:
         f"TrainingArguments (it then loads whole and DeepSpeed partitions it when training starts)")
 
 
-def _build_partitioned(cls, config: ModelConfig, zero3: distributed.ZeroInit, dtype: torch.dtype):
+def build_partitioned(cls, config: ModelConfig, zero3: distributed.ZeroInit, dtype: torch.dtype,
+                      initialize: Callable[[nn.Module], None] | None = None):
     """The model built inside deepspeed.zero.Init over the process group the Trainer will use: each module's
     parameters are made on the device and split over the processes as its __init__ ends (this process keeps
-    1/world_size of each), left unfilled (skip_init): load_weights fills them. Its dtype: the config's fp16 / bf16
-    when it enables one (what DeepSpeed's engine casts a whole model to), else the load's."""
+    1/world_size of each), left unfilled (skip_init) for load_weights to fill, or, with `initialize` (from_config),
+    each module gathered, initialised by it and process 0's values kept (DeepSpeed wraps Module.apply inside Init).
+    Its dtype: the config's fp16 / bf16 when it enables one (what DeepSpeed's engine casts a whole model to), else
+    `dtype`. Buffers are recomputed on zero3.device afterwards (Init makes floating tensors in its own dtype)."""
     import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 TrainingArguments sets zero3, and needs it
 
     if config.extra.get("quantization_config") is not None:
@@ -356,8 +360,15 @@ def _build_partitioned(cls, config: ModelConfig, zero3: distributed.ZeroInit, dt
     # dtype=None: the config's choice (its half precision, else float32); an explicit float32 would be read wrongly
     # (deepspeed 0.19 takes `dtype or float16 if the accelerator has float16 else ...`: bfloat16 on its CPU one)
     with deepspeed.zero.Init(config_dict_or_path=zero3.config,
-                             dtype=None if half or dtype == torch.float32 else dtype), skip_init():
-        return cls(config)
+                             dtype=None if half or dtype == torch.float32 else dtype):
+        if initialize is None:
+            with skip_init():
+                model = cls(config)
+        else:
+            model = cls(config)
+            model.apply(initialize)
+    model.reset_buffers(zero3.device)
+    return model
 
 
 def _fill_partitioned(target, read) -> None:
