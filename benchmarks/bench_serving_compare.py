@@ -8,6 +8,12 @@ and cache settings, run_until_done) on the same requests. Each server process's 
 clocks: psutil) divided by the tokens streamed is its host CPU per token.
 
     python benchmarks/bench_serving.py --compare --shape micro --client-counts 64 256 --output-len 64 64
+    python benchmarks/bench_serving.py --compare --shape host --client-counts 256 --vllm-python V/bin/python
+
+With --vllm-python, vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, from its own virtualenv) runs
+the same rounds on the same checkpoint, float32, after our servers of each row: on the CPU with every core computing
+(VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE=2 GiB; its processes' CPU is
+counted the same way. The clients parse both servers' JSON (vLLM's is compact: no spaces after colons).
 
 Offers: compare (called by bench_serving.py), and the client process's main.
 """
@@ -18,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,14 +46,14 @@ async def _stream(port: int, body: dict) -> dict:
         data = await reader.read(1 << 16)
         if not data:
             break
-        events = data.count(b'"text": "')  # a text chunk's (the usage chunk has none)
+        events = data.count(b'"text": "') + data.count(b'"text":"')  # a text chunk's (the usage chunk has none)
         if events:
             times.append((time.perf_counter(), events))
         parts.append(data)
     writer.close()
     raw = b"".join(parts)
-    usage = raw.rfind(b'"completion_tokens": ')
-    tokens = int(raw[usage + 21:raw.index(b",", usage)]) if usage >= 0 else 0
+    usage = re.findall(rb'"completion_tokens":\s*(\d+)', raw)  # the usage chunk's (any key order, any spacing)
+    tokens = int(usage[-1]) if usage else 0
     return {"start": start, "times": times, "end": time.perf_counter(), "tokens": tokens,
             "done": raw.rstrip().endswith(b"data: [DONE]") or b"data: [DONE]" in raw[-64:]}
 
@@ -111,15 +118,45 @@ def _cpu_seconds(processes) -> dict[int, float]:
     return out
 
 
+def start_vllm(python: str, model: Path, port: int, args) -> subprocess.Popen:
+    """vLLM's OpenAI server on `model` (served as "bench"), ready for requests."""
+    import httpx
+
+    cores = os.cpu_count() or 1
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+               "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+               "--max-num-seqs", str(max(args.client_counts)), "--no-enable-log-requests", "--seed", "0"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {server.returncode}: {' '.join(command)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.kill()
+    raise RuntimeError("vLLM's server was not ready within 600 s")
+
+
 def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: Path) -> dict:
+    """One row: `count` API servers of ours (0: vLLM's server) answering `clients` streaming clients."""
     import psutil
 
     port = bench.free_port()
     args.clients = clients
-    server = bench.start_server(model, port, args, "--api-server-count", str(count))
+    if count:
+        server = bench.start_server(model, port, args, "--api-server-count", str(count))
+    else:
+        server = start_vllm(args.vllm_python, model, port, args)
     try:
         core = psutil.Process(server.pid)
-        processes = [core, *core.children()]
+        processes = [core, *core.children(recursive=count == 0)]
         bodies = [{"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
                    "ignore_eos": True, "stream_options": {"include_usage": True}} for prompt, tokens in requests]
         file = tmp / f"bodies-{clients}-{count}.json"
@@ -144,12 +181,13 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
     for r in results:
         for (a, _), (b, events) in zip(r["times"], r["times"][1:]):
             itl += [(b - a) / events] * events  # chunks that arrived in one read share the gap
-    names = ["core" if count > 1 else "server"] + [f"api{i}" for i in range(len(processes) - 1)]
+    names = (["core" if count > 1 else "server"] + [f"api{i}" for i in range(len(processes) - 1)] if count
+             else ["vllm"] + [f"vllm{i}" for i in range(1, len(processes))])
     cpu = {name: round(1e6 * (after.get(p.pid, 0) - before.get(p.pid, 0)) / tokens, 1)
            for name, p in zip(names, processes)}
     cpu["all_server"] = round(sum(cpu.values()), 1)
     cpu["client"] = round(1e6 * report["client_cpu"] / tokens, 1)
-    return dict(clients=clients, api_server_count=count, tokens=tokens, seconds=round(seconds, 2),
+    return dict(clients=clients, api_server_count=count if count else "vllm", tokens=tokens, seconds=round(seconds, 2),
                 server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
                 ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
                 itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu)
@@ -172,7 +210,7 @@ def compare(args, bench) -> None:
                          rng.randint(*output_len)) for _ in range(clients)]
             alone = engine_alone(model, requests, args.num_blocks)
             print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone)}), flush=True)
-            for count in args.api_server_counts:
+            for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
                 row = measure(bench, model, args, clients, count, requests, tmp)
                 row.update(engine_alone_tok_s=round(alone), server_over_engine=round(row["server_tok_s"] / alone, 2))
                 rows.append(row)
