@@ -119,6 +119,9 @@ def test_a_structured_output_leaves_the_think_block_free(qwen3_tokenizer):
 @pytest.mark.parametrize("fields, param, words", [
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "drop one of them"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strng"}}}}}], "tool_choice": "required"},
+     "tool_choice", 'Unsupported type "strng"'),  # a schema the grammar cannot follow: a 400, not a 500
 ])
 def test_bad_combinations_are_400s(qwen3_tokenizer, fields, param, words):
     http, manager = serve(qwen3_tokenizer, [CALL])

@@ -8,7 +8,8 @@ A thinking model keeps its reasoning under a structured output or a forced call:
 think block ends. Without such a model, a structured output is compiled as before (the spec as parsed); everything
 else becomes one xgrammar structural tag ({"type": "structural_tag", "format": ...}, engine/structured.py).
 
-Offers: answer_spec.
+Offers: needs_grammar (a cheap test, on the event loop), answer_grammar (the compiled Grammar: off the event loop),
+answer_spec.
 """
 
 from __future__ import annotations
@@ -20,25 +21,48 @@ from gpuformers.serving.completion_request import CompletionRequest
 _PROMPT_TAIL_TOKENS = 16  # enough of the prompt's end to hold "<think>" / "</think>" and what a template adds
 
 
-def answer_spec(state, parsed: CompletionRequest, prompt_ids: list[int]) -> dict | None:
-    """The structured-output spec the engine compiles for this chat answer (None: unconstrained). `prompt_ids` show
-    whether the chat template already opened or closed the think block."""
-    forced = parsed.tool_choice in ("required", "function")
-    if not forced and parsed.structured_output is None:
-        return None
-    param = "tool_choice" if forced else parsed.structured_output.get("param") or _format_param(parsed)
+_FORCED = ("required", "function")  # the tool_choice values that force a call
+
+
+def needs_grammar(parsed: CompletionRequest) -> bool:
+    """Whether the answer is held to a grammar: a structured output, or a forced tool call."""
+    return parsed.structured_output is not None or parsed.tool_choice in _FORCED
+
+
+def answer_grammar(state, parsed: CompletionRequest, prompt_ids: list[int]):
+    """The engine Grammar of a request that needs_grammar (rendering the spec and compiling it take milliseconds to
+    seconds: call it off the event loop)."""
+    spec = answer_spec(state, parsed, prompt_ids)
+    return state.compile_grammar(spec, spec["param"])
+
+
+def answer_spec(state, parsed: CompletionRequest, prompt_ids: list[int]) -> dict:
+    """The structured-output spec the engine compiles for this answer (which needs_grammar), with the request field
+    it answers to as "param". `prompt_ids` show whether the chat template already opened or closed the think
+    block."""
+    forced = parsed.tool_choice in _FORCED
+    param = ("tool_choice" if forced else parsed.structured_output.get("param")
+             or ("text.format" if parsed.responses else "response_format"))
     reasoner = state.reasoning_parser if parsed.chat else None
     block = None
     if reasoner is not None:
         block = reasoner.block_ahead(state.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:],
                                                             skip_special_tokens=False))
     if not forced and block is None:
-        return parsed.structured_output  # no think block ahead: compiled the way it always was
+        return {**parsed.structured_output, "param": param}  # no think block ahead: compiled the way it always was
     if forced:
         if parsed.structured_output is not None:
             raise APIError(400, "tool_choice that forces a call cannot be combined with a structured output (the "
                                 "answer is the call); drop one of them", "tool_choice")
-        answer = state.tool_call_parser.forced_calls(parsed.tools, parsed.tool_name)
+        parser = state.tool_call_parser  # routes_chat checked that the model has one
+        try:
+            answer = parser.forced_calls(parsed.tools, parsed.tool_name)
+        except (ImportError, ValueError) as error:  # xgrammar missing; a parameters schema it cannot read
+            raise APIError(400, f"tool_choice {parsed.tool_choice!r}: {error}", "tool_choice") from None
+        if answer is None:
+            raise APIError(400, f"tool_choice {parsed.tool_choice!r} is not supported with the {parser.name!r} "
+                                f"tool-call format (no grammar for its calls yet); use tool_choice \"auto\"",
+                           "tool_choice")
     else:
         answer = _format_of(parsed.structured_output, param)
     if block is not None:
@@ -49,10 +73,6 @@ def answer_spec(state, parsed: CompletionRequest, prompt_ids: list[int]) -> dict
                                 f"after the reasoning); leave {param} out", param)
         answer = around
     return {"type": "structural_tag", "format": answer, "param": param}
-
-
-def _format_param(parsed: CompletionRequest) -> str:
-    return "text.format" if parsed.responses else "response_format"
 
 
 def _format_of(spec: dict, param: str) -> dict:

@@ -55,7 +55,7 @@ def chat_prompt_ids(state: ServerState, parsed: CompletionRequest, add_generatio
 
 def _tools_of(state: ServerState, parsed: CompletionRequest) -> list[dict] | None:
     """The tools the template renders; with a tool_choice other than "none" the answer's calls must be parseable
-    too (and for a forced call, writable by a grammar in the model's format)."""
+    too (a forced call's grammar is answer_grammar.py's)."""
     if parsed.tools and parsed.tool_choice != "none":
         if state.tool_call_parser is None:
             raise APIError(400, f"model {state.model_name!r} has no tool-call parser (its chat template shows no "
@@ -65,10 +65,6 @@ def _tools_of(state: ServerState, parsed: CompletionRequest) -> list[dict] | Non
             raise APIError(400, f"the chat template of model {state.model_name!r} does not render tools, so the "
                                 "model would never see them; serve a model whose chat template takes tools "
                                 "(Qwen2.5, Qwen3, Hermes), or leave tools out", "tools")
-        if parsed.tool_choice != "auto" and state.tool_call_parser.forced_calls(parsed.tools) is None:
-            raise APIError(400, f"tool_choice {parsed.tool_choice!r} is not supported with the "
-                                f"{state.tool_call_parser.name!r} tool-call format (no grammar for its calls yet); "
-                                f"use tool_choice \"auto\"", "tool_choice")
     return parsed.tools
 
 

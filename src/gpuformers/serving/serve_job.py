@@ -19,7 +19,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from gpuformers.serving.answer_grammar import answer_spec
+from gpuformers.serving.answer_grammar import answer_grammar, needs_grammar
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
 from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
@@ -63,10 +63,8 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
                                  "" if len(prompts) == 1 else f"prompt[{index}]: ")
                   for index, ids in enumerate(prompts)]
     grammar = None
-    spec = answer_spec(state, parsed, prompts[0])  # a structured output or a forced tool call, after any thinking
-    if spec is not None:
-        param = spec.get("param") or ("text.format" if parsed.responses else "response_format")
-        grammar = await asyncio.to_thread(state.compile_grammar, spec, param)
+    if needs_grammar(parsed):  # a structured output or a forced tool call, after any thinking
+        grammar = await asyncio.to_thread(answer_grammar, state, parsed, prompts[0])
     state.engine.reserve(choices)
     job = job_class(state, parsed, prompts, max_tokens, asyncio.get_running_loop())
     try:
