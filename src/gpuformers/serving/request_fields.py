@@ -3,8 +3,8 @@ range, stop strings, the model name and the set of known fields, and "text only"
 
 Each failure is an APIError naming the field, its value and what is allowed.
 
-Offers: MAX_STOP, MAX_SHOWN, shown_value, type_name, int_field, float_field, bool_field, stop_field, model_field (for
-serving's request modules).
+Offers: MAX_STOP, MAX_SHOWN, shown_value, type_name, int_field, float_field, bool_field, stop_field, known_fields,
+model_field (for serving's request modules).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def stop_field(body: dict) -> list[str]:
     return stops
 
 
-def model_field(body: Any, allowed: set[str], ignored: set[str]) -> str:
-    """The model name of a JSON object body whose fields are all `allowed` or `ignored`."""
+def known_fields(body: Any, allowed: set[str], ignored: set[str] = frozenset()) -> None:
+    """A 400 unless `body` is a JSON object whose fields are all `allowed` or `ignored`."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type_name(body)}")
     unknown = sorted(set(body) - allowed - ignored)
@@ -89,6 +89,11 @@ def model_field(body: Any, allowed: set[str], ignored: set[str]) -> str:
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         raise APIError(400, f"unknown field(s): {shown}{more}; known: {', '.join(sorted(allowed))}",
                        unknown[0][:MAX_SHOWN])
+
+
+def model_field(body: Any, allowed: set[str], ignored: set[str]) -> str:
+    """The model name of a JSON object body whose fields are all `allowed` or `ignored`."""
+    known_fields(body, allowed, ignored)
     model = body.get("model")
     if model is None:
         raise APIError(400, "model is required: give the name /v1/models lists", "model")

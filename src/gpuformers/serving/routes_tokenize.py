@@ -26,7 +26,7 @@ from gpuformers.serving.api_error import APIError
 from gpuformers.serving.chat_request import ROLES, chat_template_kwargs_field, parse_message, tools_field
 from gpuformers.serving.completion_request import CompletionRequest
 from gpuformers.serving.http import check_api_key, read_json
-from gpuformers.serving.request_fields import bool_field, shown_value, type_name
+from gpuformers.serving.request_fields import bool_field, known_fields, shown_value, type_name
 from gpuformers.serving.routes_chat import chat_prompt_ids
 from gpuformers.serving.server_state import ServerState
 
@@ -65,13 +65,8 @@ async def detokenize(request: Request):
 
 
 def _check_fields(state: ServerState, body: Any, allowed: set[str]) -> None:
-    """A JSON object of known fields whose `model`, if sent, is served here."""
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type_name(body)}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise APIError(400, f"unknown field(s): {', '.join(shown_value(n) for n in unknown[:10])}; known: "
-                            f"{', '.join(sorted(allowed))}", unknown[0][:300])
+    """A JSON object of known fields whose `model`, if sent, is served here (vLLM's rule: it may be left out)."""
+    known_fields(body, allowed)
     if body.get("model") is not None:
         state.adapter_of(body["model"])
 
