@@ -2,10 +2,12 @@
 (engine_core.py) as `python -m gpuformers.serving.api_server CONFIG INDEX`: the same FastAPI app as the one-process
 server (server.build_app: routes, validation, chat templates, tokenization, detokenization, stop strings, tool-call
 and reasoning parsing, SSE) over an EngineClient (engine_client.py) instead of the engine itself, served by uvicorn
-on the listening socket it inherited from the core.
+on a listening socket of its own bound to the port with SO_REUSEPORT (Linux: the kernel spreads connections between
+the API servers), or on the one listening socket inherited from the core (elsewhere).
 
-CONFIG is the core's JSON file (in its private run folder): the app's settings, the socket's file descriptor, the
-core's pid and the facts of its model; the API key comes in $GPUFORMERS_API_KEY, not on the command line.
+CONFIG is the core's JSON file (in its private run folder): the app's settings, the port (and the inherited socket's
+file descriptor, if any), the core's pid and the facts of its model; the API key comes in $GPUFORMERS_API_KEY, not on
+the command line.
 
 Offers: main.
 """
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpuformers import AutoTokenizer
     from gpuformers.serving.connections import ConnectionLimits
     from gpuformers.serving.engine_client import EngineClient
+    from gpuformers.serving.engine_core import listening_socket
     from gpuformers.serving.server import build_app, serve_app
 
     tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"])
@@ -40,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                     config["reasoning_parser"])
     state = app.state.serving
     client.metrics_of = lambda: state.metrics.snapshot(state.engine.in_flight)
-    sock = socket.socket(fileno=config["fd"])
+    if config["fd"] is not None:
+        sock = socket.socket(fileno=config["fd"])
+    else:  # last, once the app is ready: the kernel hands this server connections from the moment it listens
+        sock = listening_socket(config["host"], config["port"], config["backlog"], reuse_port=True)
     limits = ConnectionLimits(*config["limits"])
     serve_app(app, config["host"], config["port"], config["log_level"], config["shutdown_timeout"], limits,
               sockets=[sock])

@@ -229,18 +229,21 @@ def _run_engine_core(args: argparse.Namespace, manager, tokenizer, name: str, co
     """This process as the engine core of `count` API server processes (serving/engine_core.py)."""
     import logging
 
-    from gpuformers.serving.engine_core import EngineCore, listening_socket
+    from gpuformers.serving.engine_core import EngineCore, listening_socket, spreads_connections
 
     # gpuformers' own lines at --log-level (other libraries' at warning), each naming the process that wrote it
     logging.basicConfig(format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gpuformers").setLevel(args.log_level.upper())
-    sock = listening_socket(args.host, args.port, limits.backlog)
+    # Linux: the port held by a bound socket here, each API server listening on its own (SO_REUSEPORT) so that the
+    # kernel spreads the connections; elsewhere one listening socket, inherited by all
+    spread = spreads_connections()
+    sock = listening_socket(args.host, args.port, None if spread else limits.backlog, reuse_port=spread)
     print(f"gpuformers serve: the engine in this process (pid {os.getpid()}), HTTP in {count} API server processes "
           f"(--api-server-count)", flush=True)
     server_config = {"model_name": name, "max_model_len": args.max_model_len,
                      "max_pending": -(-args.max_pending // count), "tool_call_parser": args.tool_call_parser,
                      "reasoning_parser": args.reasoning_parser, "log_level": args.log_level,
-                     "shutdown_timeout": args.shutdown_timeout, "host": args.host, "port": args.port,
+                     "shutdown_timeout": args.shutdown_timeout, "host": args.host, "backlog": limits.backlog,
                      "limits": [limits.header_timeout, limits.keep_alive_timeout, limits.max_connections]}
     code = EngineCore(manager, tokenizer, count, sock, server_config, args.api_key).serve()
     if code:

@@ -10,8 +10,9 @@ request handling (server_state.py, serve_job.py, job.py) is one implementation f
 
 The receiver thread also watches the core: this process's parent. When the core exits (killed, or its engine loop
 broke) the process is re-parented; every request in flight then gets a failed final output (job.py answers 503),
-is_running() turns False (GET /health answers 503, new requests 503), and ORPHAN_EXIT_SECONDS later this server
-stops itself (a supervisor restarting the core must find the port free).
+is_running() turns False (GET /health answers 503, new requests 503), the core's run folder (its ZMQ sockets) is
+removed, and ORPHAN_EXIT_SECONDS later this server stops itself (a supervisor restarting the core must find the port
+free).
 
 Offers: EngineClient, ORPHAN_EXIT_SECONDS.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -58,7 +60,7 @@ class EngineClient:
 
         from gpuformers.generation.config import GenerationConfig
 
-        self.index, self.core_pid = index, core_pid
+        self.index, self.core_pid, self.run_dir = index, core_pid, run_dir
         self.generation_config = GenerationConfig.from_dict(facts["generation_config"])
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=facts["vocab_size"],
                                                             max_position_embeddings=facts["max_position_embeddings"]))
@@ -222,6 +224,9 @@ class EngineClient:
 
     def _core_gone(self) -> None:
         self.broken = f"the engine core process {self.core_pid} exited"
+        # A core that was killed (SIGKILL, the OOM killer) could not remove its run folder (the ZMQ sockets, the
+        # config, the tokenizer): the API servers, which outlive it, do (each tries; the first wins)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         logger.error("%s: failing the %d requests in flight; this API server stops in %g s", self.broken,
                      len(self._requests), ORPHAN_EXIT_SECONDS)
         for request_id, (assembly, on_output) in list(self._requests.items()):

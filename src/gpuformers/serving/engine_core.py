@@ -8,17 +8,20 @@ reasoning parsing, SSE), so the front end's Python never holds the engine's GIL.
     ...           │                                               │  engine thread: step, then after_step:
                   ◄──── PUSH ipc://RUN/out-i: one message per step per server (its requests' new tokens) ──┘
 
-The listening socket is made here and inherited by every API server (they accept from the one socket, so a server
-that dies takes no queued connection with it). The messages are engine_wire.py's.
+Connections. On Linux each API server listens on a socket of its own bound to the port with SO_REUSEPORT, and the
+kernel spreads new connections between them; this process holds the port with a socket bound the same way but not
+listening (so it takes no connection). Elsewhere the listening socket is made here and inherited by every API
+server. The messages are engine_wire.py's.
 
 Crashes. An API server that exits is seen within ~0.2 s: its engine requests are cancelled (their KV blocks
 freed) and, when it had run RESTART_AFTER seconds or more, it is started again; the engine goes on for the others.
 When no API server is left, or the engine loop breaks, this process exits with status 1; the API servers see
 their parent go, fail their requests in flight with a 503 and report unhealthy on /health (engine_client.py).
 SIGTERM or Ctrl-C: each API server gets SIGTERM and its graceful shutdown (--shutdown-timeout), then the engine
-stops.
+stops. The run folder (RUN in the picture: private, 0700) goes with this process; when it is killed the API servers
+remove it, and when they were killed too the next core started by this user does (remove_stale_run_dirs).
 
-Offers: EngineCore, listening_socket, RESTART_AFTER.
+Offers: EngineCore, listening_socket, spreads_connections, remove_stale_run_dirs, RUN_DIR_PREFIX, RESTART_AFTER.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,43 +45,85 @@ from gpuformers.serving.engine_wire import OutputDeltas, pack, unpack
 
 logger = logging.getLogger(__name__)
 
+RUN_DIR_PREFIX = "gpuformers-serve-"  # the core's private run folder in the temp folder: its ZMQ sockets and config
 RESTART_AFTER = 10.0  # an API server that ran at least this long before it exited is started again
 TICK_SECONDS = 0.5  # facts and the servers' metrics go out at least this often, work or not
 _WATCH_SECONDS = 0.2  # how often the API server processes are looked at
 
 
-def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
-    """The server's TCP socket, bound and listening, inheritable by the API server processes."""
+def remove_stale_run_dirs(parent: str | None = None) -> list[str]:
+    """Remove the run folders (RUN_DIR_PREFIX*, this user's) of engine cores that no longer run: the API servers
+    remove the folder of a core that was killed, but not when they were killed with it. A folder whose core pid is
+    alive (or taken again by another process) is left alone. Returns the folders removed."""
+    removed = []
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = json.loads((folder / "api_server.json").read_text())["core_pid"]
+            os.kill(pid, 0)
+        except ProcessLookupError:  # its core is gone
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+        except (OSError, ValueError, KeyError, TypeError):  # not ours, being made, or its core alive
+            continue
+    if removed:
+        logger.info("removed the run folders of engine cores that no longer run: %s", ", ".join(removed))
+    return removed
+
+
+def listening_socket(host: str, port: int, backlog: int | None, reuse_port: bool = False) -> socket.socket:
+    """The server's TCP socket bound to host:port. `reuse_port` (Linux): with SO_REUSEPORT, so that each API server
+    binds a listening socket of its own on the same port and the kernel spreads new connections between them (by a
+    hash of the connection's addresses); other programs, and other users, still cannot take the port. `backlog` None:
+    bound, not listening (the core's socket in that mode: it holds the port from before the API servers start until
+    after they end, and takes no connection, since the kernel hands connections only to listening sockets). Else
+    listening, and without `reuse_port` inheritable (the API servers accept from this one socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {error}; choose another --port or --host") from None
-    sock.listen(backlog)
-    sock.set_inheritable(True)
+    if backlog is not None:
+        sock.listen(backlog)
+        sock.set_inheritable(not reuse_port)
     return sock
+
+
+def spreads_connections() -> bool:
+    """Whether the API servers listen on sockets of their own (SO_REUSEPORT): Linux only, where the kernel balances
+    connections between such sockets; elsewhere (BSD, macOS: the last socket bound would take them all) they accept
+    from one inherited socket."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
 class EngineCore:
     """Runs `manager` for `count` API server processes until SIGTERM / Ctrl-C (`serve()`). `server_config` is what
-    each API server needs besides the facts of the model read here (api_server.py reads it)."""
+    each API server needs besides the facts of the model read here (api_server.py reads it). `sock`: from
+    listening_socket, either listening (each API server inherits it) or only bound with SO_REUSEPORT (each API
+    server binds its own listening socket on that port; `server_config["backlog"]` sizes its queue)."""
 
     def __init__(self, manager, tokenizer, count: int, sock: socket.socket, server_config: dict,
                  api_key: str | None = None):
         import zmq
 
         self.manager, self.tokenizer, self.count, self.sock = manager, tokenizer, count, sock
+        self._inherited = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
         self.api_key = api_key
-        self._run_dir = tempfile.TemporaryDirectory(prefix="gpuformers-serve-")  # 0700: the sockets' folder
+        remove_stale_run_dirs()
+        self._run_dir = tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX)  # 0700: the sockets' folder
         run_dir = self._run_dir.name
         tokenizer.save_pretrained(Path(run_dir) / "tokenizer")  # what the API servers load, whatever its source
         generation_config = manager.generation_config.to_dict()
         self.config_path = Path(run_dir) / "api_server.json"
         self.config_path.write_text(json.dumps({
-            **server_config, "run_dir": run_dir, "fd": sock.fileno(), "core_pid": os.getpid(),
+            **server_config, "run_dir": run_dir, "core_pid": os.getpid(),
+            "fd": sock.fileno() if self._inherited else None, "port": sock.getsockname()[1],
             "tokenizer": str(Path(run_dir) / "tokenizer"),
             "facts": {"generation_config": generation_config, "vocab_size": manager.model.config.vocab_size,
                       "max_position_embeddings": getattr(manager.model.config, "max_position_embeddings", None),
@@ -239,7 +285,7 @@ class EngineCore:
         command = [sys.executable, "-m", "gpuformers.serving.api_server", str(self.config_path), str(index)]
         # A session of its own: Ctrl-C in a terminal reaches this process only, which passes SIGTERM on (a second
         # signal would cut uvicorn's graceful shutdown short)
-        self._processes[index] = subprocess.Popen(command, env=env, pass_fds=(self.sock.fileno(),),
+        self._processes[index] = subprocess.Popen(command, env=env, pass_fds=(self.sock.fileno(),) if self._inherited else (),
                                                   start_new_session=True)
         self._started[index] = time.monotonic()
         logger.info("api server %d started (pid %d)", index, self._processes[index].pid)
