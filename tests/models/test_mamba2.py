@@ -1,8 +1,8 @@
 """Mamba2 against transformers' Mamba2ForCausalLM on tiny random checkpoints with n_groups > 1 and chunk sizes that do
 not divide the prompts: module names, logits and loss (float32 < 1e-4), gradients, the recurrent cache (prefill then
 decode, a prefill continued from a state, chunked prefill), greedy, sampling and beam search tokens, the bare model,
-saving for transformers, LoRA on in_proj / out_proj against peft, the Trainer's loss, the config checks, and the
-refusals (engine, assisted decoding, static cache, cropping a state)."""
+saving for transformers, LoRA on in_proj / out_proj against peft, the Trainer's loss, the config checks, the engine's
+tokens against generate(), and the refusals (assisted decoding, static cache, cropping a state)."""
 
 from __future__ import annotations
 
@@ -138,15 +138,22 @@ def test_trainer_loss_matches_transformers(checkpoints, tmp_path):
     assert len(logged) == 1 and abs(logged[0] - expected) < 1e-4
 
 
+def test_the_engine_gives_generates_tokens(checkpoints):
+    """generate_batch on the transformers-saved checkpoint: each request's greedy tokens equal generate()'s."""
+    ours = load(checkpoints["groups"][0])
+    prompts = [[5, 9, 23], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    outputs = ours.generate_batch(prompts, max_new_tokens=6, do_sample=False, eos_token_id=None, progress_bar=False)
+    for prompt, output in zip(prompts, outputs.values()):
+        expected = ours.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert output.generated_tokens == expected[0, len(prompt):].tolist()
+
+
 def test_refusals_name_what_is_missing(checkpoints):
     from gpuformers.generation.state_cache import RecurrentCache
 
     ours = load(checkpoints["groups"][0])
     ids = torch.tensor([[5, 9, 23, 42, 7]])
-    with pytest.raises(NotImplementedError, match="state-space model"):
-        ours.generate_batch([[5, 9, 23]], max_new_tokens=2, progress_bar=False)
-    with pytest.raises(NotImplementedError, match="state-space model"):
-        ours.init_continuous_batching()
     with pytest.raises(NotImplementedError, match="state rollback"):
         ours.generate(ids, prompt_lookup_num_tokens=2, max_new_tokens=3)
     with pytest.raises(NotImplementedError, match="state-space model"):

@@ -2,7 +2,7 @@
 MoE blocks; n_groups > 1; chunk sizes that do not divide the prompts): the checkpoint layout, logits, loss and gradients,
 one cache holding the mamba states and the attention keys and values (prefill then decode), greedy, sampling and
 beam search tokens, the bare model, saving for transformers, the older config spellings (hybrid_override_pattern,
-mamba_* names), LoRA against peft, and the refusals (the engine, bad expert groups)."""
+mamba_* names), LoRA against peft, and the refusals (bad expert groups)."""
 
 from __future__ import annotations
 
@@ -161,8 +161,6 @@ def test_refusals_name_what_is_missing(checkpoints):
         ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*E", "n_group": 3})
     with pytest.raises(ConfigFieldError, match=r"hybrid_override_pattern 'M\*X' has the letters \['X'\]"):
         ModelConfig.from_dict({"model_type": "nemotron_h", **SHAPES, "hybrid_override_pattern": "M*X"})
-    with pytest.raises(NotImplementedError, match="state-space model"):
-        load(checkpoints["hybrid"][0]).generate_batch([[5, 9, 23]], max_new_tokens=2, progress_bar=False)
 
 
 def test_mamba_sizes_are_range_checked():

@@ -140,6 +140,11 @@ class BlockManager:
         seq.num_cached_tokens += found
         return found
 
+    def chunk_limit(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of the num_tokens tokens the scheduler would compute next it may: all of them here; a model with
+        mamba layers stops a chunk where a state snapshot is to be taken (state_slots.py)."""
+        return num_tokens
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks the sequence needs so that its first num_tokens tokens have slots."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))

@@ -17,11 +17,15 @@ from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block, step_workspace_bytes
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
 from gpuformers.engine.sequence import SamplingParams
+from gpuformers.engine.state_slots import attention_layer_indices, has_mamba_layers, state_rows_bytes
 from gpuformers.kernels.cpu_linear import available_ram, copies_fit, packable_linears
 from gpuformers.kernels.cpu_matmul_probe import packs_some_rows, prepack_available
 from gpuformers.sizes import format_size
 
 _CPU_CACHE_CAP = 2 << 30  # bytes: on the CPU the cache comes out of the same RAM as everything else
+# Blocks of a model without attention layers (Mamba2): they take no memory, only count tokens and carry the prefix
+# hashes; this many hold 512k tokens of 64 (2M of 256)
+_STATE_ONLY_BLOCKS = 8192
 
 
 @dataclass
@@ -41,6 +45,9 @@ class ContinuousBatchingConfig:
     # and the copies take at most a quarter of the free RAM.
     prepack_weights: bool | None = None
     scheduler_type: str = "fifo"
+    # A model with mamba layers: how many prefix-cache snapshots of their states to keep (engine/state_slots.py);
+    # each takes one sequence's state. Default: max_requests_per_batch // 8, at least 4 (0 without block sharing).
+    num_state_snapshots: int | None = None
     return_logprobs: bool = False
     # Seeds the run: each sampled request without a seed of its own gets one drawn from random.Random(seed) when it
     # is added, so a run repeats and identical prompts still get different samples. None: torch's global generator.
@@ -55,6 +62,9 @@ class ContinuousBatchingConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int (or None for automatic)")
+        snapshots = self.num_state_snapshots
+        if snapshots is not None and (not isinstance(snapshots, int) or isinstance(snapshots, bool) or snapshots < 0):
+            raise ValueError(f"num_state_snapshots={snapshots!r} must be an int >= 0 (or None for automatic)")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (16, 32, ..., 256)")
 
@@ -68,6 +78,11 @@ class ContinuousBatchingConfig:
         # behind its matmuls, while a decode batch waits at most one such step
         values["max_batch_tokens"] = self.max_batch_tokens or (8192 if cuda else 512)
         values["max_requests_per_batch"] = self.max_requests_per_batch or (256 if cuda else 128)
+        stateful = has_mamba_layers(model)
+        if not stateful or not values["allow_block_sharing"]:
+            values["num_state_snapshots"] = 0
+        elif self.num_state_snapshots is None:
+            values["num_state_snapshots"] = max(4, values["max_requests_per_batch"] // 8)
         tp_size = getattr(model, "tp_size", 1)
         if self.num_blocks is None:
             values["num_blocks"], sizes = self._blocks_that_fit(model, values, tp_size)
@@ -79,12 +94,15 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"no KV cache block fits on {model.device}: {sizes}; free memory there (another "
                                  f"process may hold it), raise max_memory_percent, lower block_size, max_batch_tokens "
                                  f"or max_requests_per_batch, or set num_blocks")
+        if stateful and self.use_cuda_graph:
+            raise NotImplementedError(f"use_cuda_graph=True with {type(model).__name__}: CUDA graphs over the mamba "
+                                      f"layers' state slots are not implemented; leave use_cuda_graph None (eager)")
         if self.use_cuda_graph and not cuda:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
         if self.use_cuda_graph and tp_size > 1:
             raise NotImplementedError("CUDA graphs with tensor parallelism (collectives inside a captured graph) are "
                                       "not supported yet; leave use_cuda_graph None (off under tp_plan)")
-        values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size)
+        values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size) and not stateful
         values["prepack_weights"] = decide_prepack(self.prepack_weights, model, tp_size)
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
@@ -93,13 +111,21 @@ class ContinuousBatchingConfig:
     def _blocks_that_fit(self, model, values: dict, tp_size: int) -> tuple[int, str]:
         """(blocks, how they were counted): the KV cache takes at most max_memory_percent of the free memory, and on
         a GPU leaves a step's workspace free; one block of it is the model runner's scratch block."""
-        per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size)
+        num_layers = len(attention_layer_indices(model))
+        per_block = kv_bytes_per_block(model.config, values["block_size"], model.dtype, tp_size, num_layers)
+        if not per_block:  # no layer keeps keys and values (Mamba2): blocks only count tokens for prefix caching
+            return _STATE_ONLY_BLOCKS, "no attention layers: blocks hold no keys and values"
         cuda = model.device.type == "cuda"
         if cuda:
             torch.cuda.empty_cache()  # memory torch's allocator holds unused (loading's leftovers) counts as free
         free = free_memory(model.device)
         budget = int(free * self.max_memory_percent)
         sizes = f"{format_size(free)} free, max_memory_percent={self.max_memory_percent} of it {format_size(budget)}"
+        if has_mamba_layers(model):  # the mamba layers' state slots come out of the same budget
+            states = state_rows_bytes(model, values["max_requests_per_batch"] + values["num_state_snapshots"])
+            budget -= states
+            sizes += (f", of which {format_size(states)} for the state slots of {values['max_requests_per_batch']} "
+                      f"sequences and {values['num_state_snapshots']} prefix snapshots")
         if cuda:  # (on the CPU, _CPU_CACHE_CAP leaves the RAM for the rest)
             workspace = step_workspace_bytes(model.config, values["max_batch_tokens"],
                                              values["max_requests_per_batch"], model.dtype, tp_size)

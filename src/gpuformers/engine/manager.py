@@ -45,6 +45,7 @@ from gpuformers.engine.model_runner import LaunchedStep, ModelRunner
 from gpuformers.engine.outputs import GenerationOutput, Outbox
 from gpuformers.engine.scheduler import ScheduledBatch, Scheduler
 from gpuformers.engine.sequence import Sequence
+from gpuformers.engine.state_slots import HybridBlockManager, StatePool, has_mamba_layers
 from gpuformers.engine.structured import check_structured_output, constrains
 from gpuformers.kernels.cpu_matmul_probe import measure_up_to
 from gpuformers.sizes import format_size
@@ -56,11 +57,6 @@ class ContinuousBatchingManager:
                  adapters: dict[str, str] | None = None):
         from gpuformers.generation.config import GenerationConfig
 
-        if getattr(model, "is_stateful", False):  # (test doubles of a model need not say)
-            raise NotImplementedError(
-                f"continuous batching is not implemented for {type(model).__name__}, a state-space model: the engine "
-                f"keeps paged keys and values, not the per-sequence conv and SSM states its mamba layers need; use "
-                f"model.generate() (greedy, sampling, beam search), which batches prompts of one call")
         base = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
         self.generation_config = generation_config.merged_with(base) if generation_config is not None else base
         check_honoured(self.generation_config)  # here, not at the first request
@@ -78,11 +74,22 @@ class ContinuousBatchingManager:
         # ContinuousBatchingConfig.seed: the source of the seeds of sampled requests that bring none (add_request)
         self._request_seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         # Consecutive blocks matter on the CPU only (its attention then reads a view of the cache).
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing,
-                                          place_contiguously=model.device.type != "cuda")
+        contiguous = model.device.type != "cuda"
+        self.states = None  # a model with mamba layers: their per-sequence state slots (state_slots.py)
+        if has_mamba_layers(model):
+            if adapters:
+                raise NotImplementedError(f"LoRA adapters served by the engine on {type(model).__name__} (a model "
+                                          f"with mamba layers) are not supported yet; merge the adapter first")
+            self.states = StatePool(model, cfg.max_requests_per_batch, cfg.num_state_snapshots)
+            self.block_manager = HybridBlockManager(cfg.num_blocks, cfg.block_size, self.states,
+                                                    cfg.allow_block_sharing, place_contiguously=contiguous)
+        else:
+            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.allow_block_sharing,
+                                              place_contiguously=contiguous)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
-        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size, prepack_weights=cfg.prepack_weights)
+        self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size, prepack_weights=cfg.prepack_weights,
+                                  states=self.states)
         if cfg.prepack_weights:  # which row counts take the packed weights: measured now, not in the first steps
             measure_up_to(cfg.max_batch_tokens)
         self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)
@@ -115,14 +122,16 @@ class ContinuousBatchingManager:
         it holds), and what is left free now."""
         tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values()
         weights = sum(t.numel() * t.element_size() for t in tensors)
-        cache = sum(t.numel() * t.element_size() for t in self.runner.key_caches + self.runner.value_caches)
+        cache = sum(t.numel() * t.element_size() for t in self.runner.kv_tensors())
         cfg = self.config
         bank = self.adapter_bank
         adapters = f", {len(bank)} LoRA adapter(s) {format_size(bank.nbytes)}" if bank else ""
         packed = self.runner.packed
         adapters += f", prepacked linear weights {format_size(packed.nbytes)}" if packed else ""
+        states = (f", state slots {format_size(self.states.nbytes)} ({self.states.live_slots} sequences + "
+                  f"{self.states.snapshot_slots} prefix snapshots)") if self.states is not None else ""
         return (f"weights {format_size(weights)}{adapters}, KV cache {format_size(cache)} ({cfg.num_blocks} blocks "
-                f"of {cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens), "
+                f"of {cfg.block_size} tokens = {cfg.num_blocks * cfg.block_size} tokens){states}, "
                 f"{format_size(free_memory(self.model.device, cap=False))} free on {self.model.device}")
 
     # --- the engine -------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_
 from gpuformers.engine.sampler import TokenCounts, device_scope, device_tensor, sample_on_device, to_host_samples
 from gpuformers.engine.scheduler import ScheduledBatch
 from gpuformers.engine.sequence import Sequence
+from gpuformers.engine.state_slots import PagedStateCache, StatePool, attention_layer_indices, plan_step, take_snapshots
 
 # Prompt logits are computed this many rows at a time: (rows, vocab) in float32 is ~150 MB for a 150k vocabulary.
 PROMPT_LOGITS_ROWS = 256
@@ -70,12 +71,17 @@ class LaunchedStep:
         self.rows = {seq: row for row, seq in enumerate(self.sampling)}
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes one block takes over all layers: K and V, block_size tokens, kv_heads x head_dim each (this process's
-    share of the kv heads under tensor parallelism)."""
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       num_layers: int | None = None) -> int:
+    """Bytes one block takes over all layers (num_layers: those that keep keys and values, when not every layer
+    does, as in a hybrid model): K and V, block_size tokens, kv_heads x head_dim each (this process's share of the kv
+    heads under tensor parallelism)."""
+    num_layers = config.num_hidden_layers if num_layers is None else num_layers
+    if not num_layers:
+        return 0
     element = torch.empty((), dtype=dtype).element_size()
     kv_heads = config.num_key_value_heads // tp_size
-    return 2 * config.num_hidden_layers * block_size * kv_heads * config.head_dim * element
+    return 2 * num_layers * block_size * kv_heads * config.head_dim * element
 
 
 def step_workspace_bytes(config, max_batch_tokens: int, max_requests: int, dtype: torch.dtype,
@@ -93,7 +99,7 @@ def step_workspace_bytes(config, max_batch_tokens: int, max_requests: int, dtype
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                 prepack_weights: bool = False):
+                 prepack_weights: bool = False, states: StatePool | None = None):
         self.model = model
         config = model.config
         self.device = model.device
@@ -103,15 +109,19 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that CUDA-graph padding rows write to.
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
-        # Under tensor parallelism each process caches only the kv heads of its slice (tensor_parallel.py).
-        shape = (slots, config.num_key_value_heads // getattr(model, "tp_size", 1), config.head_dim)
         # On a GPU, batched decode attention reads padding slots (masked, but 0 * NaN would still poison the sum), so
         # the cache starts zeroed. The CPU path only ever reads slots it wrote: leaving the memory untouched lets
         # the OS map pages as sequences first use them, instead of zeroing the whole cache (~1 s per 2 GB) at start.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.key_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self.value_caches = [alloc(shape, dtype=self.dtype, device=self.device)
-                             for _ in range(config.num_hidden_layers)]
+        # Indexed by layer; None at a layer that keeps no keys and values (a hybrid model's mamba and MLP layers)
+        cached = set(attention_layer_indices(model))
+        if cached:  # under tensor parallelism each process caches only the kv heads of its slice (tensor_parallel.py)
+            shape = (slots, config.num_key_value_heads // getattr(model, "tp_size", 1), config.head_dim)
+        self.key_caches = [alloc(shape, dtype=self.dtype, device=self.device) if i in cached else None
+                           for i in range(config.num_hidden_layers)]
+        self.value_caches = [alloc(shape, dtype=self.dtype, device=self.device) if i in cached else None
+                             for i in range(config.num_hidden_layers)]
+        self.states = states  # a model with mamba layers: their per-sequence states (state_slots.py)
         self.decoder = model.model  # the stack without the LM head: we need logits only where we sample
         self.compute_logits = model.compute_logits  # the LM head (and a family's logit transform)
         self.graphs = None  # a DecodeGraphs (cuda_graphs.py) when CUDA graphs are on
@@ -129,8 +139,12 @@ class ModelRunner:
         this at start: its memory then stays flat under traffic, and a machine without room for the cache fails at
         start-up instead of at the busiest moment. A no-op on a GPU, where the cache starts zeroed."""
         if self.device.type != "cuda":
-            for cache in (*self.key_caches, *self.value_caches):
+            for cache in self.kv_tensors():
                 cache.zero_()
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every layer's key and value cache tensors (the layers that keep them)."""
+        return [t for t in (*self.key_caches, *self.value_caches) if t is not None]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedContext, list[int]]:
         """-> input_ids (1, total), position_ids (1, total), the step's PagedContext, rows of the tokens to sample."""
@@ -219,10 +233,16 @@ class ModelRunner:
             if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
                 logits = logits.index_select(0, device_tensor(sample_rows, logits.device))
         else:
+            if self.states is not None:  # the mamba layers' states: restored, zeroed, where each run finds them
+                plan = plan_step(self.states, batch.sequences, batch.num_tokens, context)
+                cache = PagedStateCache(context, self.states, plan)
+            else:
+                cache = PagedKVCache(context)
             with self.packed.active() if self.packed else contextlib.nullcontext():
                 with paged_context(context), adapter_rows(lora_rows):
-                    hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
-                                             past_key_values=PagedKVCache(context))
+                    hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache)
+                if self.states is not None:
+                    take_snapshots(self.states, plan)
                 # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
                 logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
                 for seq, first, rows in prompt_rows:

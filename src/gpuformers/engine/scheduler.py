@@ -136,7 +136,7 @@ class Scheduler:
                 continue  # preempted for an older sequence, or admitted this step already
             if seq.out_of_new_tokens:
                 continue  # its last token is in flight (async batching): it finishes when that step is collected
-            n = min(seq.num_uncomputed_tokens, budget[0])
+            n = self.block_manager.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget[0]))
             if self.block_manager.blocks_needed(seq, seq.num_computed_tokens + n):  # else its last block has room
                 while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                     victim = self.running[-1]
@@ -159,7 +159,7 @@ class Scheduler:
                 break  # preempted while its last step is in flight: admitted once that step's token is known
             if not seq.block_table:
                 manager.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget[0])
+            n = manager.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget[0]))
             if not manager.can_allocate(seq, seq.num_computed_tokens + n):
                 manager.free_sequence(seq)  # give the prefix blocks back; try again next step
                 break

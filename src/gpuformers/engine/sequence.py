@@ -224,6 +224,11 @@ class Sequence:
         self.num_pending_tokens = 0  # placeholders at the end of token_ids (sampled in a step not collected yet)
         self.num_cached_tokens = 0  # tokens found in the prefix cache instead of computed (over all admissions)
         self.num_preemptions = 0
+        # A model with mamba layers (state_slots.py): the sequence's state slot, a prefix snapshot's slot to restore
+        # into it before its next step, and (tokens, block hash) where its state is to be kept as a snapshot
+        self.state_row: int | None = None
+        self.state_restore: int | None = None
+        self.snapshot_at: tuple[int, int] | None = None
         self.generator = None  # a torch.Generator made by the model runner when params.seed is set
         # with params.structured_output: an xgrammar GrammarMatcher that has seen every generated token
         grammar = params.structured_output

@@ -2,9 +2,9 @@
 
 A mamba layer's memory of the past does not grow with it: per layer and sequence, a conv state (the last
 conv_kernel - 1 inputs of its causal conv, (batch, conv_dim, conv_kernel - 1)) and an SSM state (batch, heads,
-head_dim, state_size), float32. The layer reads both (`conv_state`, `ssm_state`: None before its first token) and
-hands back the new ones with the count of tokens they took in (`update_state`). A hybrid model's attention layers keep
-keys and values here too, through the usual `update` (a DynamicCache inside, its layers numbered in the order they
+head_dim, state_size), float32. The layer's sequence mixing runs through `mix_states`, which gives it both (None
+before its first token) and keeps the new ones with the count of tokens they took in. A hybrid model's attention
+layers keep keys and values here too, through the usual `update` (a DynamicCache inside, its layers numbered in the order they
 first store), so one cache object serves the whole stack.
 
 What a state cannot do: go back. `crop(n)` below the tokens seen would need the states as they were n tokens ago,
@@ -45,6 +45,14 @@ class RecurrentCache(Cache):
         """Keep the layer's states after `new_tokens` more tokens."""
         self._conv[layer_idx], self._ssm[layer_idx] = conv_state, ssm_state
         self._lengths[layer_idx] = self._lengths.get(layer_idx, 0) + new_tokens
+
+    def mix_states(self, layer_idx: int, mix, xbc: torch.Tensor, dt: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the layer's sequence mixing (Mamba2Mixer.mix) over the batch from its cached states and keep the new
+        ones. xbc (batch, seq, conv_dim), dt (batch, seq, heads) -> y (batch, seq, heads, head_dim)."""
+        y, conv, ssm = mix(xbc, dt, self.conv_state(layer_idx), self.ssm_state(layer_idx), attention_mask)
+        self.update_state(layer_idx, conv, ssm, xbc.shape[1])
+        return y
 
     # --- what an attention layer asks (hybrid models) --------------------------------------------------------
 

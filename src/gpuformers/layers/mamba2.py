@@ -7,9 +7,12 @@
       -> gated RMSNorm: norm(y * silu(z)) per group of intermediate / groups channels
       -> out_proj -> (batch, seq, hidden)
 
-With a cache (generation/state_cache.py) the layer reads its conv and SSM states, continues from them and writes the
-new ones: a prompt (or a prefill chunk) runs the chunked scan from the cached state, a single token the state step.
-Without a cache both start from zeros. Padding (a 0 in the attention mask) is zeroed before in_proj and after the
+The projections run over every token at once; the sequence mixing (conv and scan, `mix`) runs over rows that each
+continue their own states. Which rows and which states is the cache's business (`cache.mix_states`): generate()'s
+RecurrentCache (generation/state_cache.py) hands the batch's rows their cached states and keeps the new ones, so a
+prompt (or a prefill chunk) runs the chunked scan from the cached state and a single token the state step; the
+engine's cache (engine/state_slots.py) cuts its flattened step into the decodes (one batch of one-token rows) and
+each prefill chunk, with each sequence's state slot. Without a cache both start from zeros. Padding (a 0 in the attention mask) is zeroed before in_proj and after the
 conv, as transformers does, so left padding leaves the state untouched.
 
 `kernel_layer_name` marks the mixer replaceable by a fused kernel (a Hub kernel through a KernelConfig); its parts
@@ -109,10 +112,22 @@ class Mamba2Mixer(nn.Module):
             hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
         gate, xbc, dt = self.project_in(hidden_states).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        conv_state = cache.conv_state(self.layer_idx) if cache is not None else None
-        ssm_state = cache.ssm_state(self.layer_idx) if cache is not None else None
+        if cache is None:  # from zeros, states dropped
+            y = self.mix(xbc, dt, None, None, attention_mask)[0]
+        else:  # the cache hands each run of tokens its states and keeps the new ones (module doc)
+            y = cache.mix_states(self.layer_idx, self.mix, xbc, dt, attention_mask)
+        y = self.norm(y.reshape(batch, seq, self.intermediate_size), gate)
+        return self.out_proj(y.to(dtype))
 
-        # causal conv over [conv state | new inputs], (batch, seq, conv_dim), and the conv state after them
+    def mix(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor | None,
+            ssm_state: torch.Tensor | None, attention_mask: torch.Tensor | None = None):
+        """The sequence mixing over rows that each continue their own states: the causal conv and the SSD scan (or
+        the one-token state step when seq is 1 and a state is given). xbc (rows, seq, conv_dim) and dt (rows, seq,
+        heads) from in_proj; conv_state (rows, conv_dim, conv_kernel - 1) and ssm_state (rows, heads, head_dim,
+        state_size) or None (zeros); attention_mask (rows, seq) or None. Returns y (rows, seq, heads, head_dim)
+        float32 and the new conv and SSM states."""
+        rows, seq, _ = xbc.shape
+        # causal conv over [conv state | new inputs], (rows, seq, conv_dim), and the conv state after them
         xbc, conv_state = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
         if attention_mask is not None:
             xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
@@ -121,15 +136,12 @@ class Mamba2Mixer(nn.Module):
 
         A = -torch.exp(self.A_log.float())  # (heads,)
         if seq == 1 and ssm_state is not None:  # decode: one step of the recurrence
-            y, ssm_state = ssm_state_step(ssm_state, x.view(batch, self.num_heads, self.head_dim), dt[:, 0], A,
-                                          B.view(batch, self.n_groups, self.state_size),
-                                          C.view(batch, self.n_groups, self.state_size), self.D, self.dt_bias)
-        else:  # a prompt or prefill chunk, from the cached state if any
-            y, ssm_state = ssd_chunk_scan(x.view(batch, seq, self.num_heads, self.head_dim), dt, A,
-                                          B.view(batch, seq, self.n_groups, self.state_size),
-                                          C.view(batch, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
+            y, ssm_state = ssm_state_step(ssm_state, x.view(rows, self.num_heads, self.head_dim), dt[:, 0], A,
+                                          B.view(rows, self.n_groups, self.state_size),
+                                          C.view(rows, self.n_groups, self.state_size), self.D, self.dt_bias)
+        else:  # a prompt or prefill chunk, from the given state if any
+            y, ssm_state = ssd_chunk_scan(x.view(rows, seq, self.num_heads, self.head_dim), dt, A,
+                                          B.view(rows, seq, self.n_groups, self.state_size),
+                                          C.view(rows, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
                                           self.chunk_size, self.time_step_limit, ssm_state)
-        if cache is not None:
-            cache.update_state(self.layer_idx, conv_state, ssm_state, seq)
-        y = self.norm(y.reshape(batch, seq, self.intermediate_size), gate)
-        return self.out_proj(y.to(dtype))
+        return y, conv_state, ssm_state
