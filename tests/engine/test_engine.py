@@ -54,10 +54,12 @@ def qwen3():
 def run_staggered(manager: ContinuousBatchingManager, prompts, per_step=4):
     """Add a few requests, take one step, add more: requests arrive while others run."""
     ids, pending = [], list(prompts)
-    while pending or manager.step():
+    while True:
         for prompt in pending[:per_step]:
             ids.append(manager.add_request(prompt, max_new_tokens=NEW_TOKENS))
         pending = pending[per_step:]
+        if not manager.step() and not pending:  # (step first: `pending or step()` would add them all at once)
+            break
     return [manager.get_result(i, timeout=0) for i in ids]
 
 

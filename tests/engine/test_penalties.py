@@ -34,10 +34,12 @@ def setup():
 def run_staggered(manager, prompts, settings: list[dict]) -> list:
     """Add four requests per step, each prompt with its own settings; every output once all have finished."""
     ids, pending = [], list(zip(prompts, settings))
-    while pending or manager.step():
+    while True:
         for prompt, extra in pending[:4]:
             ids.append(manager.add_request(prompt, max_new_tokens=NEW_TOKENS, **extra))
         pending = pending[4:]
+        if not manager.step() and not pending:
+            break
     outputs = [manager.get_result(i, timeout=0) for i in ids]
     for output in outputs:
         assert output.status is RequestStatus.FINISHED, output.error
