@@ -10,8 +10,8 @@ transformers, loaded by both), float32 on the CPU, both contenders in this proce
      padded batch of all of them by default). Output tokens per second, alternating `--repeats` times, and how
      many sequences are identical.
   2. prefix caching: `--shared` requests whose prompts start with one `--prefix`-token system prompt followed by
-     16-64 tokens of their own, arriving one per engine step, prefix cache on and off: prompt tokens computed
-     (prefill), wall time, and whether the outputs are identical.
+     16-64 tokens of their own, arriving one per engine step, prefix cache on and off (alternating, twice each,
+     the faster kept): prompt tokens computed (prefill), wall time, and whether the outputs are identical.
 
     python benchmarks/bench_hybrid_engine.py                  # ~100M, 16 requests, 2 repeats
     python benchmarks/bench_hybrid_engine.py --layers 6 --hidden 256 --num-requests 8 --repeats 1   # quick
@@ -143,8 +143,12 @@ def main() -> None:
     prefix = [rng.randrange(3, min(args.vocab, 10000)) for _ in range(args.prefix)]
     shared = [prefix + [rng.randrange(3, min(args.vocab, 10000)) for _ in range(rng.randint(16, 64))]
               for _ in range(args.shared)]
-    on, computed_on, seconds_on, states = shared_prefix_run(ours, shared, 16, True)
-    off, computed_off, seconds_off, _ = shared_prefix_run(ours, shared, 16, False)
+    runs = {}
+    for sharing in (False, True, False, True):  # twice each, alternating; the faster of each kept
+        run = shared_prefix_run(ours, shared, 16, sharing)
+        if sharing not in runs or run[2] < runs[sharing][2]:
+            runs[sharing] = run
+    (on, computed_on, seconds_on, states), (off, computed_off, seconds_off, _) = runs[True], runs[False]
     print(f"shared prefix ({args.shared} requests, {args.prefix}-token prefix, one arriving per step): prompt tokens "
           f"computed {computed_on} with the prefix cache vs {computed_off} without ({computed_on / computed_off:.2f}x; "
           f"{states.snapshots_taken} state snapshot(s) taken, {states.snapshot_hits} restored); wall "
