@@ -126,7 +126,7 @@ NEEDS_EXTRA = {
     **{f"gpuformers.{name}": "kernels" for name in (
         "engine.paged_attention_triton", "kernels.attention", "kernels.fused_linear_cross_entropy", "kernels.moe",
         "kernels.mxfp4_matmul", "kernels.rms_norm", "kernels.rotary", "kernels.swiglu", "kernels.weight_only_matmul",
-        "kernels.ssd", "kernels.causal_conv1d", "quantization.fp8_matmul")},
+        "kernels.ssd", "kernels.ssd_backward", "kernels.causal_conv1d", "quantization.fp8_matmul")},
 }
 
 

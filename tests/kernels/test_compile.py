@@ -197,15 +197,22 @@ def _opcheck_args(name):
         return rand(4, 11, grad=True, seed=7), labels, inv_count, -100, True
     if name == "fused_linear_cross_entropy":
         return rand(4, 8, grad=True, seed=7), rand(11, 8, grad=True, seed=8), labels, inv_count, -100, 3, True, True
-    heads = (-rand(2, seed=9).abs(), rand(2, seed=10), rand(2, seed=11))  # A, D, dt_bias: forward-only ops, no grad
-    if name == "ssd_chunk_scan":  # 5 steps in chunks of 2, 2 heads of 16 in 1 group, state 16, an initial state
-        return (rand(1, 5, 2, 16, seed=7), rand(1, 5, 2, seed=8), heads[0], rand(1, 5, 1, 16, seed=12),
-                rand(1, 5, 1, 16, seed=13), *heads[1:], 2, 0.0, float("inf"), rand(1, 2, 16, 16, seed=14))
-    if name == "ssm_state_step":
+    heads = (-rand(2, seed=9).abs(), rand(2, seed=10), rand(2, seed=11))  # A, D, dt_bias
+    # the scan: 5 steps in chunks of 2, 2 heads of 16 in 1 group, state 16, an initial state
+    scan = (rand(1, 5, 2, 16, seed=7), rand(1, 5, 2, seed=8), heads[0], rand(1, 5, 1, 16, seed=12),
+            rand(1, 5, 1, 16, seed=13), *heads[1:], 2, 0.0, float("inf"), rand(1, 2, 16, 16, seed=14))
+    if name == "ssd_chunk_scan":  # differentiable in every tensor
+        return tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in scan)
+    if name == "ssd_chunk_scan_backward":  # dy, d final state, the inputs, the final state
+        return rand(1, 5, 2, 16, seed=15), rand(1, 2, 16, 16, seed=16), *scan, rand(1, 2, 16, 16, seed=17)
+    if name == "ssm_state_step":  # decode only: no gradient
         return (rand(1, 2, 16, 16, seed=14), rand(1, 2, 16, seed=7), rand(1, 2, seed=8), heads[0],
                 rand(1, 1, 16, seed=12), rand(1, 1, 16, seed=13), *heads[1:])
+    conv = rand(2, 3, 16, seed=7), rand(2, 16, 3, seed=8), rand(16, 1, 4, seed=9), rand(16, seed=10)
     if name == "causal_conv1d":
-        return rand(2, 3, 16, seed=7), rand(2, 16, 3, seed=8), rand(16, 1, 4, seed=9), rand(16, seed=10)
+        return tuple(t.requires_grad_() for t in conv)
+    if name == "causal_conv1d_backward":  # d out, d new state, the inputs
+        return rand(2, 3, 16, seed=11), rand(2, 16, 3, seed=12), *conv
     raise KeyError(name)
 
 

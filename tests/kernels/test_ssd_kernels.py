@@ -3,7 +3,8 @@ layers/mamba2.causal_conv1d): the chunked scan (ragged last chunk, chunks of one
 n_groups > 1, an initial state, dt bias + softplus + time_step_limit), the decode step, the conv (prefill with and
 without a state, the one-token update, strided inputs), float32 under the interpreter and float16 / bfloat16 on a GPU;
 the launchers' refusals; and tiny Mamba2 / Nemotron-H / Granite 4 / Falcon-H1 models with use_kernels=True, whose
-logits and greedy tokens equal the torch model's, the kernels running at inference and not under autograd or in train()."""
+logits and greedy tokens equal the torch model's, the inference kernels handing autograd back to torch (train() mode
+and the kernels' backward: test_ssd_backward.py)."""
 
 from __future__ import annotations
 
@@ -129,9 +130,9 @@ def test_launchers_name_what_is_wrong():
         causal_conv1d_forward(torch.randn(1, 3, 16), None, torch.randn(16, 2, 4), None)
 
 
-def test_forward_only_kernels_hand_autograd_back_to_torch():
-    """A call that autograd must differentiate returns NotImplemented, so use_kernel_function runs the torch
-    function (the kernels have no backward)."""
+def test_inference_kernels_hand_autograd_back_to_torch():
+    """At inference (Mode.INFERENCE) a call that autograd must differentiate returns NotImplemented, so
+    use_kernel_function runs the torch function (train() mode maps the differentiable kernels instead)."""
     x, dt, A, B, C, D, dt_bias = _inputs("cpu", torch.float32, 1, 4, 4, 16, 2, 16)
     assert ssd_chunk_scan_triton(x, dt, A, B, C, D.requires_grad_(), dt_bias, 2, (0.0, 1.0)) is NotImplemented
     weight = torch.randn(16, 1, 4, requires_grad=True)
@@ -160,13 +161,15 @@ MODELS = {
 }
 
 
-def _count_kernel_calls(monkeypatch) -> dict[str, int]:
+def _count_kernel_calls(monkeypatch, targets=None) -> dict[str, int]:
+    """Counts calls of the launchers, {key: calls}; targets: (module, function name, key) triples."""
     import gpuformers.kernels.causal_conv1d as conv
     import gpuformers.kernels.ssd as ssd
 
-    calls = {"conv": 0, "scan": 0, "step": 0}
-    for module, name, key in ((conv, "causal_conv1d_forward", "conv"), (ssd, "ssd_chunk_scan_forward", "scan"),
-                              (ssd, "ssm_state_step_forward", "step")):
+    targets = targets or ((conv, "causal_conv1d_forward", "conv"), (ssd, "ssd_chunk_scan_forward", "scan"),
+                          (ssd, "ssm_state_step_forward", "step"))
+    calls = {key: 0 for _, _, key in targets}
+    for module, name, key in targets:
         original = getattr(module, name)
 
         def counted(*args, _original=original, _key=key, **kwargs):
@@ -233,32 +236,6 @@ def test_compiled_model_keeps_the_kernels_as_ops(tmp_path):
     assert diff.abs().max() < 1e-4
     assert counter.forward["gpuformers::causal_conv1d"] == counter.forward["gpuformers::ssd_chunk_scan"] == 2
     torch._dynamo.reset()
-
-
-def test_training_mode_keeps_the_torch_functions(tmp_path, monkeypatch):
-    """In train() the mapping keeps torch (no backward in the kernels): no Mamba2 kernel runs, the loss and the
-    mixer's gradients are the plain model's; back in eval() the kernels run again."""
-    from tests.fixtures.checkpoints import make_checkpoint
-    from tests.models.parity import left_padded, load
-
-    make_checkpoint(tmp_path, "mamba2", **MODELS["mamba2"])
-    plain, fused = load(tmp_path), load(tmp_path, use_kernels=True)
-    calls = _count_kernel_calls(monkeypatch)
-    ids, mask = left_padded(seq=8, pad=2)
-    losses = []
-    for model in (plain.train(), fused.train()):
-        loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        loss.backward()
-        losses.append(loss.item())
-    assert calls == {"conv": 0, "scan": 0, "step": 0}
-    assert abs(losses[0] - losses[1]) < 1e-5  # (the norms' kernels, which have a backward, do run)
-    for name in ("backbone.layers.0.mixer.A_log", "backbone.layers.0.mixer.conv1d.weight"):
-        got, want = dict(fused.named_parameters())[name].grad, dict(plain.named_parameters())[name].grad
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    fused.eval()
-    with torch.no_grad():
-        fused(ids[:, :3])
-    assert calls["conv"] and calls["scan"]
 
 
 def test_kernel_config_keeps_one_function_in_torch(tmp_path, monkeypatch):

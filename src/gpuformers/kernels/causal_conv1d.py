@@ -12,11 +12,17 @@ kernel width (4 in the released models), each tap reading the inputs it needs fr
 programs of the first token block also write the new state of their channels. The conv is summed in float32 and
 rounded to x's dtype before the SiLU, as torch's conv1d then silu round. With one token this is the decode update.
 
-Forward only: causal_conv1d_triton hands the call back to torch (NotImplemented) when autograd would need its
-gradient, and the mapping's training mode keeps the torch function. While torch.compile traces it calls the
-torch.library op gpuformers::causal_conv1d (ops.py).
+The backward is two more kernels: _conv_grad_kernel recomputes a tile's conv and writes d conv = d out * silu'(conv)
+with the tile's share of d weight and d bias (added up by a torch sum over tiles, deterministic); then
+_conv_input_grad_kernel gives each window column j its sum_k weight[c, k] d conv[j - k] (plus the new state's
+gradient where column j was kept), x's columns to dx and the state's to d conv_state.
 
-Offers: causal_conv1d_triton, causal_conv1d_forward.
+causal_conv1d_train (the train() mode function) is differentiable through them (CausalConv1d); the inference
+function causal_conv1d_triton hands a call back to torch (NotImplemented) when autograd would need its gradient.
+While torch.compile traces both call the torch.library op gpuformers::causal_conv1d (ops.py), whose autograd formula
+is the same backward.
+
+Offers: causal_conv1d_triton, causal_conv1d_train, causal_conv1d_forward, causal_conv1d_backward, CausalConv1d.
 """
 
 from __future__ import annotations
@@ -30,6 +36,36 @@ from gpuformers.kernels.checks import check_same, check_tensor, leave_to_torch, 
 
 
 @triton.jit
+def _window_tap(x_row, st_row, t, k, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, KERNEL: tl.constexpr,
+                HAS_STATE: tl.constexpr):
+    # window[c, t + k] for a (tokens, channels) tile, float32: the state's KERNEL - 1 columns, then x
+    j = t + k
+    xv = tl.load(x_row + (j - (KERNEL - 1))[:, None] * stride_x_s + c[None, :],
+                 mask=(j >= KERNEL - 1)[:, None] & (t < seq)[:, None] & c_ok[None, :], other=0.0)
+    value = xv.to(tl.float32)
+    if HAS_STATE:
+        sv = tl.load(st_row + c[None, :] * stride_st_c + j[:, None] * stride_st_k,
+                     mask=(j < KERNEL - 1)[:, None] & (t < seq)[:, None] & c_ok[None, :], other=0.0)
+        value += sv.to(xv.dtype).to(tl.float32)  # the state cast to x's dtype, as the layer casts it
+    return value
+
+
+@triton.jit
+def _conv_tile(x_row, st_row, W, BIAS, t, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, stride_w_c, stride_w_k,
+               KERNEL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    # the conv (before the SiLU) of a (tokens, channels) tile, summed in float32
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(KERNEL):
+        w = tl.load(W + c * stride_w_c + k * stride_w_k, mask=c_ok, other=0.0).to(tl.float32)
+        acc += _window_tap(x_row, st_row, t, k, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, KERNEL,
+                           HAS_STATE) * w[None, :]
+    return acc
+
+
+@triton.jit
 def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stride_x_b, stride_x_s, stride_st_b,
                           stride_st_c, stride_st_k, stride_w_c, stride_w_k, KERNEL: tl.constexpr,
                           HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -40,20 +76,8 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
     c_ok = c < channels
     x_row = X + b.to(tl.int64) * stride_x_b
     st_row = STATE + b.to(tl.int64) * stride_st_b
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    for k in tl.static_range(KERNEL):
-        w = tl.load(W + c * stride_w_c + k * stride_w_k, mask=c_ok, other=0.0).to(tl.float32)
-        j = t + k  # position in the window: the state's KERNEL - 1 columns, then x
-        xv = tl.load(x_row + (j - (KERNEL - 1))[:, None] * stride_x_s + c[None, :],
-                     mask=(j >= KERNEL - 1)[:, None] & (t < seq)[:, None] & c_ok[None, :], other=0.0)
-        value = xv.to(tl.float32)
-        if HAS_STATE:
-            sv = tl.load(st_row + c[None, :] * stride_st_c + j[:, None] * stride_st_k,
-                         mask=(j < KERNEL - 1)[:, None] & c_ok[None, :], other=0.0)
-            value += sv.to(xv.dtype).to(tl.float32)  # the state cast to x's dtype, as the layer casts it
-        acc += value * w[None, :]
+    acc = _conv_tile(x_row, st_row, W, BIAS, t, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, stride_w_c,
+                     stride_w_k, KERNEL, HAS_STATE, HAS_BIAS, BLOCK_T, BLOCK_C)
     conv = acc.to(OUT.dtype.element_ty).to(tl.float32)
     out = (conv * tl.sigmoid(conv)).to(OUT.dtype.element_ty)
     tl.store(OUT + (b.to(tl.int64) * seq + t[:, None]) * channels + c[None, :], out,
@@ -71,6 +95,62 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
                 tail += kept.to(tail.dtype)  # one of the two is 0 at each place
             tl.store(NEW_STATE + (b.to(tl.int64) * channels + c[:, None]) * (KERNEL - 1) + col[None, :], tail,
                      mask=col_ok[None, :] & c_ok[:, None])
+
+
+@triton.jit
+def _conv_grad_kernel(X, STATE, W, BIAS, DOUT, DCONV, DW_PART, DBIAS_PART, seq, channels, stride_x_b, stride_x_s,
+                      stride_st_b, stride_st_c, stride_st_k, stride_w_c, stride_w_k, KERNEL: tl.constexpr,
+                      HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # d conv = d out * silu'(conv) for a tile, and the tile's share of d weight and d bias
+    b, cb, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c_ok = c < channels
+    live = (t < seq)[:, None] & c_ok[None, :]
+    x_row = X + b.to(tl.int64) * stride_x_b
+    st_row = STATE + b.to(tl.int64) * stride_st_b
+    acc = _conv_tile(x_row, st_row, W, BIAS, t, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, stride_w_c,
+                     stride_w_k, KERNEL, HAS_STATE, HAS_BIAS, BLOCK_T, BLOCK_C)
+    conv = acc.to(X.dtype.element_ty).to(tl.float32)  # rounded as the forward rounds it before the SiLU
+    sig = tl.sigmoid(conv)
+    out_at = (b.to(tl.int64) * seq + t[:, None]) * channels + c[None, :]
+    dconv = tl.load(DOUT + out_at, mask=live, other=0.0).to(tl.float32) * sig * (1.0 + conv * (1.0 - sig))
+    dconv = tl.where(live, dconv, 0.0)
+    tl.store(DCONV + out_at, dconv, mask=live)
+    part = (b * tl.num_programs(2) + tb).to(tl.int64)
+    if HAS_BIAS:
+        tl.store(DBIAS_PART + part * channels + c, tl.sum(dconv, 0), mask=c_ok)
+    for k in tl.static_range(KERNEL):
+        tap = _window_tap(x_row, st_row, t, k, c, c_ok, seq, stride_x_s, stride_st_c, stride_st_k, KERNEL, HAS_STATE)
+        tl.store(DW_PART + (part * KERNEL + k) * channels + c, tl.sum(dconv * tap, 0), mask=c_ok)
+
+
+@triton.jit
+def _conv_input_grad_kernel(DCONV, W, DNEW_STATE, DX, DSTATE, seq, channels, stride_w_c, stride_w_k,
+                            KERNEL: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    # d window[c, j] = sum_k weight[c, k] d conv[j - k, c] (+ d new state where column j was kept), for window
+    # columns j in [0, KERNEL - 1 + seq): the state's (when it was given), then x's
+    b, cb, jb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = (jb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c_ok = c < channels
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(KERNEL):
+        w = tl.load(W + c * stride_w_c + k * stride_w_k, mask=c_ok, other=0.0).to(tl.float32)
+        t = j - k
+        d = tl.load(DCONV + (b.to(tl.int64) * seq + t[:, None]) * channels + c[None, :],
+                    mask=((t >= 0) & (t < seq))[:, None] & c_ok[None, :], other=0.0)
+        acc += d * w[None, :]
+    kept = j - seq  # the new state's column
+    acc += tl.load(DNEW_STATE + (b.to(tl.int64) * channels + c[None, :]) * (KERNEL - 1) + kept[:, None],
+                   mask=((kept >= 0) & (kept < KERNEL - 1))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    t = j - (KERNEL - 1)
+    tl.store(DX + (b.to(tl.int64) * seq + t[:, None]) * channels + c[None, :], acc,
+             mask=((t >= 0) & (t < seq))[:, None] & c_ok[None, :])
+    if HAS_STATE:
+        tl.store(DSTATE + (b.to(tl.int64) * channels + c[None, :]) * (KERNEL - 1) + j[:, None], acc,
+                 mask=(j < KERNEL - 1)[:, None] & c_ok[None, :])
 
 
 def causal_conv1d_forward(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
@@ -113,10 +193,70 @@ def causal_conv1d_forward(x: torch.Tensor, conv_state: torch.Tensor | None, weig
     return out, new_state
 
 
+def causal_conv1d_backward(dout, dnew_state, x, conv_state, weight, bias):
+    """Gradients of causal_conv1d_forward's (out, new state) with respect to (x, conv_state, weight, bias), each in
+    its input's dtype (None for an absent state or bias). dout (batch, seq, channels); dnew_state (batch, channels,
+    kernel - 1) or None (zeros). The conv is recomputed from the inputs, not kept from the forward."""
+    batch, seq, channels = x.shape
+    kernel = weight.shape[2]
+    if tuple(dout.shape) != (batch, seq, channels):
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, expected x's {(batch, seq, channels)}")
+    f32 = dict(dtype=torch.float32, device=x.device)
+    block_t = max(16, min(64, next_power_of_2(seq)))
+    block_c = 64 if channels >= 64 else max(16, next_power_of_2(channels))
+    t_blocks = max(1, triton.cdiv(seq, block_t))
+    dout = dout.contiguous()
+    dnew_state = (torch.zeros(batch, channels, kernel - 1, **f32) if dnew_state is None
+                  else dnew_state.contiguous())
+    dconv = torch.empty(batch, seq, channels, **f32)
+    dw_part = torch.zeros(batch, t_blocks, kernel, channels, **f32)
+    dbias_part = torch.zeros(batch, t_blocks, channels, **f32)
+    dx = torch.empty(batch, seq, channels, dtype=x.dtype, device=x.device)
+    dstate = torch.empty(batch, channels, kernel - 1, **f32)
+    if batch and channels:
+        state = conv_state if conv_state is not None else x  # an unread pointer when there is no state
+        st_strides = (state.stride(0), state.stride(1), state.stride(2) if state.dim() == 3 else 0)
+        flags = dict(KERNEL=kernel, HAS_STATE=conv_state is not None, BLOCK_C=block_c)
+        _conv_grad_kernel[(batch, triton.cdiv(channels, block_c), t_blocks)](
+            x, state, weight, bias if bias is not None else weight, dout, dconv, dw_part, dbias_part, seq, channels,
+            x.stride(0), x.stride(1), *st_strides, weight.stride(0), weight.stride(2), HAS_BIAS=bias is not None,
+            BLOCK_T=block_t, **flags)
+        # the window: kernel - 1 state columns, then seq inputs
+        _conv_input_grad_kernel[(batch, triton.cdiv(channels, block_c), triton.cdiv(seq + kernel - 1, block_t))](
+            dconv, weight, dnew_state, dx, dstate, seq, channels, weight.stride(0), weight.stride(2),
+            BLOCK_T=block_t, **flags)
+    # d weight: (kernel, channels) summed over the tiles -> (channels, 1, kernel)
+    dweight = dw_part.sum((0, 1)).t().to(weight.dtype).contiguous().view(weight.shape)
+    return (dx, dstate.to(conv_state.dtype) if conv_state is not None else None, dweight,
+            dbias_part.sum((0, 1)).to(bias.dtype) if bias is not None else None)
+
+
+class CausalConv1d(torch.autograd.Function):
+    """The conv with its Triton backward (eager)."""
+
+    @staticmethod
+    def forward(ctx, x, conv_state, weight, bias):
+        ctx.save_for_backward(x, conv_state, weight, bias)
+        return causal_conv1d_forward(x, conv_state, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout, dnew_state):
+        return causal_conv1d_backward(dout, dnew_state, *ctx.saved_tensors)
+
+
 def causal_conv1d_triton(x, conv_state, weight, bias):
     """The kernel for use_kernel_function("causal_conv1d"); NotImplemented (the torch conv runs) under autograd."""
     if leave_to_torch(x, conv_state, weight, bias):
         return NotImplemented
     if torch.compiler.is_compiling():  # the torch.library op: torch.compile keeps it in its graph
         return ops.causal_conv1d(x, conv_state, weight, bias)
+    return causal_conv1d_forward(x, conv_state, weight, bias)
+
+
+def causal_conv1d_train(x, conv_state, weight, bias):
+    """The kernel for use_kernel_function("causal_conv1d") in train() mode: the Triton conv, differentiable."""
+    if torch.compiler.is_compiling():  # the torch.library op, whose autograd formula is the backward above
+        return ops.causal_conv1d(x, conv_state, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, conv_state, weight, bias)):
+        return CausalConv1d.apply(x, conv_state, weight, bias)
     return causal_conv1d_forward(x, conv_state, weight, bias)

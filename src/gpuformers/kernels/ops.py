@@ -12,9 +12,10 @@ in its graph (no graph break) and can differentiate through them.
     cross_entropy(logits, labels, inv_count, ignore_index, with_grad) -> (loss, grad_logits)
     fused_linear_cross_entropy(hidden, weight, labels, inv_count, ignore_index, chunk_size, grad_hidden, grad_weight)
         -> (loss, grad_hidden, grad_weight)                            the gradients it returned, times d loss
-    ssd_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state) -> (y, state)     none
-    ssm_state_step(state, x, dt, A, B, C, D, dt_bias) -> (y, state)    none (the Mamba2 kernels are forward only)
-    causal_conv1d(x, conv_state, weight, bias) -> (out, conv_state)    none
+    ssd_chunk_scan(x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state) -> (y, state)
+                                                                       ssd_chunk_scan_backward (recomputes the states)
+    ssm_state_step(state, x, dt, A, B, C, D, dt_bias) -> (y, state)    none (decode only)
+    causal_conv1d(x, conv_state, weight, bias) -> (out, conv_state)    causal_conv1d_backward
 
 Each op runs the kernel file's launcher, with its shape, stride and dtype checks (the loss functions check their
 inputs before calling their op, while torch.compile traces); its fake implementation gives the compiler output
@@ -35,7 +36,7 @@ Importing this file registers the ops and imports neither triton nor the kernel 
 
 Offers: NAMESPACE, OP_NAMES and the ops (rms_norm, add_rms_norm, rms_norm_backward, silu_and_mul, silu,
 silu_and_mul_backward, rotary, flash_attention, flash_attention_backward, cross_entropy, fused_linear_cross_entropy,
-ssd_chunk_scan, ssm_state_step, causal_conv1d).
+ssd_chunk_scan, ssd_chunk_scan_backward, ssm_state_step, causal_conv1d, causal_conv1d_backward).
 """
 
 from __future__ import annotations
@@ -369,8 +370,9 @@ fused_linear_cross_entropy.register_autograd(_fused_grad, setup_context=_fused_s
 
 
 
-# --- the Mamba2 mixer (kernels/ssd.py, kernels/causal_conv1d.py): forward only -----------------------------------
-# No autograd formula: the kernel functions call these only when no gradient is needed (checks.leave_to_torch).
+# --- the Mamba2 mixer (kernels/ssd.py, kernels/causal_conv1d.py, kernels/ssd_backward.py) -----------------------
+# The scan and the conv have a backward (the train() mode kernels call these ops while torch.compile traces); the
+# decode step has none (the inference kernel function calls it only when no gradient is needed).
 
 @custom_op(f"{NAMESPACE}::ssd_chunk_scan", mutates_args=())
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -386,6 +388,41 @@ def _(x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state):
     batch, _, heads, head_dim = x.shape  # y (batch, seq, heads, head_dim), state (batch, heads, head_dim, state)
     return x.new_empty(x.shape, dtype=torch.float32), x.new_empty((batch, heads, head_dim, B.shape[-1]),
                                                                   dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::ssd_chunk_scan_backward", mutates_args=())
+def ssd_chunk_scan_backward(dy: torch.Tensor, dfinal: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                            A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                            chunk_size: int, dt_min: float, dt_max: float, initial_state: torch.Tensor | None,
+                            final: torch.Tensor) -> list[torch.Tensor]:
+    """[dx, ddt, dA, dB, dC, dD, ddt_bias, d initial_state (empty without one)]; recomputes the forward's chunk
+    states (the forward op does not return them)."""
+    from gpuformers.kernels.ssd_backward import ssd_chunk_scan_backward as launch
+
+    grads = launch(dy, dfinal, x, dt, A, B, C, D, dt_bias, chunk_size, (dt_min, dt_max), initial_state, final)
+    return [*grads[:7], grads[7] if grads[7] is not None else _empty(x)]
+
+
+@ssd_chunk_scan_backward.register_fake
+def _(dy, dfinal, x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state, final):
+    # all contiguous, as the launcher returns them
+    return [*(t.new_empty(t.shape) for t in (x, dt, A, B, C, D, dt_bias)),
+            initial_state.new_empty(initial_state.shape) if initial_state is not None else _empty(x)]
+
+
+def _ssd_chunk_scan_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, dt_bias, chunk_size, dt_min, dt_max, initial_state = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, initial_state, output[1])
+    ctx.options = chunk_size, dt_min, dt_max
+
+
+def _ssd_chunk_scan_grad(ctx, dy, dfinal):
+    x, dt, A, B, C, D, dt_bias, initial_state, final = ctx.saved_tensors
+    grads = ssd_chunk_scan_backward(dy, dfinal, x, dt, A, B, C, D, dt_bias, *ctx.options, initial_state, final)
+    return (*grads[:7], None, None, None, grads[7] if initial_state is not None else None)
+
+
+ssd_chunk_scan.register_autograd(_ssd_chunk_scan_grad, setup_context=_ssd_chunk_scan_setup)
 
 
 @custom_op(f"{NAMESPACE}::ssm_state_step", mutates_args=())
@@ -415,6 +452,33 @@ def _(x, conv_state, weight, bias):
     return x.new_empty(x.shape), x.new_empty((x.shape[0], x.shape[2], weight.shape[-1] - 1))
 
 
+@custom_op(f"{NAMESPACE}::causal_conv1d_backward", mutates_args=())
+def causal_conv1d_backward(dout: torch.Tensor, dnew_state: torch.Tensor, x: torch.Tensor,
+                           conv_state: torch.Tensor | None, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """[dx, d conv_state, d weight, d bias]; the state's and the bias's are empty when they were not given."""
+    from gpuformers.kernels.causal_conv1d import causal_conv1d_backward as launch
+
+    dx, dstate, dweight, dbias = launch(dout, dnew_state, x, conv_state, weight, bias)
+    return [dx, dstate if dstate is not None else _empty(x), dweight, dbias if dbias is not None else _empty(x)]
+
+
+@causal_conv1d_backward.register_fake
+def _(dout, dnew_state, x, conv_state, weight, bias):
+    # all contiguous, as the launcher returns them
+    return [x.new_empty(x.shape), conv_state.new_empty(conv_state.shape) if conv_state is not None else _empty(x),
+            weight.new_empty(weight.shape), bias.new_empty(bias.shape) if bias is not None else _empty(x)]
+
+
+def _causal_conv1d_grad(ctx, dout, dnew_state):
+    x, conv_state, weight, bias = ctx.saved_tensors
+    dx, dstate, dweight, dbias = causal_conv1d_backward(dout, dnew_state, x, conv_state, weight, bias)
+    return dx, (dstate if conv_state is not None else None), dweight, (dbias if bias is not None else None)
+
+
+causal_conv1d.register_autograd(_causal_conv1d_grad, setup_context=_save_inputs)
+
+
 OP_NAMES = ("rms_norm", "add_rms_norm", "rms_norm_backward", "silu_and_mul", "silu", "silu_and_mul_backward", "rotary",
             "flash_attention", "flash_attention_backward", "cross_entropy", "fused_linear_cross_entropy",
-            "ssd_chunk_scan", "ssm_state_step", "causal_conv1d")
+            "ssd_chunk_scan", "ssd_chunk_scan_backward", "ssm_state_step", "causal_conv1d", "causal_conv1d_backward")

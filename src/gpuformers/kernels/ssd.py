@@ -19,12 +19,15 @@ decay), which is what the reference's padding computes. Everything is float32 in
 float32 like the reference's. The decode step (_state_step_kernel) gives each program one (sequence, head, head_dim
 block) and its (block, state) slice of the state.
 
-Forward only: the kernel functions (ssd_chunk_scan_triton, ssm_state_step_triton) hand the call back to torch
-(NotImplemented, see kernels/mapping.use_kernel_function) when autograd would need their gradient, and the mapping's
-training mode keeps the torch functions. While torch.compile traces they call the torch.library ops
-gpuformers::ssd_chunk_scan / gpuformers::ssm_state_step (ops.py) instead.
+The scan's backward is kernels/ssd_backward.py (its train() mode function, ssd_chunk_scan_train, runs these
+forward kernels and keeps what the backward needs). The inference functions here (ssd_chunk_scan_triton,
+ssm_state_step_triton) hand a call back to torch (NotImplemented, see kernels/mapping.use_kernel_function) when
+autograd would need its gradient; the decode step has no backward, and training keeps the torch step. While
+torch.compile traces they call the torch.library ops gpuformers::ssd_chunk_scan / gpuformers::ssm_state_step
+(ops.py) instead.
 
-Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward, scan_tiles.
+Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward, scan_tiles,
+scan_states, check_scan_inputs.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def _softplus_like(v, like):
 
 
 @triton.jit
+def _tile(PTR, b, t, index, cols, stride_b, stride_t, stride_index, stride_col, t_ok, col_ok):
+    # a (tokens, cols) tile of a (batch, seq, heads or groups, cols) tensor at head / group `index`, float32
+    return tl.load(PTR + b.to(tl.int64) * stride_b + t[:, None] * stride_t + index * stride_index
+                   + cols[None, :] * stride_col, mask=t_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, stride_dt_b, stride_dt_s, stride_dt_h,
                      dt_min, dt_max, BLOCK_L: tl.constexpr):
     c, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0: CUDA caps axes 1-2 at 65535
@@ -66,7 +76,10 @@ def _chunk_dt_kernel(DT, DT_BIAS, A, DT_OUT, ACUM, seq, heads, chunk_size, strid
 @triton.jit
 def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size, chunk_size, heads_per_group,
                         stride_x_b, stride_x_s, stride_x_h, stride_x_p, stride_b_b, stride_b_s, stride_b_g, stride_b_n,
-                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                        FROM_START: tl.constexpr = False):
+    # FROM_START (the backward, ssd_backward.py): sum_s exp(a_cum[s]) X_s (outer) B_s, the decay from the chunk's
+    # start instead of dt_s and the decay to its end
     chunks = tl.cdiv(seq, chunk_size)
     bh, c, pb = tl.program_id(0) // chunks, tl.program_id(0) % chunks, tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -80,12 +93,15 @@ def _chunk_state_kernel(X, B, DT, ACUM, STATES, seq, heads, head_dim, state_size
     for s0 in range(start, end, BLOCK_S):
         s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
         live = s < end
-        x = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h
-                    + p[None, :] * stride_x_p, mask=live[:, None] & (p[None, :] < head_dim), other=0.0)  # (S, P)
-        bs = tl.load(B + b.to(tl.int64) * stride_b_b + s[:, None] * stride_b_s + (h // heads_per_group) * stride_b_g
-                     + n[None, :] * stride_b_n, mask=live[:, None] & (n[None, :] < state_size), other=0.0)  # (S, N)
-        w = tl.load(DT + row + s, mask=live, other=0.0) * tl.exp(a_end - tl.load(ACUM + row + s, mask=live, other=0.0))
-        acc += tl.dot(tl.trans(x.to(tl.float32) * w[:, None]), bs.to(tl.float32), input_precision=PRECISION)
+        x = _tile(X, b, s, h, p, stride_x_b, stride_x_s, stride_x_h, stride_x_p, live, p < head_dim)  # (S, P)
+        bs = _tile(B, b, s, h // heads_per_group, n, stride_b_b, stride_b_s, stride_b_g, stride_b_n, live,
+                   n < state_size)  # (S, N)
+        a_s = tl.load(ACUM + row + s, mask=live, other=0.0)
+        if FROM_START:
+            w = tl.where(live, tl.exp(a_s), 0.0)
+        else:
+            w = tl.load(DT + row + s, mask=live, other=0.0) * tl.exp(a_end - a_s)
+        acc += tl.dot(tl.trans(x * w[:, None]), bs, input_precision=PRECISION)
     out = STATES + ((bh.to(tl.int64) * chunks + c) * head_dim + p[:, None]) * state_size + n[None, :]
     tl.store(out, acc, mask=(p[:, None] < head_dim) & (n[None, :] < state_size))
 
@@ -133,9 +149,7 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
         row = bh.to(tl.int64) * seq
         live_l = l < end
         p_ok = p < head_dim
-        cl = tl.load(C + b.to(tl.int64) * stride_c_b + l[:, None] * stride_c_s + g * stride_c_g
-                     + n[None, :] * stride_c_n,
-                     mask=live_l[:, None] & (n[None, :] < state_size), other=0.0).to(tl.float32)  # (M, N)
+        cl = _tile(C, b, l, g, n, stride_c_b, stride_c_s, stride_c_g, stride_c_n, live_l, n < state_size)  # (M, N)
         a_l = tl.load(ACUM + row + l, mask=live_l, other=0.0)
         # the start state's part: exp(a_cum[l]) C_l . start  (start: (P, N) of this chunk)
         start_state = tl.load(STARTS + ((bh.to(tl.int64) * chunks + c) * head_dim + p[None, :]) * state_size
@@ -153,13 +167,9 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
             causal = (s[None, :] <= l[:, None]) & live_s[None, :]
             decay = tl.exp(tl.where(causal, a_l[:, None] - a_s[None, :], float("-inf")))
             dt_s = tl.load(DT + row + s, mask=live_s, other=0.0)
-            xs = tl.load(X + b.to(tl.int64) * stride_x_b + s[:, None] * stride_x_s + h * stride_x_h
-                         + p[None, :] * stride_x_p,
-                         mask=live_s[:, None] & p_ok[None, :], other=0.0).to(tl.float32)  # (S, P)
+            xs = _tile(X, b, s, h, p, stride_x_b, stride_x_s, stride_x_h, stride_x_p, live_s, p_ok)  # (S, P)
             y += tl.dot(scores * decay * dt_s[None, :], xs, input_precision=PRECISION)
-        xl = tl.load(X + b.to(tl.int64) * stride_x_b + l[:, None] * stride_x_s + h * stride_x_h
-                     + p[None, :] * stride_x_p,
-                     mask=live_l[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+        xl = _tile(X, b, l, h, p, stride_x_b, stride_x_s, stride_x_h, stride_x_p, live_l, p_ok)
         y += xl * tl.load(D + h).to(tl.float32)
         out = Y + ((b.to(tl.int64) * seq + l[:, None]) * heads + h) * head_dim + p[None, :]
         tl.store(out, y, mask=live_l[:, None] & p_ok[None, :])
@@ -212,8 +222,8 @@ def scan_tiles(head_dim: int, state_size: int, chunk_size: int) -> tuple[int, in
     return block_m, block_s, block_p, block_n, 4 if block_n <= 64 else 8, 2
 
 
-def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
-    """The launcher: layers/ssd.ssd_chunk_scan's arguments and results (shapes there), checked, on the kernels."""
+def check_scan_inputs(x, dt, A, B, C, D, dt_bias, chunk_size, initial_state):
+    """layers/ssd.ssd_chunk_scan's arguments (shapes there), checked; returns initial_state contiguous (or None)."""
     # Any strides: the mixer's x, B, C are views of its conv output, token-major from the kernel and channel-major
     # from the torch conv.
     check_tensor("x", x, ndim=4, last_dim_contiguous=False)
@@ -239,35 +249,56 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, ini
         initial_state = initial_state.contiguous()
     check_same("device", x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
     check_same("dtype", x=x, B=B, C=C)
+    return initial_state
 
+
+def scan_states(x, dt, A, B, dt_bias, chunk_size, dt_limit, initial_state):
+    """Kernels 1-3 on checked inputs with seq > 0: (dt (batch, heads, seq) after softplus and clamp, a_cum (batch,
+    heads, seq), the state at each chunk's start (batch, heads, chunks, head_dim, state), the final state), float32.
+    The backward (ssd_backward.py) reruns this rather than keep the forward's copies when the forward was an op."""
+    batch, seq, heads, head_dim = x.shape
+    state_size = B.shape[3]
     f32 = dict(dtype=torch.float32, device=x.device)
-    y = torch.empty(batch, seq, heads, head_dim, **f32)
-    final = torch.empty(batch, heads, head_dim, state_size, **f32)
-    if seq == 0:
-        final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
-        return y, final
     chunks = math.ceil(seq / chunk_size)
     dt_out = torch.empty(batch, heads, seq, **f32)
     a_cum = torch.empty(batch, heads, seq, **f32)
     states = torch.empty(batch, heads, chunks, head_dim, state_size, **f32)
-    block_m, block_s, block_p, block_n, warps, stages = scan_tiles(head_dim, state_size, chunk_size)
+    final = torch.empty(batch, heads, head_dim, state_size, **f32)
+    _, block_s, block_p, block_n, warps, stages = scan_tiles(head_dim, state_size, chunk_size)
     p_blocks = triton.cdiv(head_dim, block_p)
-    precision = dot_precision(x.dtype)
-    per_group = heads // groups
     _chunk_dt_kernel[(chunks, batch, heads)](
         dt, dt_bias, A, dt_out, a_cum, seq, heads, chunk_size, dt.stride(0), dt.stride(1), dt.stride(2),
         float(dt_limit[0]), float(dt_limit[1]), BLOCK_L=max(16, next_power_of_2(chunk_size)))
     _chunk_state_kernel[(batch * heads * chunks, p_blocks)](
-        x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(), *B.stride(),
-        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages)
+        x, B, dt_out, a_cum, states, seq, heads, head_dim, state_size, chunk_size, heads // B.shape[2], *x.stride(),
+        *B.stride(), BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages)
     _state_pass_kernel[(batch * heads, p_blocks)](
         states, initial_state if initial_state is not None else final, final, a_cum, seq, chunks, head_dim,
         state_size, chunk_size, HAS_INIT=initial_state is not None, BLOCK_P=block_p, BLOCK_N=block_n)
-    _chunk_scan_kernel[(batch * heads * chunks, triton.cdiv(chunk_size, block_m) * p_blocks)](
-        x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, per_group, *x.stride(),
-        *B.stride(), *C.stride(),
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=precision, num_warps=warps,
-        num_stages=stages)
+    return dt_out, a_cum, states, final
+
+
+def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None, saved=None):
+    """The launcher: layers/ssd.ssd_chunk_scan's arguments and results (shapes there), checked, on the kernels.
+    A list passed as `saved` receives scan_states' dt, a_cum and chunk-start states, for the backward."""
+    initial_state = check_scan_inputs(x, dt, A, B, C, D, dt_bias, chunk_size, initial_state)
+    batch, seq, heads, head_dim = x.shape
+    groups, state_size = B.shape[2], B.shape[3]
+    y = torch.empty(batch, seq, heads, head_dim, dtype=torch.float32, device=x.device)
+    if seq == 0:
+        final = torch.zeros(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+        return y, final.copy_(initial_state) if initial_state is not None else final
+    dt_out, a_cum, states, final = scan_states(x, dt, A, B, dt_bias, chunk_size, dt_limit, initial_state)
+    if saved is not None:
+        saved.extend((dt_out, a_cum, states))
+    chunks = states.shape[2]
+    block_m, block_s, block_p, block_n, warps, stages = scan_tiles(head_dim, state_size, chunk_size)
+    _chunk_scan_kernel[(batch * heads * chunks, triton.cdiv(chunk_size, block_m) * triton.cdiv(head_dim, block_p))](
+        x, B, C, D, dt_out, a_cum, states, y, seq, heads, head_dim, state_size, chunk_size, heads // groups,
+        *x.stride(), *B.stride(), *C.stride(),
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages)
     return y, final
 
 
