@@ -26,6 +26,15 @@ the host prepares the next step meanwhile, as on a GPU; ms per step above it mea
 one GIL) bounds the step. uvicorn runs as `gpuformers serve` runs it: httptools and uvloop when installed
 (uvicorn[standard]), else h11 and asyncio (`--http`, `--loop` choose).
 
+Beside each round, the stand-in engine alone (run_until_done, no server) on the same prompts gives the tokens per
+second the front end has to keep up with; "served / engine alone" is the issue's "keep up" figure (>= 0.9 asked).
+
+`--api-server-count N` (N > 1) serves the same engine as `gpuformers serve --api-server-count N` does: the engine core
+(serving/engine_core.py) in this process and N real API server processes, so the front end's own CPU is measured
+apart from the engine's: "api server i" is that process's CPU clock, "engine thread" the engine loop's (with the
+core's per-step messages), "core main" the thread taking the API servers' requests
+(bench_serving_host_processes.py).
+
 Every answer is checked: its streamed text equals the decode of its tokens (cut before the first stop string the
 text holds, with --stop), it ends with `data: [DONE]` and finish_reason "length" ("stop" when cut), and its usage
 counts T tokens. `--profile` adds a cProfile run of the event loop at the largest N, timed by its CPU clock
@@ -33,6 +42,7 @@ counts T tokens. `--profile` adds a cProfile run of the event loop at the larges
 
     python benchmarks/bench_serving_host.py                        # 64, 128, 256 clients, 128 tokens each (~1 min)
     python benchmarks/bench_serving_host.py --clients 256 --profile
+    python benchmarks/bench_serving_host.py --clients 64 256 --api-server-count 2
     python benchmarks/bench_serving_host.py --endpoint completions --stop "<|im_end|>" --logprobs 2 --device-ms 0
 """
 
@@ -228,7 +238,7 @@ def client_main(spec: dict) -> None:
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 in a thread of this process, its event loop reachable for profiling."""
 
-    def __init__(self, app, http: str = "auto", loop: str = "auto"):
+    def __init__(self, app, manager, http: str = "auto", loop: str = "auto"):
         import importlib.util
 
         import uvicorn
@@ -246,7 +256,7 @@ class ServerThread:
         self.config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
                                      http=http, loop=loop)
         self.server = uvicorn.Server(self.config)
-        self.loop = None
+        self.manager, self.loop = manager, None
         self.thread = threading.Thread(target=self._run, name="server-loop", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -269,32 +279,58 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
 
+    def run(self, driver):
+        try:
+            return driver()
+        finally:
+            self.stop()
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the engine thread, the event loop's, and the whole process."""
+        return {"engine": thread_cpu(self.manager._thread), "event loop": thread_cpu(self.thread),
+                "process": time.process_time()}
+
 
 def thread_cpu(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def run_round(server: ServerThread, manager, tokenizer, device: StandInDevice, args, clients: int,
-              tokens: int) -> dict:
-    """One round of `clients` streams of `tokens` tokens: CPU per thread kind, wall time; every answer checked."""
+def run_round(server, manager, tokenizer, device: StandInDevice, args, clients: int, tokens: int) -> dict:
+    """One round of `clients` streams of `tokens` tokens: CPU per thread or process (server.cpu()), wall time;
+    every answer checked."""
     bodies = [request_body(args, index, tokens) for index in range(clients)]
     spec = {"port": server.port, "path": "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions",
             "bodies": bodies, "chat": args.endpoint == "chat"}
-    engine_thread = manager._thread  # the engine loop's thread (the manager's own attribute: a benchmark may peek)
-    cpu = (time.process_time(), thread_cpu(engine_thread), thread_cpu(server.thread), time.thread_time())
-    steps = manager.num_steps
+    before, driver, steps = server.cpu(), time.thread_time(), manager.num_steps
     finished = subprocess.run([sys.executable, __file__, "--client"], input=json.dumps(spec), capture_output=True,
                               text=True, cwd=REPO)
-    after = (time.process_time(), thread_cpu(engine_thread), thread_cpu(server.thread), time.thread_time())
+    after, driver = server.cpu(), time.thread_time() - driver
     if finished.returncode != 0:
         sys.exit(f"the client failed:\n{finished.stderr[-3000:]}")
     report = json.loads(finished.stdout)
     check(report["answers"], bodies, tokenizer, device, tokens)
-    total, engine, loop, main = (b - a for a, b in zip(cpu, after))
+    cpu = {name: after[name] - before[name] for name in after}
+    # the process's threads not named: the total less those named and this (the driver's) thread
+    cpu["process"] -= driver + sum(cpu[name] for name in ("engine", "event loop", "core main") if name in cpu)
+    cpu["other threads" if "event loop" in cpu else "core other threads"] = cpu.pop("process")
     streamed = sum(answer["usage"]["completion_tokens"] for answer in report["answers"])  # fewer when a stop cut
-    return {"wall_s": report["wall"], "tokens": streamed, "steps": manager.num_steps - steps,
-            "engine_cpu": engine, "loop_cpu": loop, "other_cpu": total - engine - loop - main,
+    return {"wall_s": report["wall"], "tokens": streamed, "steps": manager.num_steps - steps, "cpu": cpu,
             "chunks": sum(a["chunks"] for a in report["answers"]), "ttft_p50": report["ttft_p50"]}
+
+
+def engine_alone(manager, tokenizer, args, clients: int, tokens: int) -> float:
+    """Output tok/s of the stand-in engine alone (run_until_done in this thread, no server) on the round's prompts:
+    what the front end is to keep up with."""
+    prompts = [prompt_ids_of(tokenizer, request_body(args, index, tokens)) for index in range(clients)]
+    start = time.perf_counter()
+    for prompt in prompts:
+        manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
+    manager.run_until_done()
+    seconds = time.perf_counter() - start
+    produced = 0
+    while (output := manager.get_result(timeout=0)) is not None:
+        produced += len(output.generated_tokens)
+    return produced / seconds
 
 
 def check(answers: list[dict], bodies: list[dict], tokenizer, device: StandInDevice, tokens: int) -> None:
@@ -362,12 +398,19 @@ def main(argv=None) -> None:
     parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto", help="uvicorn's HTTP "
                         "implementation (auto: httptools when installed, as `gpuformers serve` runs)")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="uvicorn's event loop")
-    parser.add_argument("--profile", action="store_true", help="also profile one round at the largest --clients")
+    parser.add_argument("--api-server-count", type=int, default=1, help="N > 1: the front end in N API server "
+                        "processes of its own, the stand-in engine in this process's engine core, as `gpuformers "
+                        "serve --api-server-count N` runs (bench_serving_host_processes.py)")
+    parser.add_argument("--profile", action="store_true", help="also profile one round at the largest --clients "
+                        "(the in-process front end's event loop)")
     parser.add_argument("--top", type=int, default=20, help="functions listed per profiled thread kind")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         return client_main(json.load(sys.stdin))
+    if args.profile and args.api_server_count > 1:
+        raise NotImplementedError("--profile with --api-server-count > 1 is not implemented (it profiles the "
+                                  "in-process event loop); profile an API server process with py-spy instead")
     if not (TOKENIZER_DIR / "tokenizer.json").is_file():
         sys.exit(f"the Qwen3 tokenizer is missing at {TOKENIZER_DIR}; fetch it with scripts/fetch_test_assets.sh")
     import torch
@@ -388,40 +431,59 @@ def main(argv=None) -> None:
         max_requests_per_batch=most, use_async_batching=True)
     device = StandInDevice(model.config.hidden_size, script, args.device_ms / 1e3)
     install(manager, device)
-    server = ServerThread(build_app(manager, tokenizer, "bench", max_pending=most), args.http, args.loop)
-    try:
+    engine_alone(manager, tokenizer, args, 8, 16)  # warm up
+    alone = {clients: engine_alone(manager, tokenizer, args, clients, args.max_tokens) for clients in args.clients}
+    if args.api_server_count > 1:
+        from bench_serving_host_processes import ProcessServers
+
+        server = ProcessServers(manager, tokenizer, args.api_server_count, max_pending=most)
+    else:
+        server = ServerThread(build_app(manager, tokenizer, "bench", max_pending=most), manager, args.http, args.loop)
+
+    def rounds():
         run_round(server, manager, tokenizer, device, args, 8, 16)  # warm up: first-call costs, imports
-        print(f"server host work per streamed token: {args.endpoint} streams of {args.max_tokens} tokens, stand-in "
-              f"model, device {args.device_ms:g} ms per step, uvicorn with {server.http} and {server.loop_name}"
-              f"{', stop ' + repr(args.stop) if args.stop else ''}"
-              f"{', logprobs ' + str(args.logprobs) if args.logprobs else ''}")
         results = {clients: run_round(server, manager, tokenizer, device, args, clients, args.max_tokens)
                    for clients in args.clients}
-        print("| clients | " + " | ".join(str(c) for c in results) + " |")
-        print("| --- |" + " --- |" * len(results))
-        rows = {
-            "tokens streamed": lambda r: f"{r['tokens']}",
-            "chunks streamed": lambda r: f"{r['chunks']}",
-            "wall s": lambda r: f"{r['wall_s']:.2f}",
-            "engine steps": lambda r: f"{r['steps']}",
-            "ms per step": lambda r: f"{r['wall_s'] / max(r['steps'], 1) * 1e3:.1f}",
-            "TTFT p50 ms": lambda r: f"{r['ttft_p50'] * 1e3:.0f}",
-            "process us/token (CPU, one GIL)":
-                lambda r: f"**{(r['engine_cpu'] + r['loop_cpu'] + r['other_cpu']) / r['tokens'] * 1e6:.1f}**",
-            "  engine thread us/token": lambda r: f"{r['engine_cpu'] / r['tokens'] * 1e6:.1f}",
-            "  server us/token (loop + other)": lambda r: f"{(r['loop_cpu'] + r['other_cpu']) / r['tokens'] * 1e6:.1f}",
-            "    event loop us/token": lambda r: f"{r['loop_cpu'] / r['tokens'] * 1e6:.1f}",
-            "    other threads us/token": lambda r: f"{r['other_cpu'] / r['tokens'] * 1e6:.1f}",
-            "server ms per step": lambda r: f"{(r['loop_cpu'] + r['other_cpu']) / max(r['steps'], 1) * 1e3:.1f}",
-            "wall us/token": lambda r: f"{r['wall_s'] / r['tokens'] * 1e6:.1f}",
-        }
-        for name, cell in rows.items():
-            print(f"| {name} | " + " | ".join(cell(r) for r in results.values()) + " |")
-        if args.profile:
-            print(profile_round(server, manager, tokenizer, device, args, most, args.max_tokens))
-    finally:
-        server.stop()
+        profile = profile_round(server, manager, tokenizer, device, args, most, args.max_tokens) if args.profile else ""
+        return results, profile
 
+    results, profile = server.run(rounds)
+    where = (f"in {args.api_server_count} API server processes (the engine core in this one)"
+             if args.api_server_count > 1 else f"in this process, uvicorn with {server.http} and {server.loop_name}")
+    print(f"server host work per streamed token: {args.endpoint} streams of {args.max_tokens} tokens, stand-in "
+          f"model, device {args.device_ms:g} ms per step, the front end {where}"
+          f"{', stop ' + repr(args.stop) if args.stop else ''}"
+          f"{', logprobs ' + str(args.logprobs) if args.logprobs else ''}")
+    print("| clients | " + " | ".join(str(c) for c in results) + " |")
+    print("| --- |" + " --- |" * len(results))
+
+    def us(seconds: float, r: dict) -> str:
+        return f"{seconds / r['tokens'] * 1e6:.1f}"
+
+    def front(r: dict) -> float:  # the front end's CPU: all but the engine thread's
+        return sum(v for name, v in r["cpu"].items() if name != "engine")
+
+    rows = {
+        "tokens streamed": lambda r: f"{r['tokens']}",
+        "chunks streamed": lambda r: f"{r['chunks']}",
+        "wall s": lambda r: f"{r['wall_s']:.2f}",
+        "engine steps": lambda r: f"{r['steps']}",
+        "ms per step": lambda r: f"{r['wall_s'] / max(r['steps'], 1) * 1e3:.1f}",
+        "TTFT p50 ms": lambda r: f"{r['ttft_p50'] * 1e3:.0f}",
+        "streamed tok/s": lambda r: f"{r['tokens'] / r['wall_s']:.0f}",
+        "engine alone tok/s": lambda r: f"{alone[r['clients']]:.0f}",
+        "served / engine alone": lambda r: f"**{r['tokens'] / r['wall_s'] / alone[r['clients']]:.2f}**",
+        "all CPU us/token": lambda r: f"**{us(sum(r['cpu'].values()), r)}**",
+        "  engine thread us/token": lambda r: us(r["cpu"]["engine"], r),
+        "  front end us/token (all but the engine thread)": lambda r: us(front(r), r),
+        **{f"    {name} us/token": (lambda r, name=name: us(r["cpu"][name], r))
+           for name in next(iter(results.values()))["cpu"] if name != "engine"},
+        "front end ms per step": lambda r: f"{front(r) / max(r['steps'], 1) * 1e3:.1f}",
+        "wall us/token": lambda r: f"{r['wall_s'] / r['tokens'] * 1e6:.1f}",
+    }
+    for name, cell in rows.items():
+        print(f"| {name} | " + " | ".join(cell({**r, 'clients': c}) for c, r in results.items()) + " |")
+    print(profile)
 
 if __name__ == "__main__":
     main()
