@@ -133,3 +133,22 @@ def test_what_the_engine_refuses_for_these_models_names_it():
         ContinuousBatchingConfig(use_cuda_graph=True).resolve(model)
     with pytest.raises(ValueError, match="num_state_snapshots=-1"):
         ContinuousBatchingConfig(num_state_snapshots=-1)
+
+
+def test_the_triton_kernels_serve_the_engine_with_generates_tokens(monkeypatch):
+    """use_kernels=True: the engine's decode batches and prefill chunks (strided slices of the flattened step, states
+    from the slots) go through the Triton conv, scan and state-step kernels (the interpreter here) and give the
+    kernelized generate()'s greedy tokens."""
+    pytest.importorskip("triton")
+    from gpuformers.kernels import kernelize
+    from tests.kernels.test_ssd_kernels import _count_kernel_calls
+
+    model = kernelize(tiny_hybrid("nemotron_h"))
+    prompts = make_prompts(3, seed=4)
+    reference = greedy_alone(model, prompts, 3)
+    calls = _count_kernel_calls(monkeypatch)
+    config = ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=16, max_requests_per_batch=4)
+    outputs = model.generate_batch(prompts, max_new_tokens=3, do_sample=False, eos_token_id=None,
+                                   progress_bar=False, continuous_batching_config=config)
+    assert [o.generated_tokens for o in outputs.values()] == reference
+    assert calls["conv"] and calls["scan"] and calls["step"], calls
