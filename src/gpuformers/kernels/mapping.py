@@ -11,8 +11,8 @@ torch's nn.SiLU counts as "SiLU"); functions do it with the `use_kernel_function
                       cannot read a ContextVar, so compiled code reads the same choice from a stack the hooks push)
 
 Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place; the MoE block's grouped-GEMM experts and the
-Mamba2 mixer's conv, scan and state step, which have no backward), Mode.TRAINING (kernels with a backward; the MoE
-block and the Mamba2 functions keep torch),
+Mamba2 mixer's conv, scan and state step), Mode.TRAINING (kernels with a backward, the Mamba2 conv and scan
+included; the MoE block and the Mamba2 decode step keep torch),
 Mode.TORCH_COMPILE (added to either, for a model that will run under torch.compile; it installs the same kernels).
 Every kernel is also a torch.library op (ops.py, namespace `gpuformers`; the MoE one in moe.py) and the kernel
 functions call their op while torch.compile traces them, so a compiled model keeps the kernels in its graph with no
@@ -113,12 +113,13 @@ for _kernel in (
     LayerKernel("ForCausalLMLoss", "triton", "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton",
                 "gpuformers.kernels.fused_linear_cross_entropy:causal_lm_loss_triton", is_function=True),
     LayerKernel("AddRMSNorm", "triton", f"{_ADAPTERS}:_add_rms_norm", f"{_ADAPTERS}:_add_rms_norm", is_function=True),
-    # The Mamba2 mixer's parts (layers/mamba2.py, layers/ssd.py), inference only: the kernels have no backward, so
-    # training keeps the torch functions (and at inference a call that needs gradients falls back to them too).
+    # The Mamba2 mixer's parts (layers/mamba2.py, layers/ssd.py). The conv and the scan have a Triton backward,
+    # used in training; at inference a call that needs gradients falls back to the torch functions. The decode step
+    # has no backward (decode only): training keeps the torch step.
     LayerKernel("causal_conv1d", "triton", "gpuformers.kernels.causal_conv1d:causal_conv1d_triton",
-                f"{_ADAPTERS}:_torch_function", is_function=True),
+                "gpuformers.kernels.causal_conv1d:causal_conv1d_train", is_function=True),
     LayerKernel("ssd_chunk_scan", "triton", "gpuformers.kernels.ssd:ssd_chunk_scan_triton",
-                f"{_ADAPTERS}:_torch_function", is_function=True),
+                "gpuformers.kernels.ssd_backward:ssd_chunk_scan_train", is_function=True),
     LayerKernel("ssm_state_step", "triton", "gpuformers.kernels.ssd:ssm_state_step_triton",
                 f"{_ADAPTERS}:_torch_function", is_function=True),
     # Training only: the model takes this path in train() mode alone, so evaluation still returns logits.
