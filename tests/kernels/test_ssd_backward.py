@@ -42,6 +42,7 @@ SCAN_CASES = {  # seq, chunk_size, heads, head_dim, groups, state, initial state
     "ragged-groups-clamped-below": (13, 5, 4, 16, 2, 16, False, (0.4, float("inf"))),
     "chunk-past-the-prompt": (7, 40, 2, 20, 1, 24, True, (0.0, float("inf"))),  # sizes no power of 2
     "row-blocks-inside-a-chunk": (70, 48, 2, 16, 2, 16, True, (0.0, 2.0)),  # blocks of 32 rows, 2 chunks
+    "dx-and-db-apart": (6, 4, 2, 80, 1, 130, True, (0.0, float("inf"))),  # (head_dim, state) tiles of (128, 256)
 }
 
 

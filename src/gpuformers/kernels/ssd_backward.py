@@ -18,7 +18,8 @@ d a = the reverse running sum of d a_cum inside each chunk, and dt goes back thr
     1. _chunk_state_kernel (ssd.py, FROM_START)  sum_l exp(a_cum[l]) dy_l (outer) C_l per chunk
     2. _dstate_pass_kernel   (batch * heads, head_dim blocks)  dS walked from the last chunk to the first: each chunk's
                              dS_c' over step 1's buffer, the initial state's gradient, sum(dS_c' * S_c') per chunk
-    3. _dx_db_kernel         (batch * heads * chunks, row blocks)  dx, d(dt) directly, dB per head, B . dB
+    3. _dx_db_kernel         (batch * heads * chunks, row blocks)  dx, d(dt) directly, dB per head, B . dB (two
+                             launches, one for dx and one for dB, when (head_dim, state) is large)
     4. _dc_kernel            (batch * heads * chunks, row blocks)  dC per head, C . dC, dy . x (for D)
     5. _dt_backward_kernel   (chunks, batch, heads)  d a_cum -> d(dt) before its bias; dA and d dt_bias per program
 
@@ -84,7 +85,9 @@ def _dx_db_kernel(X, B, C, D, DY, DT, ACUM, DSTATES, DX, DDT, DB, DA_NEG, seq, h
                   chunk_size, heads_per_group, stride_x_b, stride_x_s, stride_x_h, stride_x_p, stride_b_b, stride_b_s,
                   stride_b_g, stride_b_n, stride_c_b, stride_c_s, stride_c_g, stride_c_n, stride_dy_b, stride_dy_s,
                   stride_dy_h, stride_dy_p, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WITH_DX: tl.constexpr, WITH_DB: tl.constexpr):
+    # WITH_DX: dx and dt's direct gradient; WITH_DB: dB and B . dB. The two share only their loads: a large
+    # (head_dim, state) launches them apart, each holding the end state's gradient in one layout in shared memory.
     bh, b, h, g, c, chunks, start, end, s0 = _chunk_rows(seq, heads, chunk_size, heads_per_group, BLOCK_S)
     if s0 < end:
         s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
@@ -100,8 +103,12 @@ def _dx_db_kernel(X, B, C, D, DY, DT, ACUM, DSTATES, DX, DDT, DB, DA_NEG, seq, h
         d_end = tl.load(DSTATES + ((bh.to(tl.int64) * chunks + c) * head_dim + p[:, None]) * state_size + n[None, :],
                         mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         to_end = tl.where(live_s, tl.exp(tl.load(ACUM + row + end - 1) - a_s), 0.0)
-        dxdt = tl.dot(bs, tl.trans(d_end), input_precision=PRECISION) * to_end[:, None]  # (S, P)
-        db = tl.dot(xs, d_end, input_precision=PRECISION) * to_end[:, None]  # (S, N), times dt_s below
+        dxdt = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.float32)
+        db = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+        if WITH_DX:
+            dxdt = tl.dot(bs, tl.trans(d_end), input_precision=PRECISION) * to_end[:, None]  # (S, P)
+        if WITH_DB:
+            db = tl.dot(xs, d_end, input_precision=PRECISION) * to_end[:, None]  # (S, N), times dt_s below
         # the outputs l >= s of this chunk
         for l0 in range(s0, end, BLOCK_L):
             l = (l0 + tl.arange(0, BLOCK_L)).to(tl.int64)
@@ -111,19 +118,23 @@ def _dx_db_kernel(X, B, C, D, DY, DT, ACUM, DSTATES, DX, DDT, DB, DA_NEG, seq, h
             a_l = tl.load(ACUM + row + l, mask=live_l, other=0.0)
             causal = (l[None, :] >= s[:, None]) & live_l[None, :]
             decay = tl.exp(tl.where(causal, a_l[None, :] - a_s[:, None], float("-inf")))  # (S, L)
-            scores = tl.dot(bs, tl.trans(cl), input_precision=PRECISION) * decay  # (C_l . B_s) decayed
-            dxdt += tl.dot(scores, dyl, input_precision=PRECISION)
-            dyx = tl.dot(xs, tl.trans(dyl), input_precision=PRECISION) * decay  # (dy_l . x_s) decayed
-            db += tl.dot(dyx, cl, input_precision=PRECISION)
-        db = db * dt_s[:, None]
-        dys = _tile(DY, b, s, h, p, stride_dy_b, stride_dy_s, stride_dy_h, stride_dy_p, live_s, p_ok)
-        dx = dxdt * dt_s[:, None] + dys * tl.load(D + h).to(tl.float32)
-        tl.store(DX + ((b.to(tl.int64) * seq + s[:, None]) * heads + h) * head_dim + p[None, :], dx,
-                 mask=live_s[:, None] & p_ok[None, :])
-        tl.store(DDT + row + s, tl.sum(xs * dxdt, 1), mask=live_s)
-        tl.store(DB + ((b.to(tl.int64) * seq + s[:, None]) * heads + h) * state_size + n[None, :], db,
-                 mask=live_s[:, None] & n_ok[None, :])
-        tl.store(DA_NEG + row + s, tl.sum(bs * db, 1), mask=live_s)
+            if WITH_DX:
+                scores = tl.dot(bs, tl.trans(cl), input_precision=PRECISION) * decay  # (C_l . B_s) decayed
+                dxdt += tl.dot(scores, dyl, input_precision=PRECISION)
+            if WITH_DB:
+                dyx = tl.dot(xs, tl.trans(dyl), input_precision=PRECISION) * decay  # (dy_l . x_s) decayed
+                db += tl.dot(dyx, cl, input_precision=PRECISION)
+        if WITH_DX:
+            dys = _tile(DY, b, s, h, p, stride_dy_b, stride_dy_s, stride_dy_h, stride_dy_p, live_s, p_ok)
+            dx = dxdt * dt_s[:, None] + dys * tl.load(D + h).to(tl.float32)
+            tl.store(DX + ((b.to(tl.int64) * seq + s[:, None]) * heads + h) * head_dim + p[None, :], dx,
+                     mask=live_s[:, None] & p_ok[None, :])
+            tl.store(DDT + row + s, tl.sum(xs * dxdt, 1), mask=live_s)
+        if WITH_DB:
+            db = db * dt_s[:, None]
+            tl.store(DB + ((b.to(tl.int64) * seq + s[:, None]) * heads + h) * state_size + n[None, :], db,
+                     mask=live_s[:, None] & n_ok[None, :])
+            tl.store(DA_NEG + row + s, tl.sum(bs * db, 1), mask=live_s)
 
 
 @triton.jit
@@ -239,10 +250,13 @@ def ssd_chunk_scan_backward(dy, dfinal, x, dt, A, B, C, D, dt_bias, chunk_size, 
     db_heads = torch.empty(batch, seq, heads, state_size, **f32)
     dc_heads = torch.empty(batch, seq, heads, state_size, **f32)
     strides = (*x.stride(), *B.stride(), *C.stride(), *dy.stride())
-    _dx_db_kernel[grid](
-        x, B, C, D, dy, dt_out, a_cum, d_states, dx, ddt_direct, db_heads, da_neg, seq, heads, head_dim, state_size,
-        chunk_size, per_group, *strides, BLOCK_S=rows, BLOCK_L=rows, BLOCK_P=full_p, BLOCK_N=block_n,
-        PRECISION=precision, num_warps=warps, num_stages=stages)
+    # together, or apart where (head_dim, state) is large (two copies of it overflow shared memory on sm_90)
+    for parts in ([(True, True)] if full_p * block_n <= 64 * 256 else [(True, False), (False, True)]):
+        _dx_db_kernel[grid](
+            x, B, C, D, dy, dt_out, a_cum, d_states, dx, ddt_direct, db_heads, da_neg, seq, heads, head_dim,
+            state_size, chunk_size, per_group, *strides, BLOCK_S=rows, BLOCK_L=rows, BLOCK_P=full_p,
+            BLOCK_N=block_n, PRECISION=precision, WITH_DX=parts[0], WITH_DB=parts[1], num_warps=warps,
+            num_stages=stages)
     _dc_kernel[grid](
         x, B, C, dy, dt_out, a_cum, states, dc_heads, da_pos, dskip, seq, heads, head_dim, state_size, chunk_size,
         per_group, *strides, BLOCK_L=rows, BLOCK_S=rows, BLOCK_P=full_p, BLOCK_N=block_n, PRECISION=precision,
