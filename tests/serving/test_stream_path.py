@@ -234,6 +234,43 @@ def test_outputs_are_taken_without_a_timer_and_close_cancels_the_tick():
     assert first == (0, "a") and second == (0, "b") and tick.cancelled()
 
 
+def test_a_job_behind_the_engine_reads_each_choice_latest_output_once_in_one_chunk():
+    """Outputs that pile up while the loop is busy: the inbox keeps each choice's latest (it holds the earlier
+    ones' tokens), so the handler reads one output per choice, makes one chunk of all their text, and the client
+    gets the same text; the client check marker waits until no output does."""
+    from gpuformers.engine.outputs import GenerationOutput
+    from gpuformers.engine.sequence import RequestStatus
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    def output(tokens, done=False):
+        return GenerationOutput("r", generated_tokens=list(tokens),
+                                status=RequestStatus.FINISHED if done else RequestStatus.DECODING)
+
+    async def main():
+        job = make_job(parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8, "n": 2}))
+        job.state.tokenizer = Tokenizer()
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s: None)
+        job.choices = [job_module.ChoiceText(job.state.tokenizer, [], 8, set()) for _ in range(2)]
+        for step in range(1, 4):  # three engine steps for choice 1, then two for choice 0, unread
+            job.queue.put_nowait((1, output(range(step))))
+        job.queue.put_nowait(job_module.CHECK_CLIENT)
+        job.queue.put_nowait((0, output([3])))
+        job.queue.put_nowait((0, output([3, 4], done=True)))
+        reads = [await job._next(Client(float("inf"))) for _ in range(2)]
+        assert job.queue.empty() is False  # the marker alone
+        marker = await job.queue.get()
+        return reads, marker, job
+
+    reads, marker, job = asyncio.run(main())
+    assert reads == [(1, "abc"), (0, "de")]  # choice 1 first: its first unread output came first
+    assert marker is job_module.CHECK_CLIENT and job.queue.empty()
+    assert job.choices[0].finish_reason == "length" and job.choices[1].finish_reason is None
+    assert job.choices[1].token_ids == [0, 1, 2] and job.choices[0].token_ids == [3, 4]
+
+
 # ---------------------------------------------------------------------------------------------- token texts
 
 

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 from gpuformers.engine.sequence import RequestStatus
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.serving.loop_relay import LoopRelay
+from gpuformers.serving.output_inbox import OutputInbox
 from gpuformers.serving.protocol import APIError, CompletionRequest, error_body
 
 
@@ -58,9 +59,9 @@ class Engine:
         with self._lock:
             self.in_flight -= count
 
-    def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue: asyncio.Queue,
-               loop: asyncio.AbstractEventLoop) -> str:
-        """Add an engine request; its outputs arrive in `queue` as (tag, GenerationOutput), the last one finished.
+    def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue, loop: asyncio.AbstractEventLoop) -> str:
+        """Add an engine request; its outputs arrive in `queue` (put_nowait: an asyncio.Queue or a job's OutputInbox)
+        as (tag, GenerationOutput), the last one finished.
         The engine's thread hands each one to the loop's LoopRelay as it publishes it (add_request's on_output; a
         loop that closed under it, at shutdown, makes the engine drop the rest)."""
         request_id = f"srv-{uuid.uuid4().hex}"
@@ -203,7 +204,8 @@ class Job:
         self.state, self.parsed, self.prompts = state, parsed, prompts
         self.max_tokens, self.loop = max_tokens, loop
         self.num_choices = len(prompts) * parsed.n
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # the latest output of each choice (a later one holds an unread earlier one's tokens: output_inbox.py)
+        self.queue = OutputInbox()
         self.request_ids: list[str] = []
         self.choices = [ChoiceText(state.tokenizer, parsed.stop, max_tokens[self.prompt_of(index)], state.eos_ids,
                                    skip_special_tokens=not self.keep_special_tokens)
