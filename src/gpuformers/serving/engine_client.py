@@ -5,10 +5,14 @@ model.config's vocab_size and max_position_embeddings, block_manager's and sched
 request handling (server_state.py, serve_job.py, job.py) is one implementation for both modes.
 
     event loop: add_request ──["add", ...]──► core          (msgpack over ZMQ: engine_wire.py)
-    receiver thread: ◄── one message per engine step: rows of this server's requests ── core
-                     row -> OutputAssembly -> GenerationOutput -> the request's on_output (a LoopRelay put)
+    event loop: ◄── one message per engine step: rows of this server's requests ── core
+                row -> OutputAssembly -> GenerationOutput -> the request's on_output (into its job's inbox)
 
-The receiver thread also watches the core: this process's parent. When the core exits (killed, or its engine loop
+The core's messages are read in the event loop itself (a reader on the ZMQ socket's file descriptor), not in a
+thread of their own: a receiver thread had to take the GIL from the event loop for every message and hand each
+output over through the loop's self-pipe (the two threads' switches cost more than the reading).
+
+A timer in the loop also watches the core: this process's parent. When the core exits (killed, or its engine loop
 broke) the process is re-parented; every request in flight then gets a failed final output (job.py answers 503),
 is_running() turns False (GET /health answers 503, new requests 503), the core's run folder (its ZMQ sockets) is
 removed, and ORPHAN_EXIT_SECONDS later this server stops itself (a supervisor restarting the core must find the port
@@ -36,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 ORPHAN_EXIT_SECONDS = 5.0  # how long a server whose core is gone answers 503 before it stops
 METRICS_EVERY = 0.5  # seconds between two snapshots of this server's counts sent to the core
-_POLL_MS = 100  # the receiver's wait for a message, between two looks at the core's liveness
+_WATCH_SECONDS = 0.1  # how often the loop looks at the core's liveness (and reads what an edge may have missed)
 
 
 class _Sized:
@@ -80,29 +84,40 @@ class EngineClient:
         self._in = self._context.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.connect(f"ipc://{run_dir}/out-{index}")
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # sends come from the event loop, and from grammar worker threads
         self._requests: dict[str, tuple[OutputAssembly, Callable]] = {}
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # id(grammar) -> (grammar, key)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._waiters: collections.deque = collections.deque()  # (loop, future) of refresh() calls
+        self._loop = None  # the event loop reading the core's messages, from start() to stop()
+        self._timer = None
+        self._next_metrics = 0.0
+        self._waiters: collections.deque = collections.deque()  # futures of refresh() calls
 
     # --- the manager's interface ---------------------------------------------------------------------------
 
     def start(self) -> "EngineClient":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._receive, name="engine-client", daemon=True)
-            self._thread.start()
+        """Read the core's messages in the running event loop (the app's lifespan calls this)."""
+        import asyncio
+
+        if self._loop is None:
+            import zmq
+
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._in.getsockopt(zmq.FD), self._read)
+            self._watch()
         return self
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stop listening to the core (the core's engine goes on serving the other API servers)."""
-        self._stop.set()
-        if block and self._thread is not None:
-            self._thread.join(timeout)
+        if self._loop is not None:
+            import zmq
+
+            self._loop.remove_reader(self._in.getsockopt(zmq.FD))
+            if self._timer is not None:
+                self._timer.cancel()
+            self._loop = None
 
     def is_running(self) -> bool:
-        return self.broken is None and self._thread is not None and self._thread.is_alive()
+        return self.broken is None and self._loop is not None
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, streaming: bool = True,
                     on_output: Callable | None = None, structured_output=None, **sampling) -> str:
@@ -153,27 +168,33 @@ class EngineClient:
             self._grammars.popitem(last=False)
         return key
 
-    def _receive(self) -> None:
+    def _read(self) -> None:
+        """Every message the core sent that is waiting. The socket's descriptor signals only the edge from none
+        waiting to some, so all are read each time (and the watch reads again, should an edge be missed)."""
         import zmq
 
-        poller = zmq.Poller()
-        poller.register(self._in, zmq.POLLIN)
-        next_metrics = time.monotonic()
-        while not self._stop.is_set():
-            if poller.poll(_POLL_MS):
-                while True:
-                    try:
-                        data = self._in.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._deliver(unpack(data))
-            if os.getppid() != self.core_pid:
-                self._core_gone()
-                return
-            now = time.monotonic()
-            if now >= next_metrics and self.metrics_of is not None:
-                next_metrics = now + METRICS_EVERY
-                self._send(["metrics", self.index, self.metrics_of()])
+        sock = self._in
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._deliver(unpack(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            pass
+
+    def _watch(self) -> None:
+        """Every _WATCH_SECONDS in the loop: is the core still this process's parent; this server's counts to the
+        core every METRICS_EVERY."""
+        self._timer = None
+        if self._loop is None:
+            return
+        self._read()
+        if os.getppid() != self.core_pid:
+            self._core_gone()
+            return
+        now = time.monotonic()
+        if now >= self._next_metrics and self.metrics_of is not None:
+            self._next_metrics = now + METRICS_EVERY
+            self._send(["metrics", self.index, self.metrics_of()])
+        self._timer = self._loop.call_later(_WATCH_SECONDS, self._watch)
 
     async def refresh(self, timeout: float = 1.0) -> None:
         """Wait (at most `timeout` s) for the core's facts as they are now: its next pass of the engine loop sends
@@ -182,9 +203,8 @@ class EngineClient:
 
         if not self.is_running():
             return
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._waiters.append((loop, future))
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
         self._send(["facts?", self.index])
         try:
             await asyncio.wait_for(future, timeout)
@@ -204,8 +224,9 @@ class EngineClient:
                              for server, snap in self._peers.items()]
         if asked:
             while self._waiters:
-                loop, future = self._waiters.popleft()
-                loop.call_soon_threadsafe(_resolve, future)
+                future = self._waiters.popleft()
+                if not future.done():
+                    future.set_result(None)
         requests = self._requests
         for row in rows:
             request_id = row[0]
@@ -239,7 +260,3 @@ class EngineClient:
         timer.daemon = True
         timer.start()
 
-
-def _resolve(future) -> None:
-    if not future.done():
-        future.set_result(None)
