@@ -27,6 +27,7 @@ import torch
 
 from gpuformers.device import is_offloaded
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
+from gpuformers.generation.compiled_step import CompiledStep, key_of
 from gpuformers.generation.config import CompileConfig, GenerationConfig
 
 # The cache implementations generate() builds itself.
@@ -209,15 +210,11 @@ class GenerationPreparation:
         if not (isinstance(cache, StaticCache) and cache.fixed_shape and self._compiles_decode(config)):
             return self
         options = config.compile_config or CompileConfig()
-        key = tuple(sorted(options.to_dict().items(), key=str))
         compiled = getattr(self, "_compiled_decode", None)
-        if compiled is None or compiled[0] != key:
-            kwargs = dict(fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
-            # torch.compile accepts a mode or options, not both.
-            kwargs.update(options=options.options) if options.options else kwargs.update(mode=options.mode)
-            compiled = (key, torch.compile(self.forward, **kwargs))
+        if compiled is None or compiled.key != key_of(options) or not compiled.still_valid(self):
+            compiled = CompiledStep(self, options)
             self._compiled_decode = compiled
-        return compiled[1]
+        return compiled
 
     def _cpu_matmuls(self, forward, rows: int | None):
         """The context generate() decodes in, `rows` rows per step: kernels/cpu_linear.py's copies of the weights
