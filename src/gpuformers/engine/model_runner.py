@@ -141,6 +141,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             for cache in self.kv_tensors():
                 cache.zero_()
+            if self.states is not None:  # the mamba layers' state slots, left unwritten the same way
+                self.states.conv.zero_()
+                self.states.ssm.zero_()
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every layer's key and value cache tensors (the layers that keep them)."""

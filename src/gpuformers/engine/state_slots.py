@@ -84,8 +84,11 @@ class StatePool:
         self.layer_index = {m.layer_idx: i for i, m in enumerate(mixers)}  # model layer -> row of the tensors
         self.live_slots, self.snapshot_slots = live_slots, snapshot_slots
         rows, device = live_slots + snapshot_slots, model.device
-        self.conv = torch.zeros(len(mixers), rows, conv_dim, kernel - 1, dtype=model.dtype, device=device)
-        self.ssm = torch.zeros(len(mixers), rows, heads, head_dim, state, dtype=torch.float32, device=device)
+        # A row is read only after it was zeroed (a sequence's first step) or written (a restore, a snapshot): on the
+        # CPU the memory is left untouched until then, as the KV cache's (no page of it taken before it is used)
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.conv = alloc(len(mixers), rows, conv_dim, kernel - 1, dtype=model.dtype, device=device)
+        self.ssm = alloc(len(mixers), rows, heads, head_dim, state, dtype=torch.float32, device=device)
         self.free_live = list(range(live_slots))
         self.free_snapshots = list(range(live_slots, rows))
         self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> row, least recently used first
