@@ -217,7 +217,9 @@ def test_a_whole_answer(harmony_tokenizer):
         "analysis" + THINKING + "assistantfinalIt is sunny in Paris, 21 °C.")
 
 
-def test_a_streamed_answer(harmony_tokenizer):
+def test_a_streamed_answer(harmony_tokenizer, monkeypatch):
+    # one output per 5 ms engine step: outputs published at once may reach the handler as one (output_inbox.py)
+    monkeypatch.setattr(HarmonyManager, "step_seconds", 0.005)
     client, _ = client_for(harmony_tokenizer, [ANSWER])
     chunks = list(client.chat.completions.create(model="m", messages=USER, stream=True,
                                                  stream_options={"include_usage": True}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -197,8 +198,15 @@ class ScriptedManager:
         self.prompts.append(self.tokenizer.decode(prompt_ids))
         self.scripts[request_id] = self.script(answer)
         if on_output is not None:  # as the engine does: every output handed over from the engine's thread
-            threading.Thread(target=lambda: [on_output(o) for o in self.request_id_iter(request_id)],
-                             daemon=True).start()
+            threading.Thread(target=self._publish, args=(request_id, on_output), daemon=True).start()
+
+    step_seconds = 0.0  # between two outputs (0: all at once, which a server may read as one: output_inbox.py)
+
+    def _publish(self, request_id, on_output):
+        for output in self.request_id_iter(request_id):
+            on_output(output)
+            if self.step_seconds:
+                time.sleep(self.step_seconds)
 
     def request_id_iter(self, request_id):
         from gpuformers.engine.manager import GenerationOutput
