@@ -12,8 +12,14 @@ in a fresh process of its own interpreter, one after the other and alternating w
 It prints per run: output tokens/s, start-up (process start -> the warm-up's first token: imports, load, vLLM's
 compile and profiling included), and the token agreement between the two (sequences whose tokens are identical).
 
+--compile runs ours with ContinuousBatchingConfig(compile=True) (engine/compiled_step.py); its warm-up request
+(an 8-token prompt, 4 new tokens) compiles the step's two graphs (one token; more tokens, dynamic), so start-up
+includes compiling. Inductor's on-disk cache is a fresh folder of this run: ours' first run starts cold, its later
+runs (--repeats) warm, reusing what the first compiled; each start-up is labelled so.
+
     python benchmarks/bench_peer.py --vllm-python /work/vllm-venv/bin/python --shape tiny
     python benchmarks/bench_peer.py --vllm-python ... --shape 100m --num-requests 32 --repeats 2
+    python benchmarks/bench_peer.py --vllm-python ... --shape tiny --compile --repeats 2
 
 vLLM's CPU backend is given its best configuration on this machine unless --vllm-default: every core computing
 (VLLM_CPU_OMP_THREADS_BIND=0-(cores-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE GiB of cache.
@@ -142,6 +148,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with ContinuousBatchingConfig(compile=True); start-up cold in run 1, warm after")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -161,9 +169,11 @@ def main(argv=None) -> None:
                                          SHAPES[args.shape]["vocab_size"], args.seed)
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps({"checkpoint": str(folder), "prompts": prompts, "outputs": outputs,
-                                         "threads": args.threads}))
+                                         "threads": args.threads,
+                                         "engine": {"compile": True} if args.compile else {}}))
         base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
-        ours_env = {**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        ours_env = {**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}  # empty: the first compile is cold
         vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_TARGET_DEVICE": "cpu"}
         if not args.vllm_default:
             vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -171,8 +181,8 @@ def main(argv=None) -> None:
         total = sum(outputs)
         print(f"shape {args.shape}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}], "
               f"{total} output tokens, float32, {cores} cores; vLLM with {vllm_config}, ours with "
-              f"{args.threads} torch threads", flush=True)
-        runs = []
+              f"{args.threads} torch threads{', compiled' if args.compile else ''}", flush=True)
+        runs, ours_runs = [], 0
         for repeat in range(args.repeats):
             pair = {}
             for kind in ("ours", "vllm") if repeat % 2 == 0 else ("vllm", "ours"):
@@ -181,8 +191,12 @@ def main(argv=None) -> None:
                 tokens = sum(map(len, answer["tokens"]))
                 assert tokens == total, f"{kind} produced {tokens} tokens, {total} were asked for"
                 pair[kind] = answer
+                start = ""
+                if kind == "ours" and args.compile:
+                    start = " (cold: compiling)" if ours_runs == 0 else " (warm: Inductor's cache)"
+                    ours_runs += 1
                 print(f"  run {repeat + 1} {kind:5s}: {total / answer['seconds']:8.1f} tok/s "
-                      f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s", flush=True)
+                      f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s{start}", flush=True)
             same, prefix = agreement(pair["ours"]["tokens"], pair["vllm"]["tokens"])
             ratio = pair["vllm"]["seconds"] / pair["ours"]["seconds"]
             print(f"  run {repeat + 1}: ours / vLLM = {ratio:.2f}x throughput, start-up "

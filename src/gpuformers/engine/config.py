@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from gpuformers.device import mapped_devices
+from gpuformers.engine.compiled_step import decide_compile
 from gpuformers.engine.cuda_graphs import decide_cuda_graph
 from gpuformers.engine.model_runner import kv_bytes_per_block, step_workspace_bytes
 from gpuformers.engine.scheduler import SCHEDULER_TYPES
@@ -44,6 +45,10 @@ class ContinuousBatchingConfig:
     # where this machine runs it faster (kernels/cpu_linear.py). Default: on when it is faster at some row count
     # and the copies take at most a quarter of the free RAM.
     prepack_weights: bool | None = None
+    # torch.compile the decoder stack for the steps (engine/compiled_step.py): attention and the KV-cache write as
+    # ops, the token dimension dynamic; costs 20-60 s over the first steps (Inductor's on-disk cache makes later
+    # starts cheaper). None: off for now (decide_compile); True raises for a model that cannot be compiled.
+    compile: bool | None = None
     scheduler_type: str = "fifo"
     # A model with mamba layers: how many prefix-cache snapshots of their states to keep (engine/state_slots.py);
     # each takes one sequence's state. Default: max_requests_per_batch // 8, at least 4 (0 without block sharing).
@@ -104,6 +109,7 @@ class ContinuousBatchingConfig:
                                       "not supported yet; leave use_cuda_graph None (off under tp_plan)")
         values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size) and not stateful
         values["prepack_weights"] = decide_prepack(self.prepack_weights, model, tp_size)
+        values["compile"], _ = decide_compile(model, self.compile, stateful)
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
         values["use_async_batching"] = cuda if self.use_async_batching is None else bool(self.use_async_batching)
         return ContinuousBatchingConfig(**values)

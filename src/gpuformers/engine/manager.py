@@ -89,7 +89,7 @@ class ContinuousBatchingManager:
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_requests_per_batch,
                                    cfg.scheduler_type)
         self.runner = ModelRunner(model, cfg.num_blocks, cfg.block_size, prepack_weights=cfg.prepack_weights,
-                                  states=self.states)
+                                  states=self.states, compile=cfg.compile)
         if cfg.prepack_weights:  # which row counts take the packed weights: measured now, not in the first steps
             measure_up_to(cfg.max_batch_tokens)
         self.adapter_bank = self.runner.adapter_bank = AdapterBank(model)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpuformers.kernels.cpu_linear import packed_linears
+from gpuformers.engine.compiled_step import CompiledDecoder
 from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.sampler import TokenCounts, device_scope, device_tensor, sample_on_device, to_host_samples
@@ -99,7 +100,7 @@ def step_workspace_bytes(config, max_batch_tokens: int, max_requests: int, dtype
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                 prepack_weights: bool = False, states: StatePool | None = None):
+                 prepack_weights: bool = False, states: StatePool | None = None, compile: bool = False):
         self.model = model
         config = model.config
         self.device = model.device
@@ -129,7 +130,10 @@ class ModelRunner:
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
         # CPU: oneDNN-packed copies of the linear weights, in use during each eager step (kernels/cpu_linear.py),
         # the same ones generate() uses on this model
-        self.packed = packed_linears(model) if prepack_weights else None
+        self.packed = packed_linears(model) if prepack_weights and not compile else None
+        # ContinuousBatchingConfig.compile: the decoder compiled (engine/compiled_step.py), for steps without prompt
+        # logprobs or LoRA rows; on the CPU it freezes its own packed weights, so no copies above
+        self.compiled = CompiledDecoder(self.decoder) if compile else None
 
     # --- inputs -------------------------------------------------------------------------------------------------
 
@@ -243,7 +247,11 @@ class ModelRunner:
                 cache = PagedKVCache(context)
             with self.packed.active() if self.packed else contextlib.nullcontext():
                 with paged_context(context), adapter_rows(lora_rows):
-                    hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache)
+                    if self.compiled is not None and not prompt_rows and not lora_rows and self.states is None:
+                        hidden = self.compiled(input_ids, position_ids, cache)
+                    else:
+                        hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
+                                                 past_key_values=cache)
                 if self.states is not None:
                     take_snapshots(self.states, plan)
                 # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)

@@ -24,7 +24,7 @@ prefill kernel, all in one launch per layer (each chunk after its cached keys, r
 "paged|eager", soft-capped or sink layers) each sequence is attended on its own, causally, after its cached prefix.
 
 Offers: PagedContext, PagedKVCache, paged_context, current_context, paged_attention, gathered_decode_keys,
-PAGED_BACKENDS.
+PAGED_BACKENDS, write_kv (and the ops gpuformers::paged_kv_write, gpuformers::paged_attention).
 """
 
 from __future__ import annotations
@@ -99,9 +99,19 @@ class PagedKVCache(Cache):
         # key, value: (1, kv_heads, total_tokens, head_dim) -> slots (total_tokens, kv_heads, head_dim)
         ctx = self.context
         k_cache, v_cache = ctx.key_caches[layer_idx], ctx.value_caches[layer_idx]
-        k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+        if torch.compiler.is_compiling():  # a compiled step (engine/compiled_step.py): the write as an op in place
+            torch.ops.gpuformers.paged_kv_write(key, value, k_cache, v_cache, ctx.slot_mapping)
+            return k_cache, v_cache
+        write_kv(key, value, k_cache, v_cache, ctx.slot_mapping)
         return k_cache, v_cache
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key, value (1, kv_heads, total_tokens, head_dim) into the layer caches (slots, kv_heads, head_dim) at
+    slot_mapping (total_tokens,)."""
+    key_cache.index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
 
 
 def _gather_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -209,6 +219,14 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     Returns (output (1, total_tokens, heads, head_dim), None)."""
     softcap = kwargs.pop("softcap", None)
     sinks = kwargs.pop("sinks", None)  # gpt-oss's attention sinks: the same story as the soft-cap
+    if torch.compiler.is_compiling() and current_context() is not None:
+        # A compiled engine step: the whole function as one op that takes tensors only, so the step's Python
+        # layout (PagedContext's lists and counts, read by the op from this thread's context at run time) never
+        # becomes a guard or a constant of the graph.
+        kind = "flash4" if flash_prefill else "eager" if base is eager_attention else "sdpa"
+        out = torch.ops.gpuformers.paged_attention(query, key, value, scaling, sliding_window or 0,
+                                                   0.0 if softcap is None else float(softcap), sinks, kind)
+        return out, None
     if softcap is not None or sinks is not None:
         # Attention logit soft-capping (Gemma 2): SDPA, the CPU decode loop and the Triton decode kernel have no
         # place for it, so every call below goes to eager with the cap (the `base is sdpa_attention` paths skip).
@@ -325,3 +343,46 @@ PAGED_BACKENDS = {"paged|sdpa": paged_sdpa_attention, "paged|eager": paged_eager
                   "paged|flash_attention_4": paged_flash_attention_4}
 for _name, _fn in PAGED_BACKENDS.items():
     AttentionInterface.register(_name, _fn)
+
+
+# --- the step as torch.library ops, for a compiled engine step (engine/compiled_step.py) ---------------------------
+
+
+@torch.library.custom_op("gpuformers::paged_kv_write", mutates_args=("key_cache", "value_cache"))
+def _paged_kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+@_paged_kv_write.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+class _Inference:
+    """What the backends read of the attention module inside the op: it runs for inference only."""
+
+    training = False
+
+
+_BASES = {"sdpa": (sdpa_attention, False), "eager": (eager_attention, False), "flash4": (sdpa_attention, True)}
+
+
+@torch.library.custom_op("gpuformers::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float,
+                        sliding_window: int, softcap: float, sinks: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """paged_attention over this thread's PagedContext (set by the model runner around the compiled step);
+    sliding_window 0 and softcap 0.0 mean none. query (1, heads, total, head_dim) -> (1, total, heads, head_dim)."""
+    base, flash_prefill = _BASES[kind]
+    extra = {} if sinks is None else {"sinks": sinks}
+    if softcap:
+        extra["softcap"] = softcap
+    out, _ = paged_attention(_Inference(), query, key_cache, value_cache, None, scaling=scaling,
+                             sliding_window=sliding_window or None, base=base, flash_prefill=flash_prefill, **extra)
+    return out
+
+
+@_paged_attention_op.register_fake
+def _(query, key_cache, value_cache, scaling, sliding_window, softcap, sinks, kind):
+    heads, total, head_dim = query.shape[1:]
+    return query.new_empty(1, total, heads, head_dim)

@@ -1,0 +1,85 @@
+"""CompiledDecoder: the engine step's decoder stack compiled once per model runner with torch.compile, dynamic in
+the number of tokens of the step, attention and the KV-cache write as torch.library ops.
+
+    model runner  ──prepare──> input_ids (1, total), position_ids (1, total), PagedContext (lists, counts, tensors)
+                  ──paged_context(ctx)──> CompiledDecoder(input_ids, position_ids, PagedKVCache(ctx))
+    compiled graph:  embed ─> [norm ─> q/k/v ─> rotary ─> paged_kv_write ─> paged_attention ─> o ─> MLP] x L ─> norm
+                                                        (op, in place)     (op: reads the context's layout)
+
+The graph sees the step only through tensors: the KV-cache write is `gpuformers::paged_kv_write` (it mutates the
+layer's cache in place) and attention is `gpuformers::paged_attention`, which runs the eager paged attention
+(engine/paged_attention.py) over the PagedContext the runner set for this thread. Dynamo therefore guards on
+no Python value of the step (query offsets, context lengths, block tables as lists), which made an earlier try
+recompile until Dynamo gave up. The token dimension is dynamic (one graph for every step size above one; a step of
+exactly one token, batch-1 decoding, gets its own graph, as Dynamo specializes sizes 0 and 1).
+
+On the CPU Inductor freezes the weights (generation/compiled_step.py's settings): the linear layers run on
+oneDNN-packed weights, which the eager engine gets from kernels/cpu_linear.py's copies instead.
+
+What stays eager: the LM head over the sampled rows, sampling, prompt logprobs, LoRA steps (adapter rows are
+Python lists), hybrid (mamba) models, and models whose modules wait on the host (the torch MoE block): the runner
+asks `serves` before each step. `decide_compile` says whether a runner compiles at all.
+
+Offers: CompiledDecoder, decide_compile, ENV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from gpuformers.generation.compiled_step import CPU_INDUCTOR_SETTINGS
+from gpuformers.layers.moe import host_syncing_modules
+
+logger = logging.getLogger(__name__)
+ENV = "GPUFORMERS_ENGINE_COMPILE"  # "1": compile=None compiles where the model allows it
+
+
+def decide_compile(model: nn.Module, requested: bool | None, has_states: bool) -> tuple[bool, str]:
+    """(whether the engine compiles its decoder, why). requested: ContinuousBatchingConfig.compile. True compiles
+    or raises NotImplementedError naming why the model cannot be; None compiles only under
+    GPUFORMERS_ENGINE_COMPILE=1 (where the model can be): compiling costs 20-60 s over the first steps of each
+    process (less with Inductor's on-disk cache warm), which a short generate_batch() does not win back."""
+    why_not = _why_not(model, has_states)
+    if requested is False:
+        return False, "compile=False"
+    if requested is True:
+        if why_not:
+            raise NotImplementedError(f"ContinuousBatchingConfig(compile=True) cannot compile this model: {why_not}; "
+                                      f"leave compile unset (or False) to run its steps eagerly")
+        return True, "compile=True"
+    if os.environ.get(ENV) == "1":
+        if why_not:
+            logger.info("%s=1, but the engine's steps run eagerly: %s", ENV, why_not)
+        return not why_not, why_not or f"{ENV}=1"
+    return False, f"compile=None: eager unless {ENV}=1"
+
+
+def _why_not(model: nn.Module, has_states: bool) -> str:
+    if has_states:
+        return "a hybrid model's mamba layers keep per-sequence states outside the paged KV cache"
+    syncing = host_syncing_modules(model)
+    if syncing:
+        return f"{syncing[0]} reads values on the host in its forward (the torch MoE block), which a graph cannot hold"
+    return ""
+
+
+class CompiledDecoder:
+    """The decoder stack (model.model) compiled for engine steps; call it as the decoder inside paged_context()."""
+
+    def __init__(self, decoder: nn.Module):
+        self.device = next(decoder.parameters()).device
+        # dynamic=True: the token dimension (and the block-table width the op reads) vary at every step.
+        self.function = torch.compile(decoder.forward, dynamic=True)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values) -> torch.Tensor:
+        """-> the final hidden states (1, total, hidden)."""
+        if self.device.type != "cpu":
+            hidden, _ = self.function(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values)
+            return hidden
+        with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
+            hidden, _ = self.function(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values)
+        return hidden
