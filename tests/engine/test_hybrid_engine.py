@@ -136,19 +136,26 @@ def test_what_the_engine_refuses_for_these_models_names_it():
 
 
 def test_the_triton_kernels_serve_the_engine_with_generates_tokens(monkeypatch):
-    """use_kernels=True: the engine's decode batches and prefill chunks (strided slices of the flattened step, states
-    from the slots) go through the Triton conv, scan and state-step kernels (the interpreter here) and give the
+    """use_kernels=True: the engine's prefill chunks (strided slices of the flattened step, states from the slots)
+    go through the Triton conv and scan kernels, its decode batches through the conv-update and state-step kernels
+    that step their slots' rows of the pool in place (the interpreter here, no torch gather or scatter), and give the
     kernelized generate()'s greedy tokens."""
     pytest.importorskip("triton")
+    import gpuformers.kernels.causal_conv1d as conv
+    import gpuformers.kernels.ssd as ssd
     from gpuformers.kernels import kernelize
     from tests.kernels.test_ssd_kernels import _count_kernel_calls
 
     model = kernelize(tiny_hybrid("nemotron_h"))
     prompts = make_prompts(3, seed=4)
     reference = greedy_alone(model, prompts, 3)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = _count_kernel_calls(monkeypatch, (
+        (conv, "causal_conv1d_forward", "conv"), (ssd, "ssd_chunk_scan_forward", "scan"),
+        (ssd, "ssm_state_step_forward", "step"), (conv, "causal_conv1d_indexed_forward", "conv_indexed"),
+        (ssd, "ssm_state_step_indexed_forward", "step_indexed")))
     config = ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=16, max_requests_per_batch=4)
     outputs = model.generate_batch(prompts, max_new_tokens=3, do_sample=False, eos_token_id=None,
                                    progress_bar=False, continuous_batching_config=config)
     assert [o.generated_tokens for o in outputs.values()] == reference
-    assert calls["conv"] and calls["scan"] and calls["step"], calls
+    assert calls["conv"] and calls["scan"] and calls["conv_indexed"] and calls["step_indexed"], calls
+    assert not calls["step"], calls  # every decode stepped its slot in place

@@ -114,9 +114,12 @@ _SCRIPT = textwrap.dedent('''
         KERNEL=4, HAS_STATE=True, HAS_BIAS=True, BLOCK_T=64, BLOCK_C=64), 4, 3)
     shared["causal conv1d input grad"] = build(causal_conv1d._conv_input_grad_kernel, dict(
         DCONV=F32, W=P, DNEW_STATE=P, DX=P, DSTATE=P), dict(KERNEL=4, HAS_STATE=True, BLOCK_T=64, BLOCK_C=64), 4, 3)
-    shared["ssd state step"] = build(ssd._state_step_kernel, dict(
-        STATE=F32, X=P, DT=P, A=F32, B=P, C=P, D=P, DT_BIAS=P, NEW_STATE=F32, Y=F32), dict(BLOCK_P=64, BLOCK_N=128),
-        4, 3)
+    for indexed in (False, True):  # the indexed step: rows of the engine's state pool, in place
+        shared[f"ssd state step {indexed}"] = build(ssd._state_step_kernel, dict(
+            STATE=F32, ROWS="*i64", X=P, DT=P, A=F32, B=P, C=P, D=P, DT_BIAS=P, NEW_STATE=F32, Y=F32),
+            dict(INDEXED=indexed, BLOCK_P=64, BLOCK_N=128), 4, 3)
+    shared["causal conv1d indexed update"] = build(causal_conv1d._conv_update_indexed_kernel, dict(
+        X=P, STATES=P, ROWS="*i64", W=P, BIAS=P, OUT=P), dict(KERNEL=4, HAS_BIAS=True, BLOCK_C=128, BLOCK_K=4), 4, 3)
     shared["causal conv1d"] = build(causal_conv1d._causal_conv1d_kernel, dict(
         X=P, STATE=P, W=P, BIAS=P, OUT=P, NEW_STATE=P), dict(KERNEL=4, HAS_STATE=True, HAS_BIAS=True, BLOCK_T=64,
                                                             BLOCK_C=64, BLOCK_K=4), 4, 3)
@@ -126,7 +129,7 @@ _SCRIPT = textwrap.dedent('''
 H100_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
-@pytest.mark.slow  # compiles 35 kernels with ptxas: about 70 s on 2 cores
+@pytest.mark.slow  # compiles 37 kernels with ptxas: about 70 s on 2 cores
 def test_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
@@ -134,6 +137,6 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 35
+    assert len(shared) == 37
     too_big = {name: size for name, size in shared.items() if size > H100_SHARED_LIMIT}
     assert not too_big, f"tiles overflow the {H100_SHARED_LIMIT} bytes of shared memory: {too_big}"

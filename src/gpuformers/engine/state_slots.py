@@ -265,11 +265,9 @@ class PagedStateCache(PagedKVCache):
         outs = []
         if plan.num_decodes:
             nd, rows = plan.num_decodes, plan.decode_rows
-            # the decodes as nd rows of one token: (nd, 1, conv_dim), (nd, 1, heads)
-            y, new_conv, new_ssm = mix(xbc[0, :nd, None], dt[0, :nd, None], conv.index_select(0, rows),
-                                       ssm.index_select(0, rows))
-            conv.index_copy_(0, rows, new_conv.to(conv.dtype))
-            ssm.index_copy_(0, rows, new_ssm)
+            # the decodes as nd rows of one token, (nd, 1, conv_dim) and (nd, 1, heads), stepping their slots' rows of
+            # the pool in place (the Triton kernels read and write those rows; torch gathers and scatters them)
+            y = mix(xbc[0, :nd, None], dt[0, :nd, None], conv, ssm, rows=rows)[0]
             outs.append(y.reshape(nd, *y.shape[-2:]))  # (nd, heads, head_dim): the state step has no seq dim
         for start, end, row, fresh in plan.chunks:
             y, new_conv, new_ssm = mix(xbc[:, start:end], dt[:, start:end], None if fresh else conv[row:row + 1],

@@ -17,12 +17,18 @@ with the tile's share of d weight and d bias (added up by a torch sum over tiles
 _conv_input_grad_kernel gives each window column j its sum_k weight[c, k] d conv[j - k] (plus the new state's
 gradient where column j was kept), x's columns to dx and the state's to d conv_state.
 
+The decode update of the engine's batch has its own kernel, _conv_update_indexed_kernel (causal_conv1d_indexed):
+one token per sequence, whose conv state is row rows[b] of the state slots' pool, shifted by one in place (window
+[state | x] read into registers, a barrier, then the state's columns 1.. and x written back), so the pool's rows
+are read once and written once, with no gathered copy.
+
 causal_conv1d_train (the train() mode function) is differentiable through them (CausalConv1d); the inference
 function causal_conv1d_triton hands a call back to torch (NotImplemented) when autograd would need its gradient.
 While torch.compile traces both call the torch.library op gpuformers::causal_conv1d (ops.py), whose autograd formula
 is the same backward.
 
-Offers: causal_conv1d_triton, causal_conv1d_train, causal_conv1d_forward, causal_conv1d_backward, CausalConv1d.
+Offers: causal_conv1d_triton, causal_conv1d_train, causal_conv1d_forward, causal_conv1d_backward, CausalConv1d,
+causal_conv1d_indexed_triton, causal_conv1d_indexed_forward.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import triton
 import triton.language as tl
 
 from gpuformers.kernels import ops
-from gpuformers.kernels.checks import check_same, check_tensor, leave_to_torch, next_power_of_2
+from gpuformers.kernels.checks import check_rows, check_same, check_tensor, leave_to_torch, next_power_of_2
 
 
 @triton.jit
@@ -95,6 +101,36 @@ def _causal_conv1d_kernel(X, STATE, W, BIAS, OUT, NEW_STATE, seq, channels, stri
                 tail += kept.to(tail.dtype)  # one of the two is 0 at each place
             tl.store(NEW_STATE + (b.to(tl.int64) * channels + c[:, None]) * (KERNEL - 1) + col[None, :], tail,
                      mask=col_ok[None, :] & c_ok[:, None])
+
+
+@triton.jit
+def _conv_update_indexed_kernel(X, STATES, ROWS, W, BIAS, OUT, channels, stride_x_b, stride_st_r, stride_st_c,
+                                stride_st_k, stride_w_c, stride_w_k, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one token of sequence b over BLOCK_C channels; its conv state is row ROWS[b] of the pool, updated in place
+    b, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    k = tl.arange(0, BLOCK_K)
+    in_state = k < KERNEL - 1
+    row = STATES + tl.load(ROWS + b).to(tl.int64) * stride_st_r + c[:, None] * stride_st_c  # (C, 1) pointers
+    xv = tl.load(X + b.to(tl.int64) * stride_x_b + c, mask=c_ok, other=0.0)  # (C,)
+    # the window's state columns (C, K - 1), cast to x's dtype as the layer casts them, and the same shifted by one
+    # (the next state's columns: state column k + 1, then x)
+    kept = tl.load(row + k[None, :] * stride_st_k, mask=c_ok[:, None] & in_state[None, :], other=0.0).to(xv.dtype)
+    shifted = tl.load(row + (k[None, :] + 1) * stride_st_k, mask=c_ok[:, None] & (k < KERNEL - 2)[None, :],
+                      other=0.0).to(xv.dtype)
+    w = tl.load(W + c[:, None] * stride_w_c + k[None, :] * stride_w_k, mask=c_ok[:, None] & in_state[None, :],
+                other=0.0).to(tl.float32)
+    w_last = tl.load(W + c * stride_w_c + (KERNEL - 1) * stride_w_k, mask=c_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(kept.to(tl.float32) * w, axis=1) + xv.to(tl.float32) * w_last
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=c_ok, other=0.0).to(tl.float32)
+    conv = acc.to(OUT.dtype.element_ty).to(tl.float32)  # rounded before the SiLU, as torch's conv1d then silu
+    tl.store(OUT + b.to(tl.int64) * channels + c, (conv * tl.sigmoid(conv)).to(OUT.dtype.element_ty), mask=c_ok)
+    new = tl.where((k == KERNEL - 2)[None, :], xv[:, None], shifted)
+    tl.debug_barrier()  # every thread of the program has read the row before any overwrites it
+    tl.store(row + k[None, :] * stride_st_k, new.to(STATES.dtype.element_ty), mask=c_ok[:, None] & in_state[None, :])
 
 
 @triton.jit
@@ -193,6 +229,41 @@ def causal_conv1d_forward(x: torch.Tensor, conv_state: torch.Tensor | None, weig
     return out, new_state
 
 
+def causal_conv1d_indexed_forward(x: torch.Tensor, conv_states: torch.Tensor, rows: torch.Tensor,
+                                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The launcher: layers/mamba2.causal_conv1d_indexed's arguments and result for one token per row, checked, on
+    the kernel. x (n, 1, channels), conv_states (pool rows, channels, kernel - 1), rows (n,) int -> out (n, 1,
+    channels) contiguous in x's dtype; rows `rows` of conv_states updated in place."""
+    check_tensor("x", x, ndim=3)
+    n, seq, channels = x.shape
+    if seq != 1:
+        raise ValueError(f"the indexed conv steps one token per row; x has {seq} (shape {tuple(x.shape)})")
+    check_tensor("weight", weight, ndim=3, last_dim_contiguous=False)
+    if weight.shape[0] != channels or weight.shape[1] != 1 or weight.shape[2] < 2:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected a depthwise (channels={channels}, 1, "
+                         f"kernel >= 2) conv weight")
+    kernel = weight.shape[2]
+    check_tensor("conv_states", conv_states, ndim=3, last_dim_contiguous=False)
+    if tuple(conv_states.shape[1:]) != (channels, kernel - 1):
+        raise ValueError(f"conv_states has shape {tuple(conv_states.shape)}, expected (pool rows, channels, "
+                         f"kernel - 1) = (rows, {channels}, {kernel - 1})")
+    check_rows(rows, n)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != channels:
+            raise ValueError(f"bias has {bias.shape[0]} entries, expected one per channel ({channels})")
+    check_same("device", x=x, conv_states=conv_states, rows=rows, weight=weight,
+               **({} if bias is None else {"bias": bias}))
+    out = torch.empty(n, 1, channels, dtype=x.dtype, device=x.device)
+    if n and channels:
+        block_c = 128 if channels >= 128 else max(16, next_power_of_2(channels))
+        _conv_update_indexed_kernel[(n, triton.cdiv(channels, block_c))](
+            x, conv_states, rows, weight, bias if bias is not None else weight, out, channels, x.stride(0),
+            *conv_states.stride(), weight.stride(0), weight.stride(2), KERNEL=kernel, HAS_BIAS=bias is not None,
+            BLOCK_C=block_c, BLOCK_K=max(2, next_power_of_2(kernel - 1)))
+    return out
+
+
 def causal_conv1d_backward(dout, dnew_state, x, conv_state, weight, bias):
     """Gradients of causal_conv1d_forward's (out, new state) with respect to (x, conv_state, weight, bias), each in
     its input's dtype (None for an absent state or bias). dout (batch, seq, channels); dnew_state (batch, channels,
@@ -260,3 +331,12 @@ def causal_conv1d_train(x, conv_state, weight, bias):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, conv_state, weight, bias)):
         return CausalConv1d.apply(x, conv_state, weight, bias)
     return causal_conv1d_forward(x, conv_state, weight, bias)
+
+
+def causal_conv1d_indexed_triton(x, conv_states, rows, weight, bias):
+    """The kernel for use_kernel_function("causal_conv1d_indexed"); NotImplemented (the torch gather, conv and
+    scatter run) for more than one token per row, under autograd, and while torch.compile traces (which then keeps
+    the conv's own op)."""
+    if x.shape[1] != 1 or leave_to_torch(x, conv_states, weight, bias) or torch.compiler.is_compiling():
+        return NotImplemented
+    return causal_conv1d_indexed_forward(x, conv_states, rows, weight, bias)

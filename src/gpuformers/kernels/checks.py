@@ -4,8 +4,8 @@ Triton kernels run on NVIDIA GPUs, and on the CPU only under its interpreter (`T
 triton is imported), which is how the tests run them. bfloat16 is computed wrongly by the interpreter's `tl.dot`,
 so bfloat16 is tested on the GPU only.
 
-Offers: triton_importable, interpreter_on, triton_runs_on, check_tensor, check_same, next_power_of_2, dot_precision,
-leave_to_torch.
+Offers: triton_importable, interpreter_on, triton_runs_on, check_tensor, check_same, check_rows, next_power_of_2,
+dot_precision, leave_to_torch.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def check_same(what: str, **tensors: torch.Tensor) -> None:
     if len(set(values.values())) > 1:
         listed = ", ".join(f"{name}: {value}" for name, value in values.items())
         raise ValueError(f"these tensors must share one {what}, got {listed}")
+
+
+def check_rows(rows: torch.Tensor, count: int) -> None:
+    """An index of `count` rows of a pool of states (the engine's state slots), as the indexed kernels read it: a
+    1-d int32 or int64 tensor. (The kernels do not check the values: a row outside the pool is out of bounds.)"""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        shown = (f"{rows.dtype} of shape {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
+                 else type(rows).__name__)
+        raise ValueError(f"rows must be a 1-d int32 or int64 tensor of pool rows, got {shown}")
+    if rows.shape[0] != count:
+        raise ValueError(f"rows has {rows.shape[0]} entries, expected one per input row ({count})")
 
 
 def check_bias_and_devices(bias: torch.Tensor | None, out_features: int, **tensors: torch.Tensor) -> None:

@@ -11,8 +11,8 @@ torch's nn.SiLU counts as "SiLU"); functions do it with the `use_kernel_function
                       cannot read a ContextVar, so compiled code reads the same choice from a stack the hooks push)
 
 Modes: Mode.INFERENCE (no autograd bookkeeping; rotary runs in place; the MoE block's grouped-GEMM experts and the
-Mamba2 mixer's conv, scan and state step), Mode.TRAINING (kernels with a backward, the Mamba2 conv and scan
-included; the MoE block and the Mamba2 decode step keep torch),
+Mamba2 mixer's conv, scan and state step, and their in-place forms on the engine's state slots), Mode.TRAINING
+(kernels with a backward, the Mamba2 conv and scan included; the MoE block and the Mamba2 decode step keep torch),
 Mode.TORCH_COMPILE (added to either, for a model that will run under torch.compile; it installs the same kernels).
 Every kernel is also a torch.library op (ops.py, namespace `gpuformers`; the MoE one in moe.py) and the kernel
 functions call their op while torch.compile traces them, so a compiled model keeps the kernels in its graph with no
@@ -121,6 +121,12 @@ for _kernel in (
     LayerKernel("ssd_chunk_scan", "triton", "gpuformers.kernels.ssd:ssd_chunk_scan_triton",
                 "gpuformers.kernels.ssd_backward:ssd_chunk_scan_train", is_function=True),
     LayerKernel("ssm_state_step", "triton", "gpuformers.kernels.ssd:ssm_state_step_triton",
+                f"{_ADAPTERS}:_torch_function", is_function=True),
+    # The engine's decode batch (engine/state_slots.py): the conv update and the state step on rows of the state
+    # slots' pool, in place. Decode only, like the step.
+    LayerKernel("causal_conv1d_indexed", "triton", "gpuformers.kernels.causal_conv1d:causal_conv1d_indexed_triton",
+                f"{_ADAPTERS}:_torch_function", is_function=True),
+    LayerKernel("ssm_state_step_indexed", "triton", "gpuformers.kernels.ssd:ssm_state_step_indexed_triton",
                 f"{_ADAPTERS}:_torch_function", is_function=True),
     # Training only: the model takes this path in train() mode alone, so evaluation still returns logits.
     LayerKernel("LinearForCausalLMLoss", "triton", "gpuformers.layers.loss:linear_causal_lm_loss",

@@ -17,7 +17,9 @@ way): only the third walks the chunks in order, over states, never over tokens.
 A prompt that chunk_size does not divide ends in a short chunk (positions past the end are masked: no input, no
 decay), which is what the reference's padding computes. Everything is float32 inside; y and the states come back in
 float32 like the reference's. The decode step (_state_step_kernel) gives each program one (sequence, head, head_dim
-block) and its (block, state) slice of the state.
+block) and its (block, state) slice of the state. Its indexed form (ssm_state_step_indexed: the engine's decode
+batch, whose states are rows of the state slots' pool) reads sequence b's slice from row rows[b] of the pool and
+writes the new one back there, so the pool's rows are read once and written once, with no gathered copy.
 
 The scan's backward is kernels/ssd_backward.py (its train() mode function, ssd_chunk_scan_train, runs these
 forward kernels and keeps what the backward needs). The inference functions here (ssd_chunk_scan_triton,
@@ -26,8 +28,8 @@ autograd would need its gradient; the decode step has no backward, and training 
 torch.compile traces they call the torch.library ops gpuformers::ssd_chunk_scan / gpuformers::ssm_state_step
 (ops.py) instead.
 
-Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssd_chunk_scan_forward, ssm_state_step_forward, scan_tiles,
-scan_states, check_scan_inputs.
+Offers: ssd_chunk_scan_triton, ssm_state_step_triton, ssm_state_step_indexed_triton, ssd_chunk_scan_forward,
+ssm_state_step_forward, ssm_state_step_indexed_forward, scan_tiles, scan_states, check_scan_inputs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import triton
 import triton.language as tl
 
 from gpuformers.kernels import ops
-from gpuformers.kernels.checks import check_same, check_tensor, dot_precision, leave_to_torch, next_power_of_2
+from gpuformers.kernels.checks import (check_rows, check_same, check_tensor, dot_precision, leave_to_torch,
+                                      next_power_of_2)
 
 
 @triton.jit
@@ -176,10 +179,11 @@ def _chunk_scan_kernel(X, B, C, D, DT, ACUM, STARTS, Y, seq, heads, head_dim, st
 
 
 @triton.jit
-def _state_step_kernel(STATE, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, head_dim, state_size,
+def _state_step_kernel(STATE, ROWS, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, head_dim, state_size,
                        heads_per_group, stride_s_b, stride_s_h, stride_s_p, stride_x_b, stride_x_h, stride_x_p,
                        stride_dt_b, stride_dt_h, stride_b_b, stride_b_g, stride_b_n, stride_c_b, stride_c_g, stride_c_n,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                       INDEXED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # INDEXED: STATE is a pool whose row ROWS[b] is sequence b's state, written back in place (NEW_STATE unused)
     bh, pb = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     g = h // heads_per_group
@@ -192,11 +196,19 @@ def _state_step_kernel(STATE, X, DT, A, B, C, D, DT_BIAS, NEW_STATE, Y, heads, h
     x = tl.load(X + b.to(tl.int64) * stride_x_b + h * stride_x_h + p * stride_x_p, mask=p_ok, other=0.0).to(tl.float32)
     bn = tl.load(B + b.to(tl.int64) * stride_b_b + g * stride_b_g + n * stride_b_n, mask=n_ok, other=0.0)
     cn = tl.load(C + b.to(tl.int64) * stride_c_b + g * stride_c_g + n * stride_c_n, mask=n_ok, other=0.0)
-    state = tl.load(STATE + b.to(tl.int64) * stride_s_b + h * stride_s_h + p[:, None] * stride_s_p + n[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
+    if INDEXED:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    at = STATE + row * stride_s_b + h * stride_s_h + p[:, None] * stride_s_p + n[None, :]
+    state = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     state = state * tl.exp(dt * tl.load(A + h).to(tl.float32)) + (dt * x)[:, None] * bn.to(tl.float32)[None, :]
-    tl.store(NEW_STATE + ((b.to(tl.int64) * heads + h) * head_dim + p[:, None]) * state_size + n[None, :], state,
-             mask=mask)
+    if INDEXED:
+        tl.debug_barrier()  # every thread of the program has read the tile before any overwrites it
+        tl.store(at, state, mask=mask)
+    else:
+        tl.store(NEW_STATE + ((b.to(tl.int64) * heads + h) * head_dim + p[:, None]) * state_size + n[None, :], state,
+                 mask=mask)
     y = tl.sum(state * cn.to(tl.float32)[None, :], axis=1) + x * tl.load(D + h).to(tl.float32)
     tl.store(Y + (b.to(tl.int64) * heads + h) * head_dim + p, y, mask=p_ok)
 
@@ -302,9 +314,8 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, ini
     return y, final
 
 
-def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
-    """The launcher: layers/ssd.ssm_state_step's arguments and results (shapes there), checked, on the kernel. The
-    new state is a new tensor (the cache may hold the old one elsewhere)."""
+def _check_step_inputs(state, x, dt, B, C, A, D, dt_bias, rows=None) -> None:
+    """layers/ssd.ssm_state_step's arguments (ssm_state_step_indexed's with rows), checked."""
     check_tensor("x", x, ndim=3, last_dim_contiguous=False)
     batch, heads, head_dim = x.shape
     check_tensor("state", state, ndim=4)
@@ -312,22 +323,52 @@ def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
     check_tensor("B", B, ndim=3, last_dim_contiguous=False)
     check_tensor("C", C, ndim=3, last_dim_contiguous=False)
     groups, state_size = B.shape[1], B.shape[2]
-    expected = {"state": (batch, heads, head_dim, state_size), "dt": (batch, heads), "B": (batch, groups, state_size),
-                "C": (batch, groups, state_size)}
+    # the indexed step's states are a pool: any number of rows
+    expected = {"state": (state.shape[0] if rows is not None else batch, heads, head_dim, state_size),
+                "dt": (batch, heads), "B": (batch, groups, state_size), "C": (batch, groups, state_size)}
     for name, t in (("state", state), ("dt", dt), ("B", B), ("C", C)):
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
     _check_heads(heads, groups, A=A, D=D, dt_bias=dt_bias)
-    check_same("device", state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
-    new_state = torch.empty(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
-    y = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    tensors = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias)
+    if rows is not None:
+        check_rows(rows, batch)
+        tensors["rows"] = rows
+        if state.dtype != torch.float32:
+            raise ValueError(f"the state pool must be float32 (it is updated in place), got {state.dtype}")
+    check_same("device", **tensors)
+
+
+def _launch_step(state, rows, x, dt, A, B, C, D, dt_bias, new_state, y) -> None:
+    batch, heads, head_dim = x.shape
     if batch:
         block_p = max(16, min(64, next_power_of_2(head_dim)))
         _state_step_kernel[(batch * heads, triton.cdiv(head_dim, block_p))](
-            state, x, dt, A, B, C, D, dt_bias, new_state, y, heads, head_dim, state_size, heads // groups,
-            state.stride(0), state.stride(1), state.stride(2), *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-            BLOCK_P=block_p, BLOCK_N=max(16, next_power_of_2(state_size)))
+            state, rows if rows is not None else state, x, dt, A, B, C, D, dt_bias,
+            new_state if new_state is not None else state, y, heads, head_dim,
+            B.shape[2], heads // B.shape[1], state.stride(0), state.stride(1), state.stride(2), *x.stride(),
+            *dt.stride(), *B.stride(), *C.stride(), INDEXED=rows is not None, BLOCK_P=block_p,
+            BLOCK_N=max(16, next_power_of_2(B.shape[2])))
+
+
+def ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias):
+    """The launcher: layers/ssd.ssm_state_step's arguments and results (shapes there), checked, on the kernel. The
+    new state is a new tensor (the cache may hold the old one elsewhere)."""
+    _check_step_inputs(state, x, dt, B, C, A, D, dt_bias)
+    batch, heads, head_dim = x.shape
+    new_state = torch.empty(batch, heads, head_dim, B.shape[2], dtype=torch.float32, device=x.device)
+    y = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    _launch_step(state, None, x, dt, A, B, C, D, dt_bias, new_state, y)
     return y, new_state
+
+
+def ssm_state_step_indexed_forward(states, rows, x, dt, A, B, C, D, dt_bias):
+    """The launcher: layers/ssd.ssm_state_step_indexed's arguments and result (shapes there), checked, on the
+    kernel: rows `rows` of the pool `states` are read and written in place, with no copy of them."""
+    _check_step_inputs(states, x, dt, B, C, A, D, dt_bias, rows)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _launch_step(states, rows, x, dt, A, B, C, D, dt_bias, None, y)
+    return y
 
 
 def ssd_chunk_scan_triton(x, dt, A, B, C, D, dt_bias, chunk_size, dt_limit, initial_state=None):
@@ -347,3 +388,11 @@ def ssm_state_step_triton(state, x, dt, A, B, C, D, dt_bias):
     if torch.compiler.is_compiling():
         return ops.ssm_state_step(state, x, dt, A, B, C, D, dt_bias)
     return ssm_state_step_forward(state, x, dt, A, B, C, D, dt_bias)
+
+
+def ssm_state_step_indexed_triton(states, rows, x, dt, A, B, C, D, dt_bias):
+    """The kernel for use_kernel_function("ssm_state_step_indexed"); NotImplemented (the torch gather, step and
+    scatter run) under autograd and while torch.compile traces (which then keeps the step's own op)."""
+    if leave_to_torch(states, x, dt, A, B, C, D, dt_bias) or torch.compiler.is_compiling():
+        return NotImplemented
+    return ssm_state_step_indexed_forward(states, rows, x, dt, A, B, C, D, dt_bias)

@@ -18,9 +18,11 @@ conv, as transformers does, so left padding leaves the state untouched.
 `kernel_layer_name` marks the mixer replaceable by a fused kernel (a Hub kernel through a KernelConfig); its parts
 are marked one by one with use_kernel_function, and `use_kernels=True` puts our Triton kernels in their place at
 inference: the causal conv (causal_conv1d below, kernels/causal_conv1d.py), the scan and the state step
-(layers/ssd.py, kernels/ssd.py).
+(layers/ssd.py, kernels/ssd.py). A cache that keeps its states in a pool of rows (the engine's state slots) passes the
+pool and the rows (`mix(..., rows=...)`): the one-token conv and the state step then update those rows in place
+(causal_conv1d_indexed, ssm_state_step_indexed), whose kernels read and write the pool without a gather or scatter.
 
-Offers: Mamba2Mixer, GatedRMSNorm, causal_conv1d.
+Offers: Mamba2Mixer, GatedRMSNorm, causal_conv1d, causal_conv1d_indexed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.kernels.mapping import use_kernel_function
-from gpuformers.layers.ssd import ssd_chunk_scan, ssm_state_step
+from gpuformers.layers.ssd import ssd_chunk_scan, ssm_state_step, ssm_state_step_indexed
 
 
 @use_kernel_function("causal_conv1d")  # use_kernels=True may route this to a Triton kernel
@@ -46,6 +48,16 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torc
     window = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # (batch, channels, kernel - 1 + seq)
     out = F.silu(F.conv1d(window, weight, bias, groups=x.shape[1])).transpose(1, 2)
     return out, window[:, :, window.shape[-1] - conv_state.shape[-1]:]
+
+
+@use_kernel_function("causal_conv1d_indexed")  # use_kernels=True may route this to a Triton kernel
+def causal_conv1d_indexed(x: torch.Tensor, conv_states: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """causal_conv1d for n rows whose conv states are rows `rows` of a pool, updated in place: x (n, seq, channels),
+    conv_states (pool rows, channels, kernel - 1), rows (n,) int. Returns the outputs (n, seq, channels)."""
+    out, new = causal_conv1d(x, conv_states.index_select(0, rows), weight, bias)
+    conv_states.index_copy_(0, rows, new.to(conv_states.dtype))
+    return out
 
 
 class GatedRMSNorm(nn.Module):
@@ -120,15 +132,25 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(dtype))
 
     def mix(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor | None,
-            ssm_state: torch.Tensor | None, attention_mask: torch.Tensor | None = None):
+            ssm_state: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None):
         """The sequence mixing over rows that each continue their own states: the causal conv and the SSD scan (or
         the one-token state step when seq is 1 and a state is given). xbc (rows, seq, conv_dim) and dt (rows, seq,
         heads) from in_proj; conv_state (rows, conv_dim, conv_kernel - 1) and ssm_state (rows, heads, head_dim,
         state_size) or None (zeros); attention_mask (rows, seq) or None. Returns y (rows, seq, heads, head_dim)
-        float32 and the new conv and SSM states."""
-        rows, seq, _ = xbc.shape
+        float32 and the new conv and SSM states.
+
+        rows (n,) int: the states are pools (pool rows, ...) and the n rows of xbc continue rows `rows` of them, one
+        token each, updated in place (module doc); the pools are returned."""
+        if rows is not None and (xbc.shape[1] != 1 or conv_state is None or ssm_state is None):
+            raise ValueError(f"mix(rows=...) steps one token per row from pooled states; got {xbc.shape[1]} tokens "
+                             f"per row{' and no state' if conv_state is None or ssm_state is None else ''}")
+        n, seq, _ = xbc.shape
         # causal conv over [conv state | new inputs], (rows, seq, conv_dim), and the conv state after them
-        xbc, conv_state = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
+        if rows is None:
+            xbc, conv_state = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
+        else:
+            xbc = causal_conv1d_indexed(xbc, conv_state, rows, self.conv1d.weight, self.conv1d.bias)
         if attention_mask is not None:
             xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
         x, B, C = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
@@ -136,12 +158,15 @@ class Mamba2Mixer(nn.Module):
 
         A = -torch.exp(self.A_log.float())  # (heads,)
         if seq == 1 and ssm_state is not None:  # decode: one step of the recurrence
-            y, ssm_state = ssm_state_step(ssm_state, x.view(rows, self.num_heads, self.head_dim), dt[:, 0], A,
-                                          B.view(rows, self.n_groups, self.state_size),
-                                          C.view(rows, self.n_groups, self.state_size), self.D, self.dt_bias)
+            step = (x.view(n, self.num_heads, self.head_dim), dt[:, 0], A, B.view(n, self.n_groups, self.state_size),
+                    C.view(n, self.n_groups, self.state_size), self.D, self.dt_bias)
+            if rows is None:
+                y, ssm_state = ssm_state_step(ssm_state, *step)
+            else:
+                y = ssm_state_step_indexed(ssm_state, rows, *step)
         else:  # a prompt or prefill chunk, from the given state if any
-            y, ssm_state = ssd_chunk_scan(x.view(rows, seq, self.num_heads, self.head_dim), dt, A,
-                                          B.view(rows, seq, self.n_groups, self.state_size),
-                                          C.view(rows, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
+            y, ssm_state = ssd_chunk_scan(x.view(n, seq, self.num_heads, self.head_dim), dt, A,
+                                          B.view(n, seq, self.n_groups, self.state_size),
+                                          C.view(n, seq, self.n_groups, self.state_size), self.D, self.dt_bias,
                                           self.chunk_size, self.time_step_limit, ssm_state)
         return y, conv_state, ssm_state

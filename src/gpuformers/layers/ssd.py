@@ -16,7 +16,11 @@ The chunked scan computes the same thing in blocks of `chunk_size` steps (the SS
 A prompt that `chunk_size` does not divide is padded at the end with steps that change nothing (decay exp(0) = 1, no
 input), so the final state is the state after the last real token. Both functions compute in float32.
 
-Offers: ssd_chunk_scan, ssm_state_step, softplus_dt.
+ssm_state_step_indexed is the state step of a batch of rows whose states live in a larger pool (the engine's state
+slots, engine/state_slots.py), read and written in place at the given rows: here a gather, the step and a scatter;
+its Triton kernel reads and writes the pool's rows directly (two passes over the states fewer).
+
+Offers: ssd_chunk_scan, ssm_state_step, ssm_state_step_indexed, softplus_dt.
 """
 
 from __future__ import annotations
@@ -121,3 +125,16 @@ def ssm_state_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: to
     state = state.float() * decay + (dt[..., None] * x)[..., None] * B[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", state, C) + x * D.float()[:, None]
     return y, state
+
+
+@use_kernel_function("ssm_state_step_indexed")  # use_kernels=True may route this to a Triton kernel
+def ssm_state_step_indexed(states: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                           A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                           dt_bias: torch.Tensor) -> torch.Tensor:
+    """ssm_state_step for n rows whose states are rows `rows` of a pool, updated in place: states (pool rows, heads,
+    head_dim, state) float32, rows (n,) int, the others as ssm_state_step's with batch n. Returns y (n, heads,
+    head_dim) float32. A row index listed twice (the engine's CUDA-graph padding rows, which all use one scratch
+    row) leaves that row holding one of its updates."""
+    y, new = ssm_state_step(states.index_select(0, rows), x, dt, A, B, C, D, dt_bias)
+    states.index_copy_(0, rows, new)
+    return y
