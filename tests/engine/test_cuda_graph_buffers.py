@@ -47,9 +47,9 @@ def test_decode_steps_through_the_static_buffers_give_generates_tokens(model_and
     graphs = manager.runner.graphs
     real_run = graphs.run
 
-    def counting_run(input_ids, position_ids, context):
+    def counting_run(input_ids, position_ids, context, states=None):
         replays.append(input_ids.shape[1])
-        return real_run(input_ids, position_ids, context)
+        return real_run(input_ids, position_ids, context, states)
 
     graphs.run = counting_run
     for prompt in prompts:

@@ -128,9 +128,6 @@ def test_a_model_without_attention_layers_keeps_no_kv_cache():
 
 
 def test_what_the_engine_refuses_for_these_models_names_it():
-    model = tiny_hybrid("nemotron_h")
-    with pytest.raises(NotImplementedError, match="use_cuda_graph=True with NemotronHForCausalLM"):
-        ContinuousBatchingConfig(use_cuda_graph=True).resolve(model)
     with pytest.raises(ValueError, match="num_state_snapshots=-1"):
         ContinuousBatchingConfig(num_state_snapshots=-1)
 

@@ -99,15 +99,12 @@ class ContinuousBatchingConfig:
                 raise ValueError(f"no KV cache block fits on {model.device}: {sizes}; free memory there (another "
                                  f"process may hold it), raise max_memory_percent, lower block_size, max_batch_tokens "
                                  f"or max_requests_per_batch, or set num_blocks")
-        if stateful and self.use_cuda_graph:
-            raise NotImplementedError(f"use_cuda_graph=True with {type(model).__name__}: CUDA graphs over the mamba "
-                                      f"layers' state slots are not implemented; leave use_cuda_graph None (eager)")
         if self.use_cuda_graph and not cuda:
             raise ValueError("use_cuda_graph=True needs the model on a CUDA device; leave it None for automatic")
         if self.use_cuda_graph and tp_size > 1:
             raise NotImplementedError("CUDA graphs with tensor parallelism (collectives inside a captured graph) are "
                                       "not supported yet; leave use_cuda_graph None (off under tp_plan)")
-        values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size) and not stateful
+        values["use_cuda_graph"] = decide_cuda_graph(self.use_cuda_graph, model, cuda, tp_size)
         values["prepack_weights"] = decide_prepack(self.prepack_weights, model, tp_size)
         values["compile"], _ = decide_compile(model, self.compile, stateful)
         # On the CPU the "device" work runs in the calling thread, so there is nothing to overlap it with.
@@ -128,7 +125,8 @@ class ContinuousBatchingConfig:
         budget = int(free * self.max_memory_percent)
         sizes = f"{format_size(free)} free, max_memory_percent={self.max_memory_percent} of it {format_size(budget)}"
         if has_mamba_layers(model):  # the mamba layers' state slots come out of the same budget
-            states = state_rows_bytes(model, values["max_requests_per_batch"] + values["num_state_snapshots"])
+            # (+ 1: the pool's scratch row, stepped by CUDA-graph padding rows)
+            states = state_rows_bytes(model, values["max_requests_per_batch"] + values["num_state_snapshots"] + 1)
             budget -= states
             sizes += (f", of which {format_size(states)} for the state slots of {values['max_requests_per_batch']} "
                       f"sequences and {values['num_state_snapshots']} prefix snapshots")

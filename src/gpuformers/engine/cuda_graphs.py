@@ -25,6 +25,12 @@ With asynchronous batching a decode's input token may still be on the device (sa
 model runner scatters it into the step's input_ids before `run`, whose copy into the static input buffer is
 ordered after it on the stream, so a graph needs nothing special and no host sync.
 
+A model with mamba layers (engine/state_slots.py) replays its decode steps the same way: each mamba layer steps
+its rows of the state pool in place through the decode rows' slot index, a static buffer of the graphs like the
+block tables (padding rows point at the pool's scratch row, which no sequence owns), and the pool tensors are
+captured where they lie. What must happen before a step (a restored snapshot copied into a slot, a fresh slot
+zeroed: plan_step) and after it (snapshots taken) runs eagerly around the replay.
+
 A forward that waits on the host cannot be captured: the mixture-of-experts blocks' torch forwards read which
 experts got tokens (`torch.unique(...).tolist()`, as transformers' do), and a layer class says so with
 `syncs_host = True`. `decide_cuda_graph` leaves graphs off for a model holding such a layer (unless a kernel replaced
@@ -41,6 +47,7 @@ import logging
 import torch
 
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, gathered_decode_keys, paged_context
+from gpuformers.engine.state_slots import PagedStateCache, StepStates
 from gpuformers.layers.moe import host_syncing_modules
 
 logger = logging.getLogger(__name__)
@@ -105,6 +112,10 @@ class DecodeGraphs:
         # wide as the whole cache would be (max_batch, num_blocks) int64, gigabytes for a small model's cache of
         # millions of blocks on a large GPU.
         self.block_tables: dict[int, torch.Tensor] = {}
+        # A model with mamba layers: each decode row's state slot (the pool's scratch row for padding rows)
+        states = runner.states
+        self.state_rows = (torch.full((n,), states.scratch_row, dtype=torch.long, device=device)
+                           if states is not None else None)
         # The static output every graph writes: the final hidden states of its rows. The LM head runs after the
         # replay, eagerly (one matmul): a (rows, vocab) logits output kept per graph would hold up to ~150 MB each.
         self.hidden = torch.zeros(n, runner.model.config.hidden_size, dtype=runner.model.dtype, device=device)
@@ -134,9 +145,14 @@ class DecodeGraphs:
         )
         with paged_context(context):
             hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
-                                       past_key_values=PagedKVCache(context))
+                                       past_key_values=self._cache(context, rows))
         self.hidden[:rows].copy_(hidden[0])
         return context
+
+    def _cache(self, context: PagedContext, rows: int) -> PagedKVCache:
+        if self.state_rows is None:
+            return PagedKVCache(context)
+        return PagedStateCache(context, self.runner.states, StepStates(rows, self.state_rows[:rows]))
 
     def _capture(self, rows: int, length: int):
         """-> a graph whose replay recomputes `_forward(rows, length)`."""
@@ -167,8 +183,9 @@ class DecodeGraphs:
         tables[:n, width:].fill_(self.runner.scratch_block)
         tables[n:rows].fill_(self.runner.scratch_block)
 
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext) -> torch.Tensor:
-        """-> (n, vocab) logits of the step's n decodes."""
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext,
+            states: StepStates | None = None) -> torch.Tensor:
+        """-> (n, vocab) logits of the step's n decodes. states: a model with mamba layers, the step's plan_step."""
         n = input_ids.shape[1]
         rows = _bucket(n, self.batch_buckets)
         length = _bucket(max(context.context_lens_list), self.context_buckets)
@@ -183,6 +200,10 @@ class DecodeGraphs:
             self.position_ids[0, n:rows].fill_(0)
             self.slot_mapping[n:rows].fill_(scratch * bs)
             self.context_lens[n:rows].fill_(1)
+        if self.state_rows is not None:
+            # The probe and a capture's warm-up below run the forward too, and a state step is not idempotent as a
+            # KV write is: they step the scratch row only (a capture records addresses, not the index's values)
+            self.state_rows[:rows].fill_(self.runner.states.scratch_row)
         if self.per_context is None:  # the first decode step: does the attention's cost follow the bucket?
             self._fill_table(length, context.block_tables, n, rows)
             self.per_context = gathered_decode_keys(self._forward(rows, length))
@@ -201,9 +222,13 @@ class DecodeGraphs:
             except Exception:  # capture is fragile across torch versions: degrade to eager, loudly
                 logger.exception("CUDA graph capture failed; decode runs without graphs from now on")
                 self.failed = True
+                cache = PagedKVCache(context) if states is None else PagedStateCache(context, self.runner.states,
+                                                                                      states)
                 with paged_context(context):
                     hidden, _ = self.runner.decoder(input_ids=input_ids, position_ids=position_ids,
-                                                    past_key_values=PagedKVCache(context))
+                                                    past_key_values=cache)
                 return self.runner.compute_logits(hidden[0])
+        if self.state_rows is not None:  # the replay steps the decodes' slots (the padding rows the scratch row)
+            self.state_rows[:n].copy_(states.decode_rows)
         self.graphs[key].replay()
         return self.runner.compute_logits(self.hidden[:n])

@@ -235,16 +235,16 @@ class ModelRunner:
         self._carry_placeholders(batch, input_ids, context.query_start, previous)
         prompt_rows = self.prompt_logprob_rows(batch)
         lora_rows = self.adapter_bank.rows(batch.sequences, batch.num_tokens) if self.adapter_bank else None
+        plan = None
+        if self.states is not None:  # the mamba layers' states: restored, zeroed, where each run finds them
+            plan = plan_step(self.states, batch.sequences, batch.num_tokens, context)
         if self.graphs is not None and not prompt_rows and not lora_rows and self.graphs.can_run(batch, context):
-            logits = self.graphs.run(input_ids, position_ids, context)  # (len(batch), vocab): one row per sequence
+            # (len(batch), vocab): one row per sequence
+            logits = self.graphs.run(input_ids, position_ids, context, plan)
             if len(sample_rows) != len(batch):  # a one-token prefill chunk that does not sample yet
                 logits = logits.index_select(0, device_tensor(sample_rows, logits.device))
         else:
-            if self.states is not None:  # the mamba layers' states: restored, zeroed, where each run finds them
-                plan = plan_step(self.states, batch.sequences, batch.num_tokens, context)
-                cache = PagedStateCache(context, self.states, plan)
-            else:
-                cache = PagedKVCache(context)
+            cache = PagedKVCache(context) if plan is None else PagedStateCache(context, self.states, plan)
             with self.packed.active() if self.packed else contextlib.nullcontext():
                 with paged_context(context), adapter_rows(lora_rows):
                     if self.compiled is not None and not prompt_rows and not lora_rows and self.states is None:
@@ -252,12 +252,12 @@ class ModelRunner:
                     else:
                         hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
                                                  past_key_values=cache)
-                if self.states is not None:
-                    take_snapshots(self.states, plan)
                 # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
                 logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
                 for seq, first, rows in prompt_rows:
                     self._record_prompt_logprobs(hidden[0], seq, first, rows)
+        if plan is not None:  # the states at snapshot boundaries this step reached (after a replay too)
+            take_snapshots(self.states, plan)
         sampling = [seq for seq, samples in zip(batch.sequences, batch.sampling()) if samples]
         tokens, logprob_rows, on_device = sample_on_device(logits, sampling, self.token_counts)
         event = None

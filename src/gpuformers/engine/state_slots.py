@@ -7,7 +7,10 @@ conv_kernel - 1) and the SSM state (heads, head_dim, state_size), float32. The p
 in two tensors with one row per slot,
 
     conv (mamba_layers, rows, conv_dim, conv_kernel - 1)      ssm (mamba_layers, rows, heads, head_dim, state_size)
-    rows = [live slots: one per running sequence (max_requests_per_batch)][snapshot slots: the prefix cache's]
+    rows = [live slots: one per running sequence (max_requests_per_batch)][snapshot slots: the prefix cache's][scratch]
+
+The scratch row is never handed out: a CUDA graph's padding rows step it (engine/cuda_graphs.py), as their keys and
+values go to the KV cache's scratch block.
 
 A sequence takes a live slot when the block manager first gives it blocks and gives it back with them (finished,
 cancelled, preempted); a sequence that starts from its first token starts from zeros, so a preempted one recomputes
@@ -23,8 +26,11 @@ its live slot and computes only the rest of its prompt. Snapshots are evicted le
 the state the prefix's own computation left, so outputs are those of a run without the cache.
 
 In a step (PagedStateCache.mix_states) the flattened tokens are mixed in runs: the step's decodes (its first
-num_decodes sequences, one token each) as one batch of rows with their slots' states, then each prefill chunk alone
-from its slot's state (or from zeros when it starts the sequence).
+num_decodes sequences, one token each) as one batch of rows stepping their slots' rows of the pool in place (the
+mixer's mix(rows=...): with use_kernels=True Triton kernels that read and write those rows where they lie, else a
+gather, the step and a scatter), then each prefill chunk alone from its slot's state (or from zeros when it starts
+the sequence). The decodes' slot index is a device tensor (StepStates.decode_rows): a CUDA graph replays a decode
+step with it as a static buffer, padding rows pointing at the scratch row.
 
 Offers: StatePool, HybridBlockManager, PagedStateCache, StepStates, plan_step, take_snapshots, has_mamba_layers,
 attention_layer_indices, state_rows_bytes.
@@ -63,7 +69,8 @@ def attention_layer_indices(model) -> list[int]:
 
 
 def state_rows_bytes(model, rows: int) -> int:
-    """Bytes `rows` state slots take over all mamba layers (conv state in the model's dtype, SSM state float32)."""
+    """Bytes `rows` state slots take over all mamba layers (conv state in the model's dtype, SSM state float32); a
+    pool of `rows` slots takes one more (the scratch row)."""
     element = torch.empty((), dtype=model.dtype).element_size()
     return rows * sum(m.conv_dim * (m.conv1d.kernel_size[0] - 1) * element + m.num_heads * m.head_dim * m.state_size * 4
                       for m in _mamba_mixers(model))
@@ -83,14 +90,16 @@ class StatePool:
         conv_dim, kernel, heads, head_dim, state = shapes.pop()
         self.layer_index = {m.layer_idx: i for i, m in enumerate(mixers)}  # model layer -> row of the tensors
         self.live_slots, self.snapshot_slots = live_slots, snapshot_slots
-        rows, device = live_slots + snapshot_slots, model.device
+        self.scratch_row = live_slots + snapshot_slots  # stepped by CUDA-graph padding rows (module doc)
+        rows, device = live_slots + snapshot_slots + 1, model.device
         # A row is read only after it was zeroed (a sequence's first step) or written (a restore, a snapshot): on the
         # CPU the memory is left untouched until then, as the KV cache's (no page of it taken before it is used)
         alloc = torch.zeros if device.type == "cuda" else torch.empty
         self.conv = alloc(len(mixers), rows, conv_dim, kernel - 1, dtype=model.dtype, device=device)
         self.ssm = alloc(len(mixers), rows, heads, head_dim, state, dtype=torch.float32, device=device)
+        self.zero_rows([self.scratch_row])  # read by padding rows without being written first: finite from the start
         self.free_live = list(range(live_slots))
-        self.free_snapshots = list(range(live_slots, rows))
+        self.free_snapshots = list(range(live_slots, self.scratch_row))
         self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> row, least recently used first
         self.snapshot_hits = 0  # admissions that restored a snapshot
         self.snapshots_taken = 0
@@ -202,10 +211,11 @@ class HybridBlockManager(BlockManager):
 @dataclass
 class StepStates:
     """Where each sequence of one step finds its states: the decodes' slots (one batch of one-token rows) and each
-    prefill chunk's (start, end, slot, whether it starts the sequence from zeros)."""
+    prefill chunk's (start, end, slot, whether it starts the sequence from zeros). A CUDA graph's step has
+    num_decodes rows of its batch bucket, decode_rows its static buffer (the padding rows' entries the scratch row)."""
 
     num_decodes: int
-    decode_rows: torch.Tensor | None  # (num_decodes,) int64 on the device
+    decode_rows: torch.Tensor | None  # (num_decodes,) int64 on the device: each decode row's slot
     chunks: list[tuple[int, int, int, bool]] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (live row, snapshot row) to copy after the step
 
