@@ -162,3 +162,26 @@ def test_cuda_graph_is_automatic_for_a_hybrid_model_on_cuda():
     model = nemotron_h_without_moe().to("cuda")
     manager = model.init_continuous_batching(num_blocks=8)
     assert manager.config.use_cuda_graph is True
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_hybrid_steps_never_wait_for_the_device():
+    """Async batching launches step N+1 while step N runs: the state slots' plan (fresh slots zeroed, snapshots
+    restored and taken, the decodes' slot index) must not wait for the device either. Eager steps (a capture
+    synchronizes, once per bucket)."""
+    model = nemotron_h_without_moe().to("cuda")
+    prompts = make_prompts(12, seed=7)
+    prompts += [prompts[0][:20] + p for p in prompts[1:4]]  # a shared prefix: snapshots taken and restored
+    config = ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8,
+                                      use_cuda_graph=False)
+    manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
+    assert manager.config.use_async_batching
+    ids = [manager.add_request(p, max_new_tokens=6) for p in prompts]
+    torch.cuda.set_sync_debug_mode("error")  # a sync raises inside the step, which fails its requests
+    try:
+        manager.run_until_done()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [manager.get_result(i, timeout=0).error for i in ids] == [None] * len(prompts)
+    assert manager.states.snapshots_taken and manager.states.snapshot_hits  # (as on the CPU: 3 and 1)

@@ -45,6 +45,7 @@ import torch
 
 from gpuformers.engine.block_manager import BlockManager
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache
+from gpuformers.engine.sampler import device_tensor
 from gpuformers.engine.sequence import Sequence
 
 
@@ -147,13 +148,13 @@ class StatePool:
 
     def copy_rows(self, sources: list[int], targets: list[int]) -> None:
         """Every layer's states of rows `sources` into rows `targets` (on the device, in stream order)."""
-        src = torch.tensor(sources, device=self.conv.device)
-        dst = torch.tensor(targets, device=self.conv.device)
+        # (through pinned memory: a copy from a Python list would wait for the step in flight, async batching's)
+        src, dst = device_tensor(sources, self.conv.device), device_tensor(targets, self.conv.device)
         self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
         self.ssm.index_copy_(1, dst, self.ssm.index_select(1, src))
 
     def zero_rows(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.conv.device)
+        index = device_tensor(rows, self.conv.device)
         self.conv.index_fill_(1, index, 0)
         self.ssm.index_fill_(1, index, 0)
 
@@ -236,7 +237,7 @@ def plan_step(pool: StatePool, sequences: list[Sequence], num_tokens: list[int],
         pool.zero_rows(fresh)
     nd = context.num_decodes
     device = pool.conv.device
-    rows = torch.tensor([seq.state_row for seq in sequences[:nd]], device=device) if nd else None
+    rows = device_tensor([seq.state_row for seq in sequences[:nd]], device) if nd else None
     plan = StepStates(nd, rows)
     starts = context.query_start
     for i in range(nd, len(sequences)):
