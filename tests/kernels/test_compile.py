@@ -208,6 +208,11 @@ def _opcheck_args(name):
     if name == "ssm_state_step":  # decode only: no gradient
         return (rand(1, 2, 16, 16, seed=14), rand(1, 2, 16, seed=7), rand(1, 2, seed=8), heads[0],
                 rand(1, 1, 16, seed=12), rand(1, 1, 16, seed=13), *heads[1:])
+    if name == "ssm_state_step_indexed":  # rows 2 and 0 of a pool of 3, stepped in place
+        return (rand(3, 2, 16, 16, seed=14), torch.tensor([2, 0]), rand(2, 2, 16, seed=7), rand(2, 2, seed=8),
+                heads[0], rand(2, 1, 16, seed=12), rand(2, 1, 16, seed=13), *heads[1:])
+    if name == "causal_conv1d_indexed":
+        return rand(2, 1, 16, seed=7), rand(3, 16, 3, seed=8), torch.tensor([2, 0]), rand(16, 1, 4, seed=9), None
     conv = rand(2, 3, 16, seed=7), rand(2, 16, 3, seed=8), rand(16, 1, 4, seed=9), rand(16, seed=10)
     if name == "causal_conv1d":
         return tuple(t.requires_grad_() for t in conv)

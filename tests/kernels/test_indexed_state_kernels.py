@@ -14,7 +14,7 @@ import torch
 from tests.kernels.cases import CASES, assert_close
 
 from gpuformers.kernels.causal_conv1d import causal_conv1d_indexed_forward, causal_conv1d_indexed_triton  # noqa: E402
-from gpuformers.kernels.ssd import ssm_state_step_indexed_forward  # noqa: E402
+from gpuformers.kernels.ssd import ssm_state_step_indexed_forward, ssm_state_step_indexed_triton  # noqa: E402
 from gpuformers.layers.mamba2 import causal_conv1d_indexed  # noqa: E402
 from gpuformers.layers.ssd import ssm_state_step_indexed  # noqa: E402
 
@@ -126,6 +126,18 @@ def test_indexed_launchers_name_what_is_wrong():
         causal_conv1d_indexed_forward(x[:, :1], torch.zeros(7, 8, 2), torch.tensor([0, 1, 2]), weight, None)
 
 
+def test_the_mixer_steps_pooled_states_one_token_per_row_only():
+    from tests.engine.test_hybrid_engine import tiny_hybrid
+
+    mixer = tiny_hybrid("mamba2").model.layers[0].mixer
+    conv, ssm = torch.zeros(4, mixer.conv_dim, 3), torch.zeros(4, mixer.num_heads, mixer.head_dim, mixer.state_size)
+    xbc, dt = torch.randn(2, 3, mixer.conv_dim), torch.randn(2, 3, mixer.num_heads)
+    with pytest.raises(ValueError, match="one token per row from pooled states; got 3 tokens per row"):
+        mixer.mix(xbc, dt, conv, ssm, rows=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="got 1 tokens per row and no state"):
+        mixer.mix(xbc[:, :1], dt[:, :1], None, None, rows=torch.tensor([0, 1]))
+
+
 def test_indexed_conv_hands_longer_runs_and_autograd_back_to_torch():
     rows = torch.tensor([1, 0])
     weight = torch.randn(8, 1, 4)
@@ -133,3 +145,35 @@ def test_indexed_conv_hands_longer_runs_and_autograd_back_to_torch():
                                         None) is NotImplemented
     assert causal_conv1d_indexed_triton(torch.randn(2, 1, 8), torch.zeros(3, 8, 3), rows,
                                         weight.requires_grad_(), None) is NotImplemented
+
+
+def test_compiled_indexed_kernels_are_ops_that_step_the_pool_in_place():
+    """Under torch.compile (fullgraph) the kernel functions are the ops gpuformers::ssm_state_step_indexed and
+    gpuformers::causal_conv1d_indexed, and the compiled call steps the pool as the eager one does."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):  # the forward graph's code, where a mutating op shows as auto_functionalized(op)
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    rows = torch.tensor(ROWS)
+    inputs = _step_inputs("cpu", torch.float32, len(ROWS), 2, 16, 1, 16, seed=6)
+    x, weight = torch.randn(len(ROWS), 1, 24), torch.randn(24, 1, 4)
+    pools = _pool(2, 16, 16, device="cpu", dtype=torch.float32, seed=7), torch.randn(7, 24, 3)
+    eager = [p.clone() for p in pools]
+
+    def both(ssm, conv):
+        return (ssm_state_step_indexed_triton(ssm, rows, *inputs),
+                causal_conv1d_indexed_triton(x, conv, rows, weight, None))
+
+    with torch.no_grad():
+        got = torch.compile(both, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(*pools)
+        want = both(*eager)
+    assert len(graphs) == 1
+    assert "gpuformers.ssm_state_step_indexed" in graphs[0] and "gpuformers.causal_conv1d_indexed" in graphs[0]
+    for g, w in zip((*got, *pools), (*want, *eager)):
+        assert_close(g, w, torch.float32)

@@ -335,8 +335,9 @@ def causal_conv1d_train(x, conv_state, weight, bias):
 
 def causal_conv1d_indexed_triton(x, conv_states, rows, weight, bias):
     """The kernel for use_kernel_function("causal_conv1d_indexed"); NotImplemented (the torch gather, conv and
-    scatter run) for more than one token per row, under autograd, and while torch.compile traces (which then keeps
-    the conv's own op)."""
-    if x.shape[1] != 1 or leave_to_torch(x, conv_states, weight, bias) or torch.compiler.is_compiling():
+    scatter run) for more than one token per row and under autograd."""
+    if x.shape[1] != 1 or leave_to_torch(x, conv_states, weight, bias):
         return NotImplemented
+    if torch.compiler.is_compiling():  # the torch.library op, which mutates the pool in the graph
+        return ops.causal_conv1d_indexed(x, conv_states, rows, weight, bias)
     return causal_conv1d_indexed_forward(x, conv_states, rows, weight, bias)

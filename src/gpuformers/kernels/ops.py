@@ -16,6 +16,8 @@ in its graph (no graph break) and can differentiate through them.
                                                                        ssd_chunk_scan_backward (recomputes the states)
     ssm_state_step(state, x, dt, A, B, C, D, dt_bias) -> (y, state)    none (decode only)
     causal_conv1d(x, conv_state, weight, bias) -> (out, conv_state)    causal_conv1d_backward
+    ssm_state_step_indexed(states, rows, x, dt, A, B, C, D, dt_bias) -> y   none (decode only; mutates states)
+    causal_conv1d_indexed(x, conv_states, rows, weight, bias) -> out   none (decode only; mutates conv_states)
 
 Each op runs the kernel file's launcher, with its shape, stride and dtype checks (the loss functions check their
 inputs before calling their op, while torch.compile traces); its fake implementation gives the compiler output
@@ -36,7 +38,8 @@ Importing this file registers the ops and imports neither triton nor the kernel 
 
 Offers: NAMESPACE, OP_NAMES and the ops (rms_norm, add_rms_norm, rms_norm_backward, silu_and_mul, silu,
 silu_and_mul_backward, rotary, flash_attention, flash_attention_backward, cross_entropy, fused_linear_cross_entropy,
-ssd_chunk_scan, ssd_chunk_scan_backward, ssm_state_step, causal_conv1d, causal_conv1d_backward).
+ssd_chunk_scan, ssd_chunk_scan_backward, ssm_state_step, causal_conv1d, causal_conv1d_backward,
+ssm_state_step_indexed, causal_conv1d_indexed).
 """
 
 from __future__ import annotations
@@ -479,6 +482,36 @@ def _causal_conv1d_grad(ctx, dout, dnew_state):
 causal_conv1d.register_autograd(_causal_conv1d_grad, setup_context=_save_inputs)
 
 
+@custom_op(f"{NAMESPACE}::ssm_state_step_indexed", mutates_args=("states",))
+def ssm_state_step_indexed(states: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                           A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                           dt_bias: torch.Tensor) -> torch.Tensor:
+    """The state step on rows `rows` of the pool `states`, written back in place (the engine's state slots)."""
+    from gpuformers.kernels.ssd import ssm_state_step_indexed_forward
+
+    return ssm_state_step_indexed_forward(states, rows, x, dt, A, B, C, D, dt_bias)
+
+
+@ssm_state_step_indexed.register_fake
+def _(states, rows, x, dt, A, B, C, D, dt_bias):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::causal_conv1d_indexed", mutates_args=("conv_states",))
+def causal_conv1d_indexed(x: torch.Tensor, conv_states: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The one-token conv update on rows `rows` of the pool `conv_states`, written back in place."""
+    from gpuformers.kernels.causal_conv1d import causal_conv1d_indexed_forward
+
+    return causal_conv1d_indexed_forward(x, conv_states, rows, weight, bias)
+
+
+@causal_conv1d_indexed.register_fake
+def _(x, conv_states, rows, weight, bias):
+    return x.new_empty(x.shape)  # (n, 1, channels) contiguous, in x's dtype
+
+
 OP_NAMES = ("rms_norm", "add_rms_norm", "rms_norm_backward", "silu_and_mul", "silu", "silu_and_mul_backward", "rotary",
             "flash_attention", "flash_attention_backward", "cross_entropy", "fused_linear_cross_entropy",
-            "ssd_chunk_scan", "ssd_chunk_scan_backward", "ssm_state_step", "causal_conv1d", "causal_conv1d_backward")
+            "ssd_chunk_scan", "ssd_chunk_scan_backward", "ssm_state_step", "causal_conv1d", "causal_conv1d_backward",
+            "ssm_state_step_indexed", "causal_conv1d_indexed")

@@ -392,7 +392,9 @@ def ssm_state_step_triton(state, x, dt, A, B, C, D, dt_bias):
 
 def ssm_state_step_indexed_triton(states, rows, x, dt, A, B, C, D, dt_bias):
     """The kernel for use_kernel_function("ssm_state_step_indexed"); NotImplemented (the torch gather, step and
-    scatter run) under autograd and while torch.compile traces (which then keeps the step's own op)."""
-    if leave_to_torch(states, x, dt, A, B, C, D, dt_bias) or torch.compiler.is_compiling():
+    scatter run) under autograd."""
+    if leave_to_torch(states, x, dt, A, B, C, D, dt_bias):
         return NotImplemented
+    if torch.compiler.is_compiling():  # the torch.library op, which mutates the pool in the graph
+        return ops.ssm_state_step_indexed(states, rows, x, dt, A, B, C, D, dt_bias)
     return ssm_state_step_indexed_forward(states, rows, x, dt, A, B, C, D, dt_bias)
