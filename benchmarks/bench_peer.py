@@ -12,10 +12,10 @@ in a fresh process of its own interpreter, one after the other and alternating w
 It prints per run: output tokens/s, start-up (process start -> the warm-up's first token: imports, load, vLLM's
 compile and profiling included), and the token agreement between the two (sequences whose tokens are identical).
 
---compile runs ours with ContinuousBatchingConfig(compile=True) (engine/compiled_step.py); its warm-up request
-(an 8-token prompt, 4 new tokens) compiles the step's two graphs (one token; more tokens, dynamic), so start-up
-includes compiling. Inductor's on-disk cache is a fresh folder of this run: ours' first run starts cold, its later
-runs (--repeats) warm, reusing what the first compiled; each start-up is labelled so.
+--compile adds a third contender, ours with ContinuousBatchingConfig(compile=True) (engine/compiled_step.py); its
+warm-up request (an 8-token prompt, 4 new tokens) compiles the step's two graphs (one token; more tokens, dynamic),
+so its start-up includes compiling. Inductor's on-disk cache is a fresh folder of this run: the first compiled run
+starts cold, later ones (--repeats) warm, reusing what the first compiled; each start-up is labelled so.
 
     python benchmarks/bench_peer.py --vllm-python /work/vllm-venv/bin/python --shape tiny
     python benchmarks/bench_peer.py --vllm-python ... --shape 100m --num-requests 32 --repeats 2
@@ -149,7 +149,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true",
-                        help="ours with ContinuousBatchingConfig(compile=True); start-up cold in run 1, warm after")
+                        help="also ours with ContinuousBatchingConfig(compile=True) ('ours-compiled'); its start-up "
+                             "is cold in its first run, warm after")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -167,10 +168,12 @@ def main(argv=None) -> None:
         make_checkpoint(folder, args.shape)
         prompts, outputs = make_requests(args.num_requests, args.min_len, args.max_len,
                                          SHAPES[args.shape]["vocab_size"], args.seed)
-        spec_file = Path(tmp) / "spec.json"
-        spec_file.write_text(json.dumps({"checkpoint": str(folder), "prompts": prompts, "outputs": outputs,
-                                         "threads": args.threads,
-                                         "engine": {"compile": True} if args.compile else {}}))
+        spec = {"checkpoint": str(folder), "prompts": prompts, "outputs": outputs, "threads": args.threads}
+        spec_files = {"ours": Path(tmp) / "spec.json", "vllm": Path(tmp) / "spec.json"}
+        spec_files["ours"].write_text(json.dumps(spec))
+        if args.compile:
+            spec_files["ours-compiled"] = Path(tmp) / "spec_compiled.json"
+            spec_files["ours-compiled"].write_text(json.dumps({**spec, "engine": {"compile": True}}))
         base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
         ours_env = {**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
                     "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}  # empty: the first compile is cold
@@ -181,30 +184,34 @@ def main(argv=None) -> None:
         total = sum(outputs)
         print(f"shape {args.shape}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}], "
               f"{total} output tokens, float32, {cores} cores; vLLM with {vllm_config}, ours with "
-              f"{args.threads} torch threads{', compiled' if args.compile else ''}", flush=True)
-        runs, ours_runs = [], 0
+              f"{args.threads} torch threads{' (eager and compiled)' if args.compile else ''}", flush=True)
+        runs, compiled_runs = [], 0
         for repeat in range(args.repeats):
             pair = {}
-            for kind in ("ours", "vllm") if repeat % 2 == 0 else ("vllm", "ours"):
-                python, env = (sys.executable, ours_env) if kind == "ours" else (args.vllm_python, vllm_env)
-                answer = run_worker(python, kind, spec_file, env, args.timeout)
+            kinds = list(spec_files)
+            for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
+                worker = "vllm" if kind == "vllm" else "ours"
+                python, env = (args.vllm_python, vllm_env) if kind == "vllm" else (sys.executable, ours_env)
+                answer = run_worker(python, worker, spec_files[kind], env, args.timeout)
                 tokens = sum(map(len, answer["tokens"]))
                 assert tokens == total, f"{kind} produced {tokens} tokens, {total} were asked for"
                 pair[kind] = answer
                 start = ""
-                if kind == "ours" and args.compile:
-                    start = " (cold: compiling)" if ours_runs == 0 else " (warm: Inductor's cache)"
-                    ours_runs += 1
-                print(f"  run {repeat + 1} {kind:5s}: {total / answer['seconds']:8.1f} tok/s "
+                if kind == "ours-compiled":
+                    start = " (cold: compiling)" if compiled_runs == 0 else " (warm: Inductor's cache)"
+                    compiled_runs += 1
+                print(f"  run {repeat + 1} {kind:13s}: {total / answer['seconds']:8.1f} tok/s "
                       f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s{start}", flush=True)
-            same, prefix = agreement(pair["ours"]["tokens"], pair["vllm"]["tokens"])
-            ratio = pair["vllm"]["seconds"] / pair["ours"]["seconds"]
-            print(f"  run {repeat + 1}: ours / vLLM = {ratio:.2f}x throughput, start-up "
-                  f"{pair['ours']['startup']:.1f} s vs {pair['vllm']['startup']:.1f} s; identical sequences "
-                  f"{same}/{len(prompts)}, tokens before a difference {prefix:.1%}", flush=True)
-            runs.append({"ours_tok_s": total / pair["ours"]["seconds"], "vllm_tok_s": total / pair["vllm"]["seconds"],
-                         "ratio": ratio, "ours_startup": pair["ours"]["startup"],
-                         "vllm_startup": pair["vllm"]["startup"], "identical": same, "prefix_agreement": prefix})
+            for kind in (k for k in kinds if k != "vllm"):
+                same, prefix = agreement(pair[kind]["tokens"], pair["vllm"]["tokens"])
+                ratio = pair["vllm"]["seconds"] / pair[kind]["seconds"]
+                print(f"  run {repeat + 1}: {kind} / vLLM = {ratio:.2f}x throughput, start-up "
+                      f"{pair[kind]['startup']:.1f} s vs {pair['vllm']['startup']:.1f} s; identical sequences "
+                      f"{same}/{len(prompts)}, tokens before a difference {prefix:.1%}", flush=True)
+                runs.append({"contender": kind, "ours_tok_s": total / pair[kind]["seconds"],
+                             "vllm_tok_s": total / pair["vllm"]["seconds"], "ratio": ratio,
+                             "ours_startup": pair[kind]["startup"], "vllm_startup": pair["vllm"]["startup"],
+                             "identical": same, "prefix_agreement": prefix})
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "output_tokens": total, "runs": runs},
                                                   indent=2))

@@ -22,7 +22,9 @@ def test_compiled_engine_matches_generate_without_recompiling(qwen3):
     torch._dynamo.reset()
     try:
         manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
-        assert manager.runner.compiled is not None and manager.runner.packed is None
+        assert manager.runner.compiled is not None
+        packed = manager.runner.packed  # only the LM head, which runs eagerly, gets a copy of its weight
+        assert packed is None or packed.layers == [model.lm_head]
         outputs = run_staggered(manager, prompts)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     finally:

@@ -16,11 +16,11 @@ exactly one token, batch-1 decoding, gets its own graph, as Dynamo specializes s
 On the CPU Inductor freezes the weights (generation/compiled_step.py's settings): the linear layers run on
 oneDNN-packed weights, which the eager engine gets from kernels/cpu_linear.py's copies instead.
 
-What stays eager: the LM head over the sampled rows, sampling, prompt logprobs, LoRA steps (adapter rows are
+What stays eager: the LM head over the sampled rows (on a packed copy of its weight, `head_plan`), sampling, prompt logprobs, LoRA steps (adapter rows are
 Python lists), hybrid (mamba) models, and models whose modules wait on the host (the torch MoE block): the runner
 asks `serves` before each step. `decide_compile` says whether a runner compiles at all.
 
-Offers: CompiledDecoder, decide_compile, ENV.
+Offers: CompiledDecoder, decide_compile, head_plan, ENV.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from gpuformers.generation.compiled_step import CPU_INDUCTOR_SETTINGS
+from gpuformers.kernels.cpu_linear import packable_linears
+from gpuformers.kernels.cpu_matmul_probe import PACKED
 from gpuformers.layers.moe import host_syncing_modules
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,13 @@ def _why_not(model: nn.Module, has_states: bool) -> str:
     if syncing:
         return f"{syncing[0]} reads values on the host in its forward (the torch MoE block), which a graph cannot hold"
     return ""
+
+
+def head_plan(model: nn.Module) -> list:
+    """kernels/cpu_linear.py's plan for a compiled engine: a packed copy of the LM head alone (it runs eagerly,
+    over the sampled rows; the decoder's weights are frozen into the graph). [] when the head cannot be packed."""
+    head = getattr(model, "lm_head", None)
+    return [([head], PACKED)] if any(layer is head for layer in packable_linears(model)) else []
 
 
 class CompiledDecoder:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpuformers.kernels.cpu_linear import packed_linears
-from gpuformers.engine.compiled_step import CompiledDecoder
+from gpuformers.engine.compiled_step import CompiledDecoder, head_plan
 from gpuformers.engine.lora import adapter_rows
 from gpuformers.engine.paged_attention import PagedContext, PagedKVCache, paged_context
 from gpuformers.engine.sampler import TokenCounts, device_scope, device_tensor, sample_on_device, to_host_samples
@@ -130,10 +130,11 @@ class ModelRunner:
         self.token_counts = TokenCounts(self.device)  # the penalties' per-request state; empty until one asks
         # CPU: oneDNN-packed copies of the linear weights, in use during each eager step (kernels/cpu_linear.py),
         # the same ones generate() uses on this model
-        self.packed = packed_linears(model) if prepack_weights and not compile else None
         # ContinuousBatchingConfig.compile: the decoder compiled (engine/compiled_step.py), for steps without prompt
-        # logprobs or LoRA rows; on the CPU it freezes its own packed weights, so no copies above
+        # logprobs or LoRA rows; on the CPU it freezes its own packed weights, so only the LM head gets a copy here
         self.compiled = CompiledDecoder(self.decoder) if compile else None
+        plan = head_plan(model) if compile else None
+        self.packed = packed_linears(model, plan=plan) if prepack_weights and plan != [] else None
 
     # --- inputs -------------------------------------------------------------------------------------------------
 
