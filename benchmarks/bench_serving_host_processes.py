@@ -37,7 +37,7 @@ class ProcessServers:
         limits = ConnectionLimits().resolved()
         spread = spreads_connections()
         sock = listening_socket("127.0.0.1", port, None if spread else limits.backlog, reuse_port=spread)
-        # each API server takes every stream itself if the kernel's hash sends it them all: no 429 in a round
+        # --max-pending bounds the API servers together: room for every stream of a round
         config = {"model_name": "bench", "max_model_len": None, "max_pending": max_pending, "tool_call_parser": None,
                   "reasoning_parser": None, "log_level": "warning", "shutdown_timeout": 10, "host": "127.0.0.1",
                   "backlog": limits.backlog,

@@ -149,6 +149,35 @@ def test_connections_are_spread_evenly_over_the_api_servers(server):
     assert all(160 <= count <= 240 for count in served.values()), served
 
 
+def test_max_pending_bounds_the_api_servers_together(checkpoint):
+    """--max-pending 1 with 2 API servers: while a stream holds the one slot through one server, a request through
+    the other gets 429 at once (the limit counts every server's requests; a share of it each would let both in);
+    once the stream ends, the other server takes a request again."""
+    process = ServerProcess(checkpoint, "--num-blocks", "64", "--api-server-count", "2", "--max-pending", "1")
+    try:
+        server = process.wait_ready()
+        both = connections_to_each(server)
+        holder, other = (both[pid] for pid in both)
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        small = {"model": MODEL_NAME, "prompt": [1, 2], "max_tokens": 2}
+        with holder.stream("POST", f"{server.url}/completions", json=body) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            start = time.monotonic()
+            refused = other.post(f"{server.url}/completions", json=small)
+            assert refused.status_code == 429 and "--max-pending" in refused.json()["error"]["message"]
+            assert time.monotonic() - start < 2.0
+        deadline = time.monotonic() + 20
+        while (answer := other.post(f"{server.url}/completions", json=small)).status_code == 429:
+            assert time.monotonic() < deadline, "the slot never came back"
+            time.sleep(0.2)
+        assert answer.status_code == 200
+        for http in both.values():
+            http.close()
+    finally:
+        process.stop()
+
+
 def test_request_ids_run_through_both_processes_logs(server):
     """--log-level debug: the API server logs a response's id beside its engine request ids, and the engine core
     logs each of those ids with the API server it came from."""

@@ -99,7 +99,8 @@ def test_stream_events_come_in_order_and_rebuild_the_text(server):
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert kinds == STREAM_ORDER + ["response.output_text.delta"] * len(deltas) + STREAM_END + [final]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert len(deltas) > 1 and "".join(e.delta for e in deltas) == whole.output_text
+    # (a front end behind the engine may send several steps' tokens in one delta: output_inbox.py)
+    assert len(deltas) >= 1 and "".join(e.delta for e in deltas) == whole.output_text
     message_id = events[2].item.id
     assert all((e.item_id, e.output_index, e.content_index) == (message_id, 0, 0) for e in deltas)
     assert events[0].response.status == "in_progress" and events[0].response.output == []

@@ -245,7 +245,7 @@ def _run_engine_core(args: argparse.Namespace, manager, tokenizer, name: str, co
     print(f"gpuformers serve: the engine in this process (pid {os.getpid()}), HTTP in {count} API server processes "
           f"(--api-server-count)", flush=True)
     server_config = {"model_name": name, "max_model_len": args.max_model_len,
-                     "max_pending": -(-args.max_pending // count), "tool_call_parser": args.tool_call_parser,
+                     "max_pending": args.max_pending, "tool_call_parser": args.tool_call_parser,
                      "reasoning_parser": args.reasoning_parser, "log_level": args.log_level,
                      "shutdown_timeout": args.shutdown_timeout, "host": args.host, "backlog": limits.backlog,
                      "limits": [limits.header_timeout, limits.keep_alive_timeout, limits.max_connections]}

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ORPHAN_EXIT_SECONDS = 5.0  # how long a server whose core is gone answers 503 before it stops
 METRICS_EVERY = 0.5  # seconds between two snapshots of this server's counts sent to the core
+FRESH_SECONDS = 0.05  # the other servers' requests in flight, older than this, are asked again near --max-pending
 _WATCH_SECONDS = 0.1  # how often the loop looks at the core's liveness (and reads what an edge may have missed)
 
 
@@ -74,17 +75,19 @@ class EngineClient:
         self.num_steps = 0
         self.adapters: list[str] = list(facts["adapters"])
         self.peer_metrics: list[dict] = []  # the other servers' latest snapshots (routes_admin's /metrics)
+        self._running: list[int] = []  # each API server's engine requests, as the core's latest message said
+        self._facts_time = 0.0  # when that message came (time.monotonic())
         self._peers: dict[int, dict] = {}
         self.metrics_of: Callable[[], dict] | None = None  # this server's snapshot (set by api_server.py)
         self.broken: str | None = None  # why the core is gone
         self._context = zmq.Context()
-        self._out = self._context.socket(zmq.PUSH)  # to the core: used by the event loop and the receiver
+        self._out = self._context.socket(zmq.PUSH)  # to the core (sends hold _send_lock: any thread may send)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.connect(f"ipc://{run_dir}/in")
         self._in = self._context.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.connect(f"ipc://{run_dir}/out-{index}")
-        self._send_lock = threading.Lock()  # sends come from the event loop, and from grammar worker threads
+        self._send_lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
         self._requests: dict[str, tuple[OutputAssembly, Callable]] = {}
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # id(grammar) -> (grammar, key)
         self._loop = None  # the event loop reading the core's messages, from start() to stop()
@@ -121,7 +124,7 @@ class EngineClient:
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, streaming: bool = True,
                     on_output: Callable | None = None, structured_output=None, **sampling) -> str:
-        """Send one engine request to the core; its outputs reach `on_output` in the receiver thread. An error the
+        """Send one engine request to the core; its outputs reach `on_output` in the event loop. An error the
         core's add_request raises comes back as the request's failed final output."""
         if self.broken is not None:
             raise RuntimeError(f"the engine core is gone ({self.broken})")
@@ -211,9 +214,23 @@ class EngineClient:
         except asyncio.TimeoutError:
             pass
 
+    async def peers_in_flight(self, wanted: int, limit: int) -> int:
+        """The other API servers' engine requests in flight (--max-pending bounds all the servers' together; serve_job
+        adds them to this server's own): as the core's latest message said, or, when that is over FRESH_SECONDS old
+        and `wanted` (this server's, the new request's included) plus them is over half of `limit`, as the core's
+        next pass says. (A server with streams running hears from the core every engine step; an idle one only
+        twice a second.)"""
+        if time.monotonic() - self._facts_time > FRESH_SECONDS and wanted + self._peers_running() > limit // 2:
+            await self.refresh()
+        return self._peers_running()
+
+    def _peers_running(self) -> int:
+        return sum(count for server, count in enumerate(self._running) if server != self.index)
+
     def _deliver(self, message: list) -> None:
         facts, rows, peers, asked = message
         self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken, running = facts
+        self._running, self._facts_time = running, time.monotonic()
         if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
             self.broken = f"the engine core's loop stopped: {broken}"
         self.block_manager.num_free_blocks = free

@@ -47,11 +47,12 @@ class Engine:
         # per event loop, the LoopRelay the engine hands outputs to (one wakeup of the loop per burst)
         self._relays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def reserve(self, count: int) -> None:
-        """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere)."""
+    def reserve(self, count: int, others: int = 0) -> None:
+        """Take `count` slots or raise a 429 APIError (never wait: a client would rather retry elsewhere). `others`:
+        the requests in flight in the other API server processes, which share --max-pending with this one."""
         with self._lock:
-            if self.in_flight + count > self.max_pending:
-                raise APIError(429, f"the server is full: {self.in_flight} requests in flight, at most "
+            if self.in_flight + others + count > self.max_pending:
+                raise APIError(429, f"the server is full: {self.in_flight + others} requests in flight, at most "
                                     f"{self.max_pending} (--max-pending); retry later", code="server_full")
             self.in_flight += count
 

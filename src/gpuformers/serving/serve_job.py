@@ -65,7 +65,10 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     grammar = None
     if needs_grammar(parsed):  # a structured output or a forced tool call, after any thinking
         grammar = await asyncio.to_thread(answer_grammar, state, parsed, prompts[0])
-    state.engine.reserve(choices)
+    # API server processes share --max-pending: the others' requests in flight count too (engine_client.py)
+    peers = getattr(state.manager, "peers_in_flight", None)
+    others = await peers(state.engine.in_flight + choices, state.engine.max_pending) if peers is not None else 0
+    state.engine.reserve(choices, others)
     job = job_class(state, parsed, prompts, max_tokens, asyncio.get_running_loop())
     try:
         job.start(functools.partial(_sampling_of, grammar=grammar, adapter_name=adapter))
