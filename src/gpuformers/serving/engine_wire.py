@@ -72,11 +72,8 @@ def _pairs(entries: list) -> list:
 
 
 class OutputAssembly:
-    """The API server's side of one request: its rows added up into the engine's GenerationOutputs. Unlike the
-    engine's, a request's outputs share its lists, grown in place by each row (copying them for every output cost
-    O(T) per token): an output read late sees the tokens of rows that came after it. The API server adds rows in its
-    event loop (engine_client.py), so the lists hold still while a handler runs; job.py counts new tokens by what it
-    has decoded, not by an earlier output's lists."""
+    """The API server's side of one request: its rows added up into the engine's GenerationOutputs, each with lists
+    of its own (as the engine publishes them: a job keeps an output's lists by reference)."""
 
     __slots__ = ("request_id", "prompt_ids", "tokens", "logprobs", "top_logprobs", "prompt_logprobs",
                  "prompt_top_logprobs")
@@ -100,9 +97,10 @@ class OutputAssembly:
         if prompt_top:
             self.prompt_top_logprobs += _pairs(prompt_top)
         return GenerationOutput(request_id=self.request_id, prompt_ids=self.prompt_ids,
-                                generated_tokens=self.tokens, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                                prompt_logprobs=self.prompt_logprobs, prompt_top_logprobs=self.prompt_top_logprobs,
-                                error=error, status=STATUSES[status], created_time=created, finished_time=finished)
+                                generated_tokens=list(self.tokens), logprobs=list(self.logprobs),
+                                top_logprobs=list(self.top_logprobs), prompt_logprobs=list(self.prompt_logprobs),
+                                prompt_top_logprobs=list(self.prompt_top_logprobs), error=error,
+                                status=STATUSES[status], created_time=created, finished_time=finished)
 
     def failed(self, message: str) -> GenerationOutput:
         """The final output of a request the core can no longer finish (it exited)."""

@@ -97,8 +97,7 @@ class ChoiceText:
         # False for a reasoning parser that reads special-token markers (gpt-oss's harmony channels)
         self.skip_special_tokens = skip_special_tokens
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        # The engine's latest output's lists, kept by reference (the engine's outputs hold fresh lists; an API
-        # server's outputs of one request share lists that grow between the event loop's awaits: engine_wire.py)
+        # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -282,10 +281,9 @@ class Job:
                 continue
             index, output = item
             choice = self.choices[index]
-            # counted by what the detokenizer took: an API server's outputs of one request share their lists
-            before = len(choice.detokenizer.token_ids)
+            before = len(choice.token_ids)
             text = choice.update(output)
-            self._time_tokens(index, len(choice.detokenizer.token_ids) - before)
+            self._time_tokens(index, len(choice.token_ids) - before)
             return index, text
 
     def _time_tokens(self, index: int, new_tokens: int) -> None:
