@@ -58,3 +58,33 @@ def test_cpu_compiled_step_freezes_weights_and_follows_in_place_edits():
     finally:
         model.__dict__.pop("_compiled_decode", None)
         torch._dynamo.reset()
+
+
+def test_moe_blocks_run_outside_the_compiled_graph():
+    """A mixture-of-experts model on the CPU: its torch expert loop (a host wait) runs as one op inside the compiled
+    step, so the decode step is one graph built once, with the eager tokens; the blocks' forward is theirs again
+    after the call."""
+    from gpuformers.generation.config import CompileConfig
+
+    model = _model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def counting_backend(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = model.generate(ids, max_new_tokens=8, eos_token_id=None, cache_implementation="static",
+                                  compile_config=CompileConfig(backend=counting_backend))
+        assert hasattr(model, "_compiled_decode")
+    finally:
+        model.__dict__.pop("_compiled_decode", None)
+        torch._dynamo.reset()
+    assert torch.equal(compiled, model.generate(ids, max_new_tokens=8, eos_token_id=None))
+    assert len(graphs) == 1
+    op = torch.ops.gpuformers.module_outside_graph
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+    assert len(calls) == model.config.num_hidden_layers
+    assert all("forward" not in m.__dict__ for m in model.modules())

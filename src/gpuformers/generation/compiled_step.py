@@ -25,15 +25,29 @@ What freezing costs:
 
 On CUDA nothing is added: the CompileConfig's mode ("reduce-overhead": CUDA graphs) is what pays there.
 
-Offers: CompiledStep, CPU_INDUCTOR_SETTINGS.
+Mixture-of-experts blocks on the CPU: SparseMoeBlock's torch forward reads which experts got tokens on the host
+(`.tolist()`), which a graph cannot hold. On the CPU, where nothing is captured, the compiled step runs each such
+block as one opaque op (`gpuformers::module_outside_graph`: the block's own forward, called eagerly from inside
+the graph, its output shaped like its input), so the rest of the layer stays in one graph and the wait happens
+inside the op. `lifted_host_waits(liftable(model))` installs that forward on the block instances for the duration of a step
+(as kernels/cpu_linear.py's copies are installed) and takes it away after, so eager forwards, training and the
+engine never see it.
+
+Offers: CompiledStep, CPU_INDUCTOR_SETTINGS, liftable, lifted_host_waits.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
 
 import torch
 from torch import nn
 
 from gpuformers.generation.compile_config import CompileConfig
+from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules
 
 # Inductor settings patched in around a CPU step (module docstring).
 CPU_INDUCTOR_SETTINGS = {"freezing": True, "cpp.enable_concat_linear": True}
@@ -54,6 +68,7 @@ class CompiledStep:
         self.freezes = device.type == "cpu" and options.backend == "inductor"
         self.weights = _weights_state(model) if self.freezes else None
         self.code = model.forward.__func__.__code__
+        self.lifted = liftable(model)  # (MoE blocks, CPU only: run outside the graph, module docstring)
 
     def still_valid(self, model: nn.Module) -> bool:
         """Whether the compiled step still computes with the model's weights (always, without freezing). When not,
@@ -64,10 +79,60 @@ class CompiledStep:
         return False
 
     def __call__(self, **inputs):
-        if not self.freezes:
-            return self.function(**inputs)
-        with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
-            return self.function(**inputs)
+        with lifted_host_waits(self.lifted):
+            if not self.freezes:
+                return self.function(**inputs)
+            with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
+                return self.function(**inputs)
+
+
+# Each lifted module under a number the op finds it by (the graph keeps the number as a constant), and the forward
+# installed on it, made once so that the instance's forward is the same object at every step (Dynamo guards on it).
+_LIFTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (they go with their model)
+_KEYS = itertools.count()
+_LIFTED_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def liftable(model: nn.Module) -> list[nn.Module]:
+    """The modules a compiled step runs outside its graph: on the CPU, the host-waiting modules whose forward maps a
+    hidden-state tensor to one of the same shape (SparseMoeBlock); elsewhere none."""
+    if model.get_input_embeddings().weight.device.type != "cpu":
+        return []
+    names = set(host_syncing_modules(model))
+    return [m for name, m in model.named_modules() if name in names and isinstance(m, SparseMoeBlock)]
+
+
+@contextlib.contextmanager
+def lifted_host_waits(modules: list[nn.Module]):
+    """While the block runs, `modules` (liftable's) run through gpuformers::module_outside_graph."""
+    for module in modules:
+        forward = _LIFTED_FORWARD.get(module)
+        if forward is None:
+            key = next(_KEYS)
+            _LIFTED[key] = module
+            forward = _LIFTED_FORWARD[module] = functools.partial(_outside_graph, key=key)
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("forward", None)
+
+
+def _outside_graph(hidden_states: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.ops.gpuformers.module_outside_graph(hidden_states, key)
+
+
+@torch.library.custom_op("gpuformers::module_outside_graph", mutates_args=())
+def _module_outside_graph(hidden_states: torch.Tensor, key: int) -> torch.Tensor:
+    """The lifted module's own forward, eagerly: (..., hidden) -> (..., hidden)."""
+    module = _LIFTED[key]
+    return type(module).forward(module, hidden_states).clone()
+
+
+@_module_outside_graph.register_fake
+def _(hidden_states, key):
+    return torch.empty_like(hidden_states)
 
 
 def key_of(options: CompileConfig) -> tuple:

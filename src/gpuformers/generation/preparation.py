@@ -27,7 +27,7 @@ import torch
 
 from gpuformers.device import is_offloaded
 from gpuformers.generation.cache import Cache, DynamicCache, StaticCache
-from gpuformers.generation.compiled_step import CompiledStep, key_of
+from gpuformers.generation.compiled_step import CompiledStep, key_of, liftable, lifted_host_waits
 from gpuformers.generation.config import CompileConfig, GenerationConfig
 
 # The cache implementations generate() builds itself.
@@ -195,7 +195,7 @@ class GenerationPreparation:
                 warnings.warn(f"a {method} quantized model's decode step is not compiled (as in transformers): the "
                               f"static cache runs without CUDA graphs", UserWarning, stacklevel=4)
             return False
-        if not self.supports_compiled_decode:
+        if not self.supports_compiled_decode and not _supported_when_lifted(self, device):
             warnings.warn(
                 f"{type(self).__name__} does not support a compiled decode step yet (supports_compiled_decode is "
                 f"False): the static cache runs without CUDA graphs; pass disable_compile=True to silence this",
@@ -228,6 +228,16 @@ class GenerationPreparation:
 # matmuls call into packages (bitsandbytes, GPTQ/AWQ kernels) or unpack per call (MXFP4) in ways torch.compile breaks
 # its graph on. Weight-only, FP8 and compressed-tensors layers compile.
 _NOT_COMPILED = frozenset({"bitsandbytes", "gptq", "awq", "mxfp4"})
+
+
+def _supported_when_lifted(model, device: torch.device) -> bool:
+    """Whether the model supports a compiled decode step once its MoE blocks run outside the graph (the CPU only:
+    compiled_step.lifted_host_waits)."""
+    modules = liftable(model)
+    if device.type != "cpu" or not modules:
+        return False
+    with lifted_host_waits(modules):
+        return model.supports_compiled_decode
 
 
 def _reusable(cache: StaticCache, rows: int, size: int, embeddings: torch.Tensor) -> bool:
