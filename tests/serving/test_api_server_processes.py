@@ -151,22 +151,37 @@ def test_connections_are_spread_evenly_over_the_api_servers(server):
 
 def test_max_pending_bounds_the_api_servers_together(checkpoint):
     """--max-pending 1 with 2 API servers: while a stream holds the one slot through one server, a request through
-    the other gets 429 at once (the limit counts every server's requests; a share of it each would let both in);
-    once the stream ends, the other server takes a request again."""
+    the other gets 429 at once (the limit counts every server's requests until their responses end; a share of it
+    each would let both in); once the stream ends, the other server takes a request again. The holder reads one
+    chunk through a small receive window and stops, so its response cannot end however fast the engine is."""
     process = ServerProcess(checkpoint, "--num-blocks", "64", "--api-server-count", "2", "--max-pending", "1")
+    holder = None
     try:
         server = process.wait_ready()
         both = connections_to_each(server)
-        holder, other = (both[pid] for pid in both)
-        body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0,
+                           "stream": True, "ignore_eos": True}).encode()
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+        holder.connect(("127.0.0.1", server.port))
+        holder.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = b""
+        while b"data: " not in head:  # the headers, then the stream's first event; no more is read
+            chunk = holder.recv(1024)
+            assert chunk, head
+            head += chunk
+        port = holder.getsockname()[1]
+        serving = next(p.pid for p in api_servers(server) for c in p.net_connections(kind="tcp")
+                       if c.raddr and c.raddr.port == port and c.laddr.port == server.port)
+        other = next(http for pid, http in both.items() if pid != serving)
         small = {"model": MODEL_NAME, "prompt": [1, 2], "max_tokens": 2}
-        with holder.stream("POST", f"{server.url}/completions", json=body) as response:
-            assert next(response.iter_lines()).startswith("data: ")
-            start = time.monotonic()
-            refused = other.post(f"{server.url}/completions", json=small)
-            assert refused.status_code == 429 and "--max-pending" in refused.json()["error"]["message"]
-            assert time.monotonic() - start < 2.0
+        start = time.monotonic()
+        refused = other.post(f"{server.url}/completions", json=small)
+        assert refused.status_code == 429 and "--max-pending" in refused.json()["error"]["message"]
+        assert time.monotonic() - start < 2.0
+        holder.close()  # the client leaves: its request is cancelled and the slot given back
+        holder = None
         deadline = time.monotonic() + 20
         while (answer := other.post(f"{server.url}/completions", json=small)).status_code == 429:
             assert time.monotonic() < deadline, "the slot never came back"
@@ -175,6 +190,8 @@ def test_max_pending_bounds_the_api_servers_together(checkpoint):
         for http in both.values():
             http.close()
     finally:
+        if holder is not None:
+            holder.close()
         process.stop()
 
 

@@ -142,6 +142,11 @@ class EngineClient:
     def cancel_request(self, request_id: str) -> None:
         self._send(["cancel", request_id])
 
+    def report_in_flight(self, count: int) -> None:
+        """This server's requests in flight (job.py's count, held until each response ends), which the core hands
+        the other servers for --max-pending."""
+        self._send(["in_flight", self.index, count])
+
     def load_adapter(self, *args, **kwargs):
         raise NotImplementedError("loading LoRA adapters at run time with --api-server-count > 1 is not "
                                   "implemented; serve them with --lora-modules, or run one API server")

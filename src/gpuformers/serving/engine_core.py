@@ -3,7 +3,7 @@
 own (api_server.py: HTTP, validation, chat templates, tokenization, detokenization, stop strings, tool-call and
 reasoning parsing, SSE), so the front end's Python never holds the engine's GIL.
 
-    API server 0 ─┐  ["add" | "cancel" | "grammar" | "metrics"]   ┌─ this thread: add_request / cancel_request
+    API server 0 ─┐  ["add" | "cancel" | "in_flight" | "grammar" | ...]   ┌─ this thread: add_request / cancel_request
     API server 1 ─┼──────────────── PULL ipc://RUN/in ──────────►│
     ...           │                                               │  engine thread: step, then after_step:
                   ◄──── PUSH ipc://RUN/out-i: one message per step per server (its requests' new tokens) ──┘
@@ -143,6 +143,9 @@ class EngineCore:
         # Per API server: its engine requests (for cancelling them when it dies) and the outputs the engine
         # published for them since the last message (deques: appended by the engine's and this thread)
         self._requests: list[set[str]] = [set() for _ in range(count)]
+        # Per API server: its requests in flight as it counts them (until each response ends: a stream the engine
+        # has finished may still be unread), reported on every change; what its peers' --max-pending adds
+        self._in_flight = [0] * count
         self._pending: list[collections.deque] = [collections.deque() for _ in range(count)]
         self._callbacks = [self._pending[index].append for index in range(count)]
         self._deltas = OutputDeltas()
@@ -186,7 +189,8 @@ class EngineCore:
                 # broken: set before the loop fails its requests, so their servers answer 503, not 500; and each
                 # server's engine requests now (its peers' /metrics count them in flight without a snapshot's lag)
                 facts = [len(scheduler.waiting), len(scheduler.running), blocks.num_free_blocks,
-                         self.manager.num_steps, self.manager.broken, [len(ids) for ids in self._requests]]
+                         self.manager.num_steps, self.manager.broken,
+                         [max(len(ids), held) for ids, held in zip(self._requests, self._in_flight)]]
             try:
                 self._outboxes[index].send(pack([facts, rows, self._peers if tick or asked else None, asked]),
                                            zmq.NOBLOCK)
@@ -257,6 +261,8 @@ class EngineCore:
                                                              error=str(error), status=RequestStatus.FAILED))
         elif kind == "cancel":
             self.manager.cancel_request(message[1])
+        elif kind == "in_flight":
+            self._in_flight[message[1]] = message[2]
         elif kind == "grammar":
             self._add_grammar(*message[1:])
         elif kind == "metrics":
@@ -303,6 +309,7 @@ class EngineCore:
                 continue
             orphans = list(self._requests[index])
             self._requests[index].clear()
+            self._in_flight[index] = 0
             for request_id in orphans:  # their final outputs go out to no one (or to the restarted server, which
                 self.manager.cancel_request(request_id)  # knows none of their ids)
             if self._stopping:

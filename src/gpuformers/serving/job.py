@@ -55,10 +55,19 @@ class Engine:
                 raise APIError(429, f"the server is full: {self.in_flight + others} requests in flight, at most "
                                     f"{self.max_pending} (--max-pending); retry later", code="server_full")
             self.in_flight += count
+            self._report()
 
     def release(self, count: int) -> None:
         with self._lock:
             self.in_flight -= count
+            self._report()
+
+    def _report(self) -> None:
+        # API server processes (engine_client.py): the core counts this server's requests in flight for the
+        # others' --max-pending until their responses end, not only until the engine has finished them
+        report = getattr(self.manager, "report_in_flight", None)
+        if report is not None:
+            report(self.in_flight)
 
     def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue, loop: asyncio.AbstractEventLoop) -> str:
         """Add an engine request; its outputs arrive in `queue` (put_nowait: an asyncio.Queue or a job's OutputInbox)
