@@ -25,14 +25,17 @@ Offers: CompiledDecoder, decide_compile, head_plan, ENV.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.generation.compiled_step import CPU_INDUCTOR_SETTINGS
-from gpuformers.kernels.cpu_linear import packable_linears
+from gpuformers.engine.paged_attention import PagedKVCache
+from gpuformers.kernels.cpu_linear import packable_linears, row_bucket
 from gpuformers.kernels.cpu_matmul_probe import PACKED
 from gpuformers.layers.moe import host_syncing_modules
 
@@ -77,18 +80,36 @@ def head_plan(model: nn.Module) -> list:
 
 
 class CompiledDecoder:
-    """The decoder stack (model.model) compiled for engine steps; call it as the decoder inside paged_context()."""
+    """The decoder stack (model.model) compiled for engine steps; call it as the decoder inside paged_context().
 
-    def __init__(self, decoder: nn.Module):
+    A step's tokens are padded up to row_bucket(total) (at most 25% more; none up to 8): oneDNN builds and keeps
+    kernels per row count it meets, which took ~10 s over the first run of 48 requests (a new count at nearly every
+    step) and grows a server's memory without end (kernels/cpu_linear.py's row_bucket). The padding rows are token 0
+    at position 0, write their keys to `scratch_slot` (the runner's scratch block, never read) and no sequence
+    attends to them; every other op of a layer is row-wise, so they touch no real row, and they are cut off after."""
+
+    def __init__(self, decoder: nn.Module, scratch_slot: int):
         self.device = next(decoder.parameters()).device
+        self.scratch_slot = scratch_slot
         # dynamic=True: the token dimension (and the block-table width the op reads) vary at every step.
         self.function = torch.compile(decoder.forward, dynamic=True)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values) -> torch.Tensor:
-        """-> the final hidden states (1, total, hidden)."""
+        """input_ids, position_ids (1, total) -> the final hidden states (1, total, hidden)."""
+        total = input_ids.shape[1]
+        padding = row_bucket(total) - total
+        if padding:
+            context = past_key_values.context
+            slots = torch.full((padding,), self.scratch_slot, dtype=context.slot_mapping.dtype,
+                               device=context.slot_mapping.device)
+            past_key_values = PagedKVCache(dataclasses.replace(
+                context, slot_mapping=torch.cat([context.slot_mapping, slots])))
+            input_ids = F.pad(input_ids, (0, padding))
+            position_ids = F.pad(position_ids, (0, padding))
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values)
         if self.device.type != "cpu":
-            hidden, _ = self.function(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values)
-            return hidden
-        with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
-            hidden, _ = self.function(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values)
-        return hidden
+            hidden, _ = self.function(**inputs)
+        else:
+            with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
+                hidden, _ = self.function(**inputs)
+        return hidden[:, :total]

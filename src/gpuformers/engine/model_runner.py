@@ -132,7 +132,7 @@ class ModelRunner:
         # the same ones generate() uses on this model
         # ContinuousBatchingConfig.compile: the decoder compiled (engine/compiled_step.py), for steps without prompt
         # logprobs or LoRA rows; on the CPU it freezes its own packed weights, so only the LM head gets a copy here
-        self.compiled = CompiledDecoder(self.decoder) if compile else None
+        self.compiled = CompiledDecoder(self.decoder, self.scratch_block * block_size) if compile else None
         plan = head_plan(model) if compile else None
         self.packed = packed_linears(model, plan=plan) if prepack_weights and plan != [] else None
 
