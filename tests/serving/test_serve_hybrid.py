@@ -1,7 +1,8 @@
 """`gpuformers serve` on a tiny Nemotron-H checkpoint (mamba, attention and MLP blocks, saved by transformers, with
 the real Qwen3 tokenizer): the verb's own loading, run in-process with run_server replaced by a TestClient on the same
 app, serves generate()'s greedy tokens through the engine's state slots, for completions and streamed chat, and the
-prefix cache's state snapshots serve a repeated system prompt."""
+prefix cache's state snapshots serve a repeated system prompt; and `--compile` reaches the engine (refused by name for
+a hybrid model)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,25 @@ def test_serve_gives_generates_tokens_through_the_state_slots(monkeypatch, hybri
     # the second chat computed the system prompt and kept its state; the third and fourth restored it
     assert manager.states.snapshots_taken >= 1 and manager.states.snapshot_hits >= 2
     manager.stop()
+
+
+def test_serve_compile_flag_reaches_the_engine(monkeypatch, checkpoint, hybrid_checkpoint):
+    """`serve --compile` compiles the engine's decoder (the first steps compile; none run here), `--no-compile` keeps
+    it eager, and a hybrid model refuses --compile by name."""
+    from gpuformers.serving import cli, server
+
+    captured = {}
+    monkeypatch.setattr(server, "run_server", lambda manager, tokenizer, name, **kw: captured.update(manager=manager))
+
+    def serve(folder, *flags):
+        parser = argparse.ArgumentParser()
+        cli.add_serve_arguments(parser)
+        args = parser.parse_args([str(folder), "--device", "cpu", "--dtype", "float32", "--num-blocks", "16", *flags])
+        assert cli.run_serve(args) == 0
+        return captured.pop("manager")
+
+    compiled, eager = serve(checkpoint, "--compile"), serve(checkpoint, "--no-compile")
+    compiled.stop(), eager.stop()
+    assert compiled.runner.compiled is not None and eager.runner.compiled is None
+    with pytest.raises(NotImplementedError, match="mamba"):
+        serve(hybrid_checkpoint, "--compile")
