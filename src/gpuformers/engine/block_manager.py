@@ -213,15 +213,19 @@ class BlockManager:
         # Freed in reverse so that a sequence's tail blocks are reused before its head (the head is the prefix
         # another request is likeliest to share).
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated (sequence {seq.request_id!r})")
-            if block.ref_count == 0:
-                self.free[block_id] = None
+            self.release(block_id, seq)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def release(self, block_id: int, seq: Sequence) -> None:
+        """Drop one reference of `seq` to a block; at none it goes back to the free list, its hash kept."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated (sequence {seq.request_id!r})")
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

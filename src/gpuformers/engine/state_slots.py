@@ -173,23 +173,20 @@ class HybridBlockManager(BlockManager):
         the blocks matched further than that, the sequence takes a snapshot at the last matched block's end."""
         super().match_prefix(seq)
         matched = len(seq.block_table)
-        kept = matched
-        while kept and self.pool.lookup(seq.block_hashes[kept - 1]) is None:
+        kept, restore = matched, None
+        while kept and (restore := self.pool.lookup(seq.block_hashes[kept - 1])) is None:
             kept -= 1
         if kept < matched:
             if self.pool.snapshot_slots:
                 seq.snapshot_at = (matched * self.block_size, seq.block_hashes[matched - 1])
             for block_id in seq.block_table[kept:]:  # the blocks stay cached; this sequence recomputes them
-                block = self.blocks[block_id]
-                block.ref_count -= 1
-                if block.ref_count == 0:
-                    self.free[block_id] = None
+                self.release(block_id, seq)
             del seq.block_table[kept:], seq.block_hashes[kept:]
             self.prefix_hits -= matched - kept
             seq.num_cached_tokens -= (matched - kept) * self.block_size
             seq.num_computed_tokens = kept * self.block_size
         if kept:
-            seq.state_restore = self.pool.lookup(seq.block_hashes[kept - 1])
+            seq.state_restore = restore
             self.pool.snapshot_hits += 1
         return seq.num_computed_tokens
 
