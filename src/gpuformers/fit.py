@@ -116,8 +116,7 @@ def state_bytes_per_sequence(model: torch.nn.Module, dtype: torch.dtype) -> int:
     float32)."""
     from gpuformers.layers.mamba2 import Mamba2Mixer  # here: the layer classes are only needed for these models
 
-    return sum(m.conv_dim * (m.conv1d.kernel_size[0] - 1) * dtype.itemsize + m.num_heads * m.head_dim * m.state_size * 4
-               for m in model.modules() if isinstance(m, Mamba2Mixer))
+    return sum(m.state_bytes(dtype) for m in model.modules() if isinstance(m, Mamba2Mixer))
 
 
 def _attention_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -72,9 +72,7 @@ def attention_layer_indices(model) -> list[int]:
 def state_rows_bytes(model, rows: int) -> int:
     """Bytes `rows` state slots take over all mamba layers (conv state in the model's dtype, SSM state float32); a
     pool of `rows` slots takes one more (the scratch row)."""
-    element = torch.empty((), dtype=model.dtype).element_size()
-    return rows * sum(m.conv_dim * (m.conv1d.kernel_size[0] - 1) * element + m.num_heads * m.head_dim * m.state_size * 4
-                      for m in _mamba_mixers(model))
+    return rows * sum(m.state_bytes(model.dtype) for m in _mamba_mixers(model))
 
 
 class StatePool:

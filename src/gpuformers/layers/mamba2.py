@@ -109,6 +109,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=norm_eps)
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
 
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's state in this layer: the conv state (conv_dim, conv_kernel - 1) in `dtype`, the
+        model's, and the SSM state (heads, head_dim, state_size) in float32."""
+        conv = self.conv_dim * (self.conv1d.kernel_size[0] - 1) * dtype.itemsize
+        return conv + self.num_heads * self.head_dim * self.state_size * torch.float32.itemsize
+
     def project_in(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(batch, seq, hidden) -> in_proj's output (batch, seq, intermediate + conv_dim + heads): gate | x, B, C | dt.
         A family that scales the projection's input or its parts (Falcon-H1's multipliers) overrides this."""
