@@ -13,7 +13,7 @@ It prints per run: output tokens/s, start-up (process start -> the warm-up's fir
 compile and profiling included), and the token agreement between the two (sequences whose tokens are identical).
 
 --compile adds a third contender, ours with ContinuousBatchingConfig(compile=True) (engine/compiled_step.py); its
-warm-up request (an 8-token prompt, 4 new tokens) compiles the step's two graphs (one token; more tokens, dynamic),
+warm-up request (an 8-token prompt, 4 new tokens) compiles the step's graph (dynamic in the step's tokens),
 so its start-up includes compiling. Inductor's on-disk cache is a fresh folder of this run: the first compiled run
 starts cold, later ones (--repeats) warm, reusing what the first compiled; each start-up is labelled so.
 

@@ -10,8 +10,9 @@ The graph sees the step only through tensors: the KV-cache write is `gpuformers:
 layer's cache in place) and attention is `gpuformers::paged_attention`, which runs the eager paged attention
 (engine/paged_attention.py) over the PagedContext the runner set for this thread. Dynamo therefore guards on
 no Python value of the step (query offsets, context lengths, block tables as lists), which made an earlier try
-recompile until Dynamo gave up. The token dimension is dynamic (one graph for every step size above one; a step of
-exactly one token, batch-1 decoding, gets its own graph, as Dynamo specializes sizes 0 and 1).
+recompile until Dynamo gave up. The token dimension is dynamic: one graph for every step size. A step of exactly one
+token (batch-1 decoding) is padded to two rows, since Dynamo specializes sizes 0 and 1 and would compile a second
+graph for it (each graph costs 10-40 s of a cold start; the padding row costs one row of each matmul).
 
 On the CPU Inductor freezes the weights (generation/compiled_step.py's settings): the linear layers run on
 oneDNN-packed weights, which the eager engine gets from kernels/cpu_linear.py's copies instead.
@@ -97,7 +98,7 @@ class CompiledDecoder:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values) -> torch.Tensor:
         """input_ids, position_ids (1, total) -> the final hidden states (1, total, hidden)."""
         total = input_ids.shape[1]
-        padding = row_bucket(total) - total
+        padding = max(row_bucket(total), 2) - total  # never one row: a graph of its own (see the module's doc)
         if padding:
             context = past_key_values.context
             slots = torch.full((padding,), self.scratch_slot, dtype=context.slot_mapping.dtype,
