@@ -3,16 +3,19 @@
 # written under $OUT. Run from the repository root of a checkout where torch, triton, transformers, peft and
 # safetensors are already installed; it never installs anything and needs no network.
 #
-#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~13 minutes)
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~17 minutes)
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 # A device call lasts at most 10 minutes and a session gets about 15 minutes of device time in all, start-up (a few
-# minutes) included, so every step cannot run in one session. In order of what they prove: `tests engine` first
-# (<= 8 min: the gpu tests, then issue 6's benchmarks), then, with the time left, `generate kernels` (<= 3 min),
-# then `serving load quant`.
+# minutes) included, so every step cannot run in one session. In order of what they prove: `tests compiled engine`
+# first (<= 9.5 min: the gpu tests, the compiled engine's, then issue 6's benchmarks), then, with the time left,
+# `generate kernels` (<= 3 min), then `serving load quant`.
 #
 # Steps, in order, with their time boxes (seconds):
-#   tests     pytest -m gpu tests/kernels, then the other gpu tests (150 + 160)  pytest_gpu_kernels.txt,
+#   tests     pytest -m gpu tests/kernels, then the other gpu tests (150 + 130)  pytest_gpu_kernels.txt,
 #             pytest_gpu_rest.txt + .xml each (two runs, so that a time-out loses only one half)
+#   compiled  the compiled engine's gpu tests (issue 30: torch.compile'd decoder, CUDA graphs captured over it,
+#             float32 and bf16; each compiles the decoder, so they have a box of their own)  (120)
+#             pytest_gpu_compiled.txt + .xml
 #   kernels   benchmarks/bench_kernels.py --quick                  (90)   bench_kernels.txt + .json
 #   generate  benchmarks/bench_generate.py on cuda, bf16, --big    (80)   bench_generate.txt
 #   engine    benchmarks/bench_offline.py --gpu (fewer requests)   (130)  bench_offline.txt + .json
@@ -35,7 +38,7 @@ unset TRITON_INTERPRET  # real kernels on the GPU, never the interpreter
 export PYTHONDONTWRITEBYTECODE=1 TQDM_DISABLE=1
 
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels generate engine load serving quant)
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests compiled kernels generate engine load serving quant)
 
 {
     date -u
@@ -80,8 +83,12 @@ for step in "${steps[@]}"; do
             run_step tests-kernels 150 pytest_gpu_kernels.txt python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
                 --junitxml="${OUT}/pytest_gpu_kernels.xml" tests/kernels
             # -v: a line per test, so a run cut by its time box still says which tests passed
-            run_step tests-rest 160 pytest_gpu_rest.txt python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
-                --junitxml="${OUT}/pytest_gpu_rest.xml" --ignore=tests/kernels tests ;;
+            run_step tests-rest 130 pytest_gpu_rest.txt python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
+                --junitxml="${OUT}/pytest_gpu_rest.xml" --ignore=tests/kernels \
+                --ignore=tests/engine/test_compiled_engine.py --ignore=tests/engine/test_compiled_cuda_graphs.py tests ;;
+        compiled) run_step compiled 120 pytest_gpu_compiled.txt python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
+            --junitxml="${OUT}/pytest_gpu_compiled.xml" tests/engine/test_compiled_engine.py \
+            tests/engine/test_compiled_cuda_graphs.py ;;
         kernels) run_step kernels 90 bench_kernels.txt \
             python benchmarks/bench_kernels.py --quick --out "${OUT}/bench_kernels.json" ;;
         generate) run_step generate 80 bench_generate.txt \
@@ -98,7 +105,7 @@ for step in "${steps[@]}"; do
                 python benchmarks/bench_serving.py --gpu --clients 256 --rounds 2 ;;
         quant) run_step quant 120 bench_quant.txt \
             python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
-        *) echo "unknown step ${step}; steps: tests kernels generate engine load serving quant" >&2; exit 2 ;;
+        *) echo "unknown step ${step}; steps: tests compiled kernels generate engine load serving quant" >&2; exit 2 ;;
     esac
 done
 

@@ -17,9 +17,14 @@ graph for it (each graph costs 10-40 s of a cold start; the padding row costs on
 On the CPU Inductor freezes the weights (generation/compiled_step.py's settings): the linear layers run on
 oneDNN-packed weights, which the eager engine gets from kernels/cpu_linear.py's copies instead.
 
-What stays eager: the LM head over the sampled rows (on a packed copy of its weight, `head_plan`), sampling, prompt logprobs, LoRA steps (adapter rows are
-Python lists), hybrid (mamba) models, and models whose modules wait on the host (the torch MoE block): the runner
-asks `serves` before each step. `decide_compile` says whether a runner compiles at all.
+On CUDA with CUDA graphs on, each decode bucket's graph is captured over this compiled function
+(engine/cuda_graphs.py: the capture calls the runner's `decode_hidden`, as an eager step does), so a replay launches
+Inductor's kernels.
+
+What stays eager: the LM head over the sampled rows (on a packed copy of its weight, `head_plan`), sampling, prompt
+logprobs, LoRA steps (adapter rows are Python lists), hybrid (mamba) models, and models whose modules wait on the
+host (the torch MoE block): the runner's `decode_hidden` picks the compiled decoder or the eager one per step.
+`decide_compile` says whether a runner compiles at all.
 
 Offers: CompiledDecoder, decide_compile, head_plan, ENV.
 """

@@ -25,6 +25,14 @@ With asynchronous batching a decode's input token may still be on the device (sa
 model runner scatters it into the step's input_ids before `run`, whose copy into the static input buffer is
 ordered after it on the stream, so a graph needs nothing special and no host sync.
 
+With ContinuousBatchingConfig(compile=True) a graph is captured over the compiled decoder (engine/compiled_step.py,
+through the runner's `decode_hidden`), so a replay launches Inductor's fused kernels; buckets, lazy capture and the
+decision rules are the same. The compiled graph is dynamic in the token dimension and takes the static buffers as
+they are (inference tensors, contiguous (1, rows) views, as the runner's step inputs: one compiled graph for the
+eager steps and every bucket); each bucket's warm-up run compiles anything missing before the recording, where a
+recompilation is an error (Inductor's autotuning would wait on the device mid-capture). The paged ops inside the
+graph read the graph's static PagedContext, as in the eager stack.
+
 A model with mamba layers (engine/state_slots.py) replays its decode steps the same way: each mamba layer steps
 its rows of the state pool in place through the decode rows' slot index, a static buffer of the graphs like the
 block tables (padding rows point at the pool's scratch row, which no sequence owns), and the pool tensors are
@@ -82,6 +90,9 @@ def _bucket(value: int, buckets) -> int | None:
 
 
 class DecodeGraphs:
+    # The static buffers are made as inference tensors, as the runner's step inputs are (its steps run in inference
+    # mode): the compiled decoder's graph guards on that, and normal tensors here would compile it a second time.
+    @torch.inference_mode()
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
@@ -103,9 +114,11 @@ class DecodeGraphs:
         # length: fewer captures, each paid once. Found by the first decode forward (None until then).
         self.per_context: bool | None = None
         n, device = max_batch, runner.device
-        # The static inputs every graph reads (graphs use their first `bucket` rows).
-        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.position_ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        # The static inputs every graph reads (graphs use their first `bucket` rows). input_ids and position_ids are
+        # (n,), a graph reading (1, rows) views of them, contiguous as the runner's (1, total) step inputs: the
+        # compiled decoder guards on the stride too (a (1, n)[:, :rows] slice would compile it a second time).
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)
         # Block tables, one per context bucket, as wide as its contexts need and made when first used: one table as
@@ -143,9 +156,9 @@ class DecodeGraphs:
             value_caches=runner.value_caches,
             max_decode_context=length,
         )
-        with paged_context(context):
-            hidden, _ = runner.decoder(input_ids=self.input_ids[:, :rows], position_ids=self.position_ids[:, :rows],
-                                       past_key_values=self._cache(context, rows))
+        with paged_context(context):  # the compiled decoder where the runner compiles (the module's doc)
+            hidden = runner.decode_hidden(self.input_ids[:rows][None], self.position_ids[:rows][None],
+                                          self._cache(context, rows))
         self.hidden[:rows].copy_(hidden[0])
         return context
 
@@ -165,7 +178,10 @@ class DecodeGraphs:
             self._forward(rows, length)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # A compiled decoder must not compile inside the capture (Inductor's autotuning waits on the device): the
+        # warm-up above compiled whatever this bucket needs, so a recompilation here is an error naming the failed
+        # guard (logged by `run`, which stays eager from then on) instead of a capture broken somewhere in Inductor.
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(graph, pool=self.pool):
             self._forward(rows, length)
         self.pool = graph.pool()
         return graph
@@ -191,13 +207,13 @@ class DecodeGraphs:
         length = _bucket(max(context.context_lens_list), self.context_buckets)
         scratch, bs = self.runner.scratch_block, self.runner.block_size
         # Real rows, then padding rows that write to the scratch block and attend only to it.
-        self.input_ids[0, :n].copy_(input_ids[0])
-        self.position_ids[0, :n].copy_(position_ids[0])
+        self.input_ids[:n].copy_(input_ids[0])
+        self.position_ids[:n].copy_(position_ids[0])
         self.slot_mapping[:n].copy_(context.slot_mapping)
         self.context_lens[:n].copy_(context.context_lens)
         if rows > n:
-            self.input_ids[0, n:rows].fill_(0)
-            self.position_ids[0, n:rows].fill_(0)
+            self.input_ids[n:rows].fill_(0)
+            self.position_ids[n:rows].fill_(0)
             self.slot_mapping[n:rows].fill_(scratch * bs)
             self.context_lens[n:rows].fill_(1)
         if self.state_rows is not None:
@@ -225,8 +241,7 @@ class DecodeGraphs:
                 cache = PagedKVCache(context) if states is None else PagedStateCache(context, self.runner.states,
                                                                                       states)
                 with paged_context(context):
-                    hidden, _ = self.runner.decoder(input_ids=input_ids, position_ids=position_ids,
-                                                    past_key_values=cache)
+                    hidden = self.runner.decode_hidden(input_ids, position_ids, cache)
                 return self.runner.compute_logits(hidden[0])
         if self.state_rows is not None:  # the replay steps the decodes' slots (the padding rows the scratch row)
             self.state_rows[:n].copy_(states.decode_rows)

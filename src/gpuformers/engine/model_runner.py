@@ -248,11 +248,7 @@ class ModelRunner:
             cache = PagedKVCache(context) if plan is None else PagedStateCache(context, self.states, plan)
             with self.packed.active() if self.packed else contextlib.nullcontext():
                 with paged_context(context), adapter_rows(lora_rows):
-                    if self.compiled is not None and not prompt_rows and not lora_rows and self.states is None:
-                        hidden = self.compiled(input_ids, position_ids, cache)
-                    else:
-                        hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids,
-                                                 past_key_values=cache)
+                    hidden = self.decode_hidden(input_ids, position_ids, cache, eager=bool(prompt_rows or lora_rows))
                 # (1, total, hidden) -> (samples, hidden) -> (samples, vocab)
                 logits = self.compute_logits(hidden[0].index_select(0, device_tensor(sample_rows, hidden.device)))
                 for seq, first, rows in prompt_rows:
@@ -269,6 +265,17 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(tokens.device))  # the copies' stream, not the current device's
         return LaunchedStep(batch, sampling, tokens, host, logprob_rows, event)
+
+    def decode_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedKVCache,
+                      eager: bool = False) -> torch.Tensor:
+        """The decoder stack over one step, inside its paged_context: input_ids, position_ids (1, total) -> the final
+        hidden states (1, total, hidden). Compiled (compiled_step.py) where the runner compiles, unless `eager`: a
+        step with prompt logprobs or LoRA rows, which the compiled graph does not take (nor a model with mamba
+        states). A CUDA graph's capture (cuda_graphs.py) calls this too, so it records the compiled kernels."""
+        if self.compiled is not None and not eager and self.states is None:
+            return self.compiled(input_ids, position_ids, cache)
+        hidden, _ = self.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache)
+        return hidden
 
     def collect(self, step: LaunchedStep) -> list[tuple[int, float | None] | None]:
         """Wait for a launched step's tokens: per sequence of its batch, what `run` returns."""
