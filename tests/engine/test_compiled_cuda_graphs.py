@@ -5,7 +5,8 @@ replay reruns Inductor's kernels, under the same lazy capture and decision rules
 On the CPU the capture is the stand-in of test_cuda_graph_buffers.py (its replay reruns the forward over the static
 buffers), with every call of the compiled function and of the eager decoder counted: each capture and each replay
 goes through the compiled function and never through the eager stack, one compiled graph serves every bucket (no
-recompilation as the bucket changes), and greedy tokens equal generate() under preemption. On a GPU (`gpu`-marked,
+recompilation as the bucket changes), and greedy tokens equal generate() under preemption; with the Triton decode
+kernel (the interpreter) inside the paged-attention op, one graph per batch bucket. On a GPU (`gpu`-marked,
 scripts/gpu_check.sh's `compiled` step) the real capture: float32 tokens equal generate(), bfloat16 at least 90% of
 the sequences, the captured graphs recorded through the compiled function."""
 
@@ -146,6 +147,31 @@ def test_decode_graphs_are_captured_over_the_compiled_decoder():
     # The buckets (1 row padded to 2, 2, 4, 8, 16) and the prefill steps share one graph: nothing recompiled.
     assert run.compiled_graphs == 1
     assert manager.block_manager.num_free_blocks == manager.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_the_triton_decode_kernel_runs_inside_the_compiled_graphs(monkeypatch):
+    """The path a GPU takes with "paged|sdpa": inside the compiled graph the paged-attention op runs the Triton
+    decode kernel (here under the interpreter) over the graph's static block table and context lengths, so one
+    graph per batch bucket at the longest context serves every length; tokens equal generate()."""
+    pytest.importorskip("triton")
+    from gpuformers.engine import paged_attention
+    from gpuformers.kernels.checks import triton_runs_on
+
+    if not triton_runs_on("cpu")[0]:
+        pytest.skip(triton_runs_on("cpu")[1])
+    monkeypatch.setattr(paged_attention, "_triton_kernels_available", lambda query: True)
+    model = tiny_model()
+    prompts = make_prompts(6, seed=5)  # few: the interpreter runs each kernel program in Python
+    reference = greedy_reference(model, prompts)
+    run = run_compiled(model, prompts, ReplayedEagerly, block_size=16, num_blocks=24, max_batch_tokens=64)
+    graphs = run.manager.runner.graphs
+    assert [o.generated_tokens for o in run.outputs] == reference
+    assert graphs.per_context is False and run.captures and run.replays > run.captures
+    assert {length for _, length in graphs.graphs} == {graphs.context_buckets[-1]}
+    assert run.calls["capture", "compiled"] == run.captures and run.calls["replay", "compiled"] == run.replays
+    assert not any(run.calls[phase, "eager"] for phase in ("capture", "replay", "probe"))
+    assert run.compiled_graphs == 1
 
 
 @pytest.mark.gpu
