@@ -60,14 +60,16 @@ def test_cpu_compiled_step_freezes_weights_and_follows_in_place_edits():
         torch._dynamo.reset()
 
 
-def test_moe_blocks_run_outside_the_compiled_graph():
-    """A mixture-of-experts model on the CPU: its torch expert loop (a host wait) runs as one op inside the compiled
-    step, so the decode step is one graph built once, with the eager tokens; the blocks' forward is theirs again
-    after the call."""
+@pytest.mark.parametrize("rows", [1, 3], ids=["gathered", "outside_graph"])
+def test_moe_blocks_compile_without_host_waits(rows):
+    """A mixture-of-experts model on the CPU: the compiled step replaces its blocks' expert loop (a host wait), so
+    the decode step is one graph built once, with the eager tokens. One row (2 assignments <= 4 experts): the experts
+    are gathered inside the graph, no opaque op; three rows (6 assignments): each block's own loop runs as one op
+    inside the graph. The blocks' run_experts is theirs again after the call."""
     from gpuformers.generation.config import CompileConfig
 
     model = _model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 128, (rows, 7), generator=torch.Generator().manual_seed(0))
     graphs = []
 
     def counting_backend(gm, example_inputs, **options):
@@ -84,7 +86,59 @@ def test_moe_blocks_run_outside_the_compiled_graph():
         torch._dynamo.reset()
     assert torch.equal(compiled, model.generate(ids, max_new_tokens=8, eos_token_id=None))
     assert len(graphs) == 1
-    op = torch.ops.gpuformers.module_outside_graph
+    op = torch.ops.gpuformers.experts_outside_graph
     calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
-    assert len(calls) == model.config.num_hidden_layers
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert len(calls) == (0 if rows == 1 else model.config.num_hidden_layers)
+    assert all("run_experts" not in m.__dict__ and "forward" not in m.__dict__ for m in model.modules())
+
+
+def test_mixtral_experts_run_outside_the_compiled_graph():
+    """Mixtral's experts (w1 / w3 / w2, not a GatedMLP) are not gathered: even at batch 1 its blocks' loop runs as
+    the opaque op, with the eager tokens (its float32 router weights and its own block forward kept)."""
+    from gpuformers.generation.config import CompileConfig
+
+    model = _model("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def counting_backend(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = model.generate(ids, max_new_tokens=6, eos_token_id=None, cache_implementation="static",
+                                  compile_config=CompileConfig(backend=counting_backend))
+    finally:
+        model.__dict__.pop("_compiled_decode", None)
+        torch._dynamo.reset()
+    assert torch.equal(compiled, model.generate(ids, max_new_tokens=6, eos_token_id=None))
+    op = torch.ops.gpuformers.experts_outside_graph
+    assert len(graphs) == 1
+    assert sum(n.target in (op, op.default) for n in graphs[0].graph.nodes) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("float32_weights", [False, True], ids=["model_dtype_weights", "float32_weights"])
+def test_gathered_experts_match_the_expert_loop(float32_weights):
+    """The gathered experts (no host sync) against the block's own loop, for one token and for as many assignments
+    as experts, the top_k experts in any order: float32 within 1e-5."""
+    from gpuformers.generation.compiled_step import _gathered_or_outside, _gatherable
+    from gpuformers.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden_size=32, intermediate_size=24, num_experts=4, top_k=2, norm_topk_prob=True).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.2)
+    block.gate.float32_weights = float32_weights
+    assert _gatherable(block)
+    for tokens in (1, 2):
+        x = torch.randn(tokens, 32)
+        _, weights, experts = block.gate(x)
+        with torch.no_grad():
+            expected = block.run_experts(x, weights, experts)
+            got = _gathered_or_outside(block, x, weights, experts, key=-1)  # (the key only serves the op path)
+            swapped = _gathered_or_outside(block, x, weights.flip(1), experts.flip(1), key=-1)
+        assert got.dtype == x.dtype
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(swapped, expected, atol=1e-5, rtol=0)

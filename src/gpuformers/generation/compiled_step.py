@@ -25,13 +25,28 @@ What freezing costs:
 
 On CUDA nothing is added: the CompileConfig's mode ("reduce-overhead": CUDA graphs) is what pays there.
 
-Mixture-of-experts blocks on the CPU: SparseMoeBlock's torch forward reads which experts got tokens on the host
-(`.tolist()`), which a graph cannot hold. On the CPU, where nothing is captured, the compiled step runs each such
-block as one opaque op (`gpuformers::module_outside_graph`: the block's own forward, called eagerly from inside
-the graph, its output shaped like its input), so the rest of the layer stays in one graph and the wait happens
-inside the op. `lifted_host_waits(liftable(model))` installs that forward on the block instances for the duration of a step
-(as kernels/cpu_linear.py's copies are installed) and takes it away after, so eager forwards, training and the
-engine never see it.
+Mixture-of-experts blocks on the CPU: SparseMoeBlock's torch `run_experts` reads which experts got tokens on the
+host (`.tolist()`), which a graph cannot hold. For the duration of a step (`lifted_host_waits(liftable(model))`,
+installed on the block instances as kernels/cpu_linear.py's copies are, and taken away after, so eager forwards,
+training and the engine never see it) the compiled step replaces each block's `run_experts`, decided by shape while
+Dynamo traces (static shapes: one decision per graph):
+
+- few assignments (tokens * top_k <= experts, batch-1 decoding) and gated experts of plain nn.Linear layers: the
+  experts gathered, no host sync. The expert weights stacked in the graph, (experts, 2 * intermediate, hidden) and
+  (experts, hidden, intermediate) (a constant that freezing folds once, like the dense layers' packed copies),
+  each assignment's expert picked with index_select and both projections run as batched matmuls of one row:
+
+      gate_up[a] = x[t] @ w13[e_a]^T  (T*k, 1, 2I);   y[a] = (silu(gate) * up)[a] @ w2[e_a]^T  (T*k, 1, H)
+      out[t]     = sum over k of y[t, k] * weight[t, k]
+
+  Inductor fuses the whole block (router, gather, matmuls) with the layer around it; it reads top_k experts'
+  weights per token, where computing every expert would read all of them. At the tiny shape of
+  benchmarks/bench_decode_families.py this took qwen3_moe's block from ~230 to ~70 us (1 thread).
+- otherwise (more assignments than experts, other experts): the block's own run_experts, eagerly, as one opaque op
+  (`gpuformers::experts_outside_graph`, output shaped like its input), so the rest of the layer stays in one graph
+  and the host wait happens inside the op.
+
+Numbers: the same as eager in float32 up to the matmuls' summation order (tokens equal in the tests).
 
 Offers: CompiledStep, CPU_INDUCTOR_SETTINGS, DYNAMO_SETTINGS, liftable, lifted_host_waits.
 """
@@ -41,12 +56,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import types
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpuformers.generation.compile_config import CompileConfig
+from gpuformers.layers.mlp import GatedMLP
 from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules
 
 # Inductor settings patched in around a CPU step (module docstring).
@@ -72,7 +90,7 @@ class CompiledStep:
         self.freezes = device.type == "cpu" and options.backend == "inductor"
         self.weights = _weights_state(model) if self.freezes else None
         self.code = model.forward.__func__.__code__
-        self.lifted = liftable(model)  # (MoE blocks, CPU only: run outside the graph, module docstring)
+        self.lifted = liftable(model)  # (MoE blocks, CPU only: their experts without a host wait, module docstring)
 
     def still_valid(self, model: nn.Module) -> bool:
         """Whether the compiled step still computes with the model's weights (always, without freezing). When not,
@@ -90,16 +108,17 @@ class CompiledStep:
                 return self.function(**inputs)
 
 
-# Each lifted module under a number the op finds it by (the graph keeps the number as a constant), and the forward
-# installed on it, made once so that the instance's forward is the same object at every step (Dynamo guards on it).
+# Each lifted block under a number the op finds it by (the graph keeps the number as a constant), and the
+# run_experts installed on it, made once so that the instance's attribute is the same object at every step (Dynamo
+# guards on it).
 _LIFTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (they go with their model)
 _KEYS = itertools.count()
-_LIFTED_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LIFTED_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def liftable(model: nn.Module) -> list[nn.Module]:
-    """The modules a compiled step runs outside its graph: on the CPU, the host-waiting modules whose forward maps a
-    hidden-state tensor to one of the same shape (SparseMoeBlock); elsewhere none."""
+    """The blocks whose run_experts a compiled step replaces: on the CPU, the host-waiting SparseMoeBlocks;
+    elsewhere none."""
     if model.get_input_embeddings().weight.device.type != "cpu":
         return []
     names = set(host_syncing_modules(model))
@@ -108,35 +127,74 @@ def liftable(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def lifted_host_waits(modules: list[nn.Module]):
-    """While the block runs, `modules` (liftable's) run through gpuformers::module_outside_graph."""
+    """While the block runs, `modules` (liftable's) run their experts without a host wait (module docstring)."""
     for module in modules:
-        forward = _LIFTED_FORWARD.get(module)
-        if forward is None:
+        run_experts = _LIFTED_EXPERTS.get(module)
+        if run_experts is None:
             key = next(_KEYS)
             _LIFTED[key] = module
-            forward = _LIFTED_FORWARD[module] = functools.partial(_outside_graph, key=key)
-        module.forward = forward
+            function = _gathered_or_outside if _gatherable(module) else _outside_graph
+            run_experts = _LIFTED_EXPERTS[module] = types.MethodType(functools.partial(function, key=key), module)
+        module.run_experts = run_experts
     try:
         yield
     finally:
         for module in modules:
-            module.__dict__.pop("forward", None)
+            module.__dict__.pop("run_experts", None)
 
 
-def _outside_graph(hidden_states: torch.Tensor, key: int) -> torch.Tensor:
-    return torch.ops.gpuformers.module_outside_graph(hidden_states, key)
+def _gatherable(block: nn.Module) -> bool:
+    """Whether every expert is a GatedMLP of plain nn.Linear layers without bias, of one shape and dtype."""
+    def plain(linear):
+        return type(linear) is nn.Linear and linear.bias is None and type(linear.weight.data) is torch.Tensor
+
+    experts = list(block.experts)
+    if not experts or any(type(e) is not GatedMLP or "forward" in e.__dict__ for e in experts):
+        return False
+    linears = [getattr(e, name) for e in experts for name in ("gate_proj", "up_proj", "down_proj")]
+    first = experts[0]
+    shapes = (first.gate_proj.weight.shape, first.up_proj.weight.shape, first.down_proj.weight.shape)
+    return (all(plain(m) for m in linears) and len({m.weight.dtype for m in linears}) == 1
+            and shapes[0] == shapes[1] == shapes[2][::-1]
+            and all((e.gate_proj.weight.shape, e.up_proj.weight.shape, e.down_proj.weight.shape) == shapes
+                    for e in experts))
 
 
-@torch.library.custom_op("gpuformers::module_outside_graph", mutates_args=())
-def _module_outside_graph(hidden_states: torch.Tensor, key: int) -> torch.Tensor:
-    """The lifted module's own forward, eagerly: (..., hidden) -> (..., hidden)."""
-    module = _LIFTED[key]
-    return type(module).forward(module, hidden_states).clone()
+def _gathered_or_outside(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                         key: int) -> torch.Tensor:
+    """run_experts for a step: gathered when tokens * top_k <= experts, else outside the graph (module docstring).
+    x (tokens, hidden), weights / experts (tokens, top_k) -> (tokens, hidden)."""
+    if experts.numel() > len(block.experts):
+        return _outside_graph(block, x, weights, experts, key)
+    tokens, top_k = experts.shape
+    # (experts, 2 * intermediate, hidden) and (experts, hidden, intermediate): constants folded by freezing
+    w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in block.experts])
+    w2 = torch.stack([e.down_proj.weight for e in block.experts])
+    intermediate = w2.shape[2]
+    chosen = experts.reshape(-1)  # (tokens * top_k,): assignment a = t * top_k + k
+    rows = x.repeat_interleave(top_k, dim=0)[:, None]  # (tokens * top_k, 1, hidden)
+    gate_up = torch.bmm(rows, w13.index_select(0, chosen).transpose(1, 2))  # (tokens * top_k, 1, 2 * intermediate)
+    act = F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]
+    y = torch.bmm(act, w2.index_select(0, chosen).transpose(1, 2)).view(tokens, top_k, -1)  # (tokens, top_k, hidden)
+    # weights may be float32 (Mixtral's router): the sum is rounded once, to the model dtype
+    return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
-@_module_outside_graph.register_fake
-def _(hidden_states, key):
-    return torch.empty_like(hidden_states)
+def _outside_graph(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   key: int) -> torch.Tensor:
+    return torch.ops.gpuformers.experts_outside_graph(x, weights, experts, key)
+
+
+@torch.library.custom_op("gpuformers::experts_outside_graph", mutates_args=())
+def _experts_outside_graph(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: int) -> torch.Tensor:
+    """The lifted block's own run_experts, eagerly: x (tokens, hidden) -> (tokens, hidden)."""
+    block = _LIFTED[key]
+    return type(block).run_experts(block, x, weights, experts).clone()
+
+
+@_experts_outside_graph.register_fake
+def _(x, weights, experts, key):
+    return torch.empty_like(x)
 
 
 def key_of(options: CompileConfig) -> tuple:
