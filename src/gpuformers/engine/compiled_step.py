@@ -71,6 +71,9 @@ def decide_compile(model: nn.Module, requested: bool | None, has_states: bool) -
 
 def _why_not(model: nn.Module, has_states: bool) -> str:
     if has_states:
+        # (the state mixing walks the step's prefill chunks and their slot rows as Python ints, engine/state_slots.py:
+        # a graph would guard on that layout and recompile; it would need to be one op reading the step's StepStates,
+        # as paged attention reads its PagedContext)
         return "a hybrid model's mamba layers keep per-sequence states outside the paged KV cache"
     syncing = host_syncing_modules(model)
     if syncing:
