@@ -137,8 +137,8 @@ def test_gathered_experts_match_the_expert_loop(float32_weights):
         _, weights, experts = block.gate(x)
         with torch.no_grad():
             expected = block.run_experts(x, weights, experts)
-            got = _gathered_or_outside(block, x, weights, experts, key=-1)  # (the key only serves the op path)
-            swapped = _gathered_or_outside(block, x, weights.flip(1), experts.flip(1), key=-1)
+            got = _gathered_or_outside(block, x, weights, experts)
+            swapped = _gathered_or_outside(block, x, weights.flip(1), experts.flip(1))
         assert got.dtype == x.dtype
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(swapped, expected, atol=1e-5, rtol=0)

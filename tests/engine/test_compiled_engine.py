@@ -44,15 +44,17 @@ def test_compile_decision():
     with pytest.raises(NotImplementedError, match="mamba"):
         decide_compile(model, True, has_states=True)
     moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(NotImplementedError, match="host"):
-        decide_compile(moe, True, has_states=False)
+    assert decide_compile(moe, True, has_states=False)[0] is True  # on the CPU: its expert loop as one op
+    with pytest.raises(NotImplementedError, match="host"):  # off the CPU (CUDA: a wait at every step)
+        decide_compile(moe.to("meta"), True, has_states=False)
 
 
 def test_compile_under_the_environment_switch(monkeypatch):
     monkeypatch.setenv("GPUFORMERS_ENGINE_COMPILE", "1")
     assert decide_compile(tiny_model(), None, has_states=False)[0] is True
     moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    assert decide_compile(moe, None, has_states=False)[0] is False  # eager, with the reason logged
+    assert decide_compile(moe, None, has_states=False)[0] is True
+    assert decide_compile(moe.to("meta"), None, has_states=False)[0] is False  # eager, with the reason logged
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ Inductor's kernels.
 
 What stays eager: the LM head over the sampled rows (on a packed copy of its weight, `head_plan`), sampling, prompt
 logprobs, LoRA steps (adapter rows are Python lists), hybrid (mamba) models, and models whose modules wait on the
-host (the torch MoE block): the runner's `decode_hidden` picks the compiled decoder or the eager one per step.
+host (the torch MoE block off the CPU; on the CPU its expert loop runs in the graph as one opaque op, layers/moe.py):
+the runner's `decode_hidden` picks the compiled decoder or the eager one per step.
 `decide_compile` says whether a runner compiles at all.
 
 Offers: CompiledDecoder, decide_compile, head_plan, ENV.
@@ -43,7 +44,7 @@ from gpuformers.generation.compiled_step import CPU_INDUCTOR_SETTINGS
 from gpuformers.engine.paged_attention import PagedKVCache
 from gpuformers.kernels.cpu_linear import packable_linears, row_bucket
 from gpuformers.kernels.cpu_matmul_probe import PACKED
-from gpuformers.layers.moe import host_syncing_modules
+from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules
 
 logger = logging.getLogger(__name__)
 ENV = "GPUFORMERS_ENGINE_COMPILE"  # "1": compile=None compiles where the model allows it
@@ -75,9 +76,15 @@ def _why_not(model: nn.Module, has_states: bool) -> str:
         # a graph would guard on that layout and recompile; it would need to be one op reading the step's StepStates,
         # as paged attention reads its PagedContext)
         return "a hybrid model's mamba layers keep per-sequence states outside the paged KV cache"
-    syncing = host_syncing_modules(model)
-    if syncing:
-        return f"{syncing[0]} reads values on the host in its forward (the torch MoE block), which a graph cannot hold"
+    # The torch MoE block reads its routing on the host; under torch.compile its expert loop runs as one opaque op
+    # (layers/moe.py), which on the CPU costs nothing more. On CUDA the op's wait would stall every step and a CUDA
+    # graph cannot hold it, so models with one stay eager there.
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    for name in host_syncing_modules(model):
+        module = model.get_submodule(name)
+        if not (on_cpu and isinstance(module, SparseMoeBlock) and module.outside_graph_key is not None):
+            return (f"{name} reads values on the host in its forward (the torch MoE block off the CPU), which a "
+                    f"graph cannot hold")
     return ""
 
 

@@ -42,9 +42,9 @@ Dynamo traces (static shapes: one decision per graph):
   Inductor fuses the whole block (router, gather, matmuls) with the layer around it; it reads top_k experts'
   weights per token, where computing every expert would read all of them. At the tiny shape of
   benchmarks/bench_decode_families.py this took qwen3_moe's block from ~230 to ~70 us (1 thread).
-- otherwise (more assignments than experts, other experts): the block's own run_experts, eagerly, as one opaque op
-  (`gpuformers::experts_outside_graph`, output shaped like its input), so the rest of the layer stays in one graph
-  and the host wait happens inside the op.
+- otherwise (more assignments than experts, other experts): the block's own run_experts, which under torch.compile
+  runs as one opaque op (layers/moe.py's `gpuformers::experts_outside_graph`: the loop called eagerly, its output
+  shaped like its input), so the rest of the layer stays in one graph and the host wait happens inside the op.
 
 Numbers: the same as eager in float32 up to the matmuls' summation order (tokens equal in the tests).
 
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import types
 import weakref
 
@@ -65,7 +64,7 @@ from torch import nn
 
 from gpuformers.generation.compile_config import CompileConfig
 from gpuformers.layers.mlp import GatedMLP
-from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules
+from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules, register_outside_graph
 
 # Inductor settings patched in around a CPU step (module docstring).
 CPU_INDUCTOR_SETTINGS = {"freezing": True, "cpp.enable_concat_linear": True}
@@ -108,12 +107,9 @@ class CompiledStep:
                 return self.function(**inputs)
 
 
-# Each lifted block under a number the op finds it by (the graph keeps the number as a constant), and the
-# run_experts installed on it, made once so that the instance's attribute is the same object at every step (Dynamo
-# guards on it).
-_LIFTED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (they go with their model)
-_KEYS = itertools.count()
-_LIFTED_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The run_experts installed on each block, made once so that the instance's attribute is the same object at every
+# step (Dynamo guards on it).
+_LIFTED_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (they go with their model)
 
 
 def liftable(model: nn.Module) -> list[nn.Module]:
@@ -131,10 +127,9 @@ def lifted_host_waits(modules: list[nn.Module]):
     for module in modules:
         run_experts = _LIFTED_EXPERTS.get(module)
         if run_experts is None:
-            key = next(_KEYS)
-            _LIFTED[key] = module
-            function = _gathered_or_outside if _gatherable(module) else _outside_graph
-            run_experts = _LIFTED_EXPERTS[module] = types.MethodType(functools.partial(function, key=key), module)
+            register_outside_graph(module)  # (a subclass that skipped SparseMoeBlock.__init__)
+            function = _gathered_or_outside if _gatherable(module) else type(module).run_experts
+            run_experts = _LIFTED_EXPERTS[module] = types.MethodType(function, module)
         module.run_experts = run_experts
     try:
         yield
@@ -160,12 +155,12 @@ def _gatherable(block: nn.Module) -> bool:
                     for e in experts))
 
 
-def _gathered_or_outside(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                         key: int) -> torch.Tensor:
+def _gathered_or_outside(block: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                         experts: torch.Tensor) -> torch.Tensor:
     """run_experts for a step: gathered when tokens * top_k <= experts, else outside the graph (module docstring).
     x (tokens, hidden), weights / experts (tokens, top_k) -> (tokens, hidden)."""
     if experts.numel() > len(block.experts):
-        return _outside_graph(block, x, weights, experts, key)
+        return type(block).run_experts(block, x, weights, experts)  # (under compile: the op)
     tokens, top_k = experts.shape
     # (experts, 2 * intermediate, hidden) and (experts, hidden, intermediate): constants folded by freezing
     w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in block.experts])
@@ -178,23 +173,6 @@ def _gathered_or_outside(block: nn.Module, x: torch.Tensor, weights: torch.Tenso
     y = torch.bmm(act, w2.index_select(0, chosen).transpose(1, 2)).view(tokens, top_k, -1)  # (tokens, top_k, hidden)
     # weights may be float32 (Mixtral's router): the sum is rounded once, to the model dtype
     return (y * weights[..., None]).sum(dim=1).to(x.dtype)
-
-
-def _outside_graph(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   key: int) -> torch.Tensor:
-    return torch.ops.gpuformers.experts_outside_graph(x, weights, experts, key)
-
-
-@torch.library.custom_op("gpuformers::experts_outside_graph", mutates_args=())
-def _experts_outside_graph(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: int) -> torch.Tensor:
-    """The lifted block's own run_experts, eagerly: x (tokens, hidden) -> (tokens, hidden)."""
-    block = _LIFTED[key]
-    return type(block).run_experts(block, x, weights, experts).clone()
-
-
-@_experts_outside_graph.register_fake
-def _(x, weights, experts, key):
-    return torch.empty_like(x)
 
 
 def key_of(options: CompileConfig) -> tuple:

@@ -12,15 +12,24 @@ the same numbers. With use_kernels=True (kernel layer "SparseMoeBlock") inferenc
 Triton GEMMs instead (kernels/moe.py), which keep the expert weights stacked in one buffer that the expert
 Parameters are slices of; training keeps this forward.
 
+Under torch.compile without grad the loop, whose host wait a graph cannot hold, runs as one opaque op,
+`gpuformers::experts_outside_graph` (the same run_experts called eagerly, its output shaped like its input), so the
+rest of the layer compiles into one graph (the engine's compiled decoder on the CPU); the block still `syncs_host`,
+so no CUDA graph holds it. generate()'s compiled step on the CPU gathers the experts inside the graph instead at
+decode sizes (generation/compiled_step.py).
+
 Training with output_router_logits=True adds the Switch-Transformer load-balancing loss over the sparse layers
 (transformers' load_balancing_loss_func): the model sets each router's `recorded` to one shared list for that
 forward, every router call appends its logits (both forwards above call the router), and `load_balancing_loss`
 turns them into the aux loss. With `recorded` left at None (inference, the engine) nothing is kept.
 
-Offers: TopKRouter, SparseMoeBlock, load_balancing_loss, host_syncing_modules.
+Offers: TopKRouter, SparseMoeBlock, load_balancing_loss, host_syncing_modules, register_outside_graph.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +86,21 @@ class SparseMoeBlock(nn.Module):
     expert_class = GatedMLP
     syncs_host = True  # forward reads the routed experts on the host: no CUDA graph (engine/cuda_graphs.py)
 
+    # The number gpuformers::experts_outside_graph finds the block by (None: not registered, e.g. a subclass that
+    # skips this __init__; its loop then breaks a compiled graph).
+    outside_graph_key: int | None = None
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = nn.ModuleList(self.expert_class(hidden_size, intermediate_size) for _ in range(num_experts))
+        register_outside_graph(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if state.get("outside_graph_key") is not None:  # a copy (deepcopy, pickle) is a block of its own
+            self.outside_graph_key = None
+            register_outside_graph(self)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -90,6 +110,11 @@ class SparseMoeBlock(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (tokens, width) through each token's experts (tokens, top_k: ids, weights), summed -> (tokens, width)."""
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.outside_graph_key is not None:
+            # A graph cannot hold the host wait below: under torch.compile this same loop runs as one opaque op
+            # (its output shaped like x), so the rest of the layer stays in the graph. Inference only: the op has
+            # no backward, so a compiled training step keeps the loop (a graph break per block).
+            return torch.ops.gpuformers.experts_outside_graph(x, weights, experts, self.outside_graph_key)
         out = torch.zeros_like(x)
         # Which experts got tokens (a host sync, as in transformers): only those run, in expert order.
         for expert in torch.unique(experts).tolist():
@@ -97,6 +122,31 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[expert](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+# Registered blocks by key; they go with their model.
+_BLOCKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def register_outside_graph(block: SparseMoeBlock) -> int:
+    """The block's key for gpuformers::experts_outside_graph, given on first call."""
+    if block.__dict__.get("outside_graph_key") is None:
+        block.outside_graph_key = next(_KEYS)
+        _BLOCKS[block.outside_graph_key] = block
+    return block.outside_graph_key
+
+
+@torch.library.custom_op("gpuformers::experts_outside_graph", mutates_args=())
+def _experts_outside_graph(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: int) -> torch.Tensor:
+    """The registered block's run_experts, eagerly: x (tokens, width) -> (tokens, width)."""
+    block = _BLOCKS[key]
+    return type(block).run_experts(block, x, weights, experts).clone()
+
+
+@_experts_outside_graph.register_fake
+def _(x, weights, experts, key):
+    return torch.empty_like(x)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
