@@ -68,10 +68,11 @@ def test_kernel_declines_what_it_cannot_take():
     assert not paged_attention_cpu.available(torch.zeros(3, 4, 8, dtype=torch.bfloat16), cache, 4)
     assert not paged_attention_cpu.available(torch.zeros(3, 4, 8), cache.to(torch.float64), 4)
     assert not paged_attention_cpu.available(torch.zeros(3, 4, 8), cache.transpose(0, 1).contiguous().transpose(0, 1), 4)
-    assert not paged_attention_cpu.available(torch.zeros(3, 256, 8), torch.zeros(64, 2, 8), 64)  # 128 heads per kv head
-    with pytest.raises(ValueError, match="query heads per kv head"):
-        paged_attention_cpu.paged_decode_attention(torch.zeros(1, 256, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long),
-                                                   torch.ones(1, dtype=torch.long), 4, 1.0, torch.zeros(1, 256, 8))
+    assert not paged_attention_cpu.available(torch.zeros(3, 512, 8), torch.zeros(64, 2, 8), 64)  # 512 heads
+    assert not paged_attention_cpu.available(torch.zeros(3, 128, 8), torch.zeros(64, 2, 8), 256)  # 128 x 256 scores
+    with pytest.raises(ValueError, match="512 query heads over 2 kv heads"):
+        paged_attention_cpu.paged_decode_attention(torch.zeros(1, 512, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                                   torch.ones(1, dtype=torch.long), 4, 1.0, torch.zeros(1, 512, 8))
 
 
 def test_built_once_then_loaded_and_absent_without_a_compiler(tmp_path, monkeypatch):

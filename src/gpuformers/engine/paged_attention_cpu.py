@@ -10,7 +10,8 @@ Why a kernel of its own: torch has no ragged attention on the CPU, so the torch 
 thread fork dominate): 1.4-1.7 ms per layer for 32 decodes of <= 256 tokens, 30% of a compiled engine step at 100M
 parameters, where vLLM's CPU attention kernel takes 0.34 ms (benchmarks/bench_peer.py's workload, profiled). The
 keys and values are what must be read (~10 MB per layer there), which this kernel does once, in parallel over
-(sequence, kv head) pairs.
+sequences, each block of a sequence's cache (block_size consecutive slots of all kv heads) streamed front to back:
+memory order, which the hardware prefetches (a loop per kv head strode through 1 KB rows and ran 4x slower from DRAM).
 
 It is C, compiled on first use with the machine's C compiler (the one Inductor needs for the CPU anyway: `CC`, else
 gcc, cc or clang) with OpenMP, and cached by the hash of its source and flags under
@@ -45,79 +46,95 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* One (sequence, kv head) pair: its rep query rows against its keys first..len-1, read block by block through its
-   block table; online softmax per query row. q, out: (rep, d) rows of this pair; kc, vc: the layer caches
-   (slots, kvh, d). Each loop below is a plain loop over d or over the block's keys, which the compiler vectorizes
-   (the exponentials too, with -ffast-math). */
-static void attend_one(const float *restrict q, const float *restrict kc, const float *restrict vc,
-                       const int64_t *restrict table, int64_t len, int64_t first, int64_t kvh, int64_t h,
-                       int64_t d, int64_t rep, int64_t bs, float scale, float *restrict out,
-                       float *restrict acc, float *restrict scores) {
-    float m[64], l[64];  /* rep <= MAX_REP */
-    for (int64_t r = 0; r < rep; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
-    memset(acc, 0, sizeof(float) * rep * d);
-    const int64_t row = kvh * d;  /* floats from one slot to the next */
+#define MAX_HEADS 256
+
+/* One sequence: its heads' query rows against its keys first..len-1, read block by block through its block table,
+   each key slot's row (all kv heads, kvh * d floats, contiguous) once and in order, so a block (bs consecutive rows)
+   streams from memory front to back; online softmax per query head. q, out: (heads, d) rows of this sequence; kc,
+   vc: the layer caches (slots, kvh, d); query head h reads kv head h / rep. acc: (heads, d), scores: (heads, bs). */
+static inline __attribute__((always_inline)) void attend_sequence(const float *restrict q, const float *restrict kc, const float *restrict vc,
+                            const int64_t *restrict table, int64_t len, int64_t first, int64_t heads, int64_t kvh,
+                            int64_t d, int64_t bs, float scale, float *restrict out, float *restrict acc,
+                            float *restrict scores, float *restrict m, float *restrict l) {
+    const int64_t rep = heads / kvh, row = kvh * d;
+    int64_t kv_offset[MAX_HEADS];  /* query head h's kv head within a slot's row, without a division per key */
+    for (int64_t h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; kv_offset[h] = (h / rep) * d; }
+    memset(acc, 0, sizeof(float) * heads * d);
     for (int64_t start = first - first % bs; start < len; start += bs) {
         const int64_t lo = start < first ? first - start : 0;
         const int64_t n = (len - start < bs ? len - start : bs);
-        const float *restrict kb = kc + table[start / bs] * bs * row + h * d;
-        const float *restrict vb = vc + table[start / bs] * bs * row + h * d;
-        for (int64_t t = lo; t < n; t++) {  /* every query row against key t, the key read once */
-            const float *restrict k = kb + t * row;
-            for (int64_t r = 0; r < rep; r++) {
-                const float *restrict qr = q + r * d;
+        const float *restrict kb = kc + table[start / bs] * bs * row;
+        const float *restrict vb = vc + table[start / bs] * bs * row;
+        for (int64_t t = lo; t < n; t++) {
+            const float *restrict krow = kb + t * row;
+            for (int64_t h = 0; h < heads; h++) {
+                const float *restrict k = krow + kv_offset[h], *restrict qh = q + h * d;
                 float dot = 0.0f;
-                for (int64_t i = 0; i < d; i++) dot += qr[i] * k[i];
-                scores[r * bs + t] = dot * scale;
+                for (int64_t i = 0; i < d; i++) dot += qh[i] * k[i];
+                scores[h * bs + t] = dot * scale;
             }
         }
-        for (int64_t r = 0; r < rep; r++) {
-            float *restrict s = scores + r * bs;
-            float block_max = m[r];
+        for (int64_t h = 0; h < heads; h++) {
+            float *restrict s = scores + h * bs;
+            float block_max = m[h];
             for (int64_t t = lo; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
             float sum = 0.0f;
             for (int64_t t = lo; t < n; t++) { s[t] = expf(s[t] - block_max); sum += s[t]; }
-            const float correction = expf(m[r] - block_max);
-            float *restrict a = acc + r * d;
+            const float correction = expf(m[h] - block_max);
+            float *restrict a = acc + h * d;
             for (int64_t i = 0; i < d; i++) a[i] *= correction;
-            l[r] = l[r] * correction + sum;
-            m[r] = block_max;
+            l[h] = l[h] * correction + sum;
+            m[h] = block_max;
         }
-        for (int64_t t = lo; t < n; t++) {  /* every query row's weighted sum over value t, the value read once */
-            const float *restrict v = vb + t * row;
-            for (int64_t r = 0; r < rep; r++) {
-                const float p = scores[r * bs + t];
-                float *restrict a = acc + r * d;
+        for (int64_t t = lo; t < n; t++) {
+            const float *restrict vrow = vb + t * row;
+            for (int64_t h = 0; h < heads; h++) {
+                const float p = scores[h * bs + t];
+                const float *restrict v = vrow + kv_offset[h];
+                float *restrict a = acc + h * d;
                 for (int64_t i = 0; i < d; i++) a[i] += p * v[i];
             }
         }
     }
-    for (int64_t r = 0; r < rep; r++) {
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t i = 0; i < d; i++) out[r * d + i] = acc[r * d + i] * inv;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t i = 0; i < d; i++) out[h * d + i] = acc[h * d + i] * inv;
     }
 }
 
+#define ATTEND_WITH(name, D)                                                                                     \
+    static void name(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t len,          \
+                     int64_t first, int64_t heads, int64_t kvh, int64_t d, int64_t bs, float scale, float *out,     \
+                     float *acc, float *scores, float *m, float *l) {                                               \
+        attend_sequence(q, kc, vc, table, len, first, heads, kvh, D, bs, scale, out, acc, scores, m, l);         \
+    }
+ATTEND_WITH(attend_d64, 64)
+ATTEND_WITH(attend_d128, 128)
+ATTEND_WITH(attend_any, d)
+
 /* q, out: (nd, heads, d) contiguous; kc, vc: (slots, kvh, d) contiguous; block_tables: (>= nd, table_stride) int64;
    lens: (>= nd,) int64, the keys each row sees (this step's included); window: keys at positions >= len - window
-   only (0: all). Returns 0, or -1 when a pair's rows do not fit the per-thread buffers (see LIMITS). */
-#define MAX_REP 64
-#define MAX_ACC 4096     /* rep * d */
-#define MAX_SCORES 2048  /* rep * bs */
+   only (0: all). Returns 0, or -1 when a sequence's rows do not fit the per-thread buffers (LIMITS). */
+#define MAX_ACC 16384     /* heads * d */
+#define MAX_SCORES 16384  /* heads * bs */
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *block_tables,
                      int64_t table_stride, const int64_t *lens, int64_t nd, int64_t heads, int64_t kvh, int64_t d,
                      int64_t bs, float scale, int64_t window, float *out, int threads) {
-    const int64_t rep = heads / kvh;
-    if (rep > MAX_REP || rep * d > MAX_ACC || rep * bs > MAX_SCORES) return -1;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < nd * kvh; task++) {
-        float acc[MAX_ACC], scores[MAX_SCORES];
-        const int64_t i = task / kvh, h = task % kvh;
-        const int64_t len = lens[i];
-        const int64_t first = window > 0 && len > window ? len - window : 0;
-        const int64_t offset = (i * heads + h * rep) * d;
-        attend_one(q + offset, kc, vc, block_tables + i * table_stride, len, first, kvh, h, d, rep, bs, scale,
-                   out + offset, acc, scores);
+    if (heads > MAX_HEADS || heads * d > MAX_ACC || heads * bs > MAX_SCORES || heads % kvh) return -1;
+    /* head_dim 64 and 128 (most models) get copies of the loop with d a constant: unrolled, no remainder loops */
+    void (*attend)(const float *, const float *, const float *, const int64_t *, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, int64_t, float, float *, float *, float *, float *, float *) =
+        d == 64 ? attend_d64 : d == 128 ? attend_d128 : attend_any;
+    #pragma omp parallel num_threads(threads)
+    {
+        static __thread float acc[MAX_ACC], scores[MAX_SCORES], m[MAX_HEADS], l[MAX_HEADS];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < nd; i++) {
+            const int64_t len = lens[i];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            attend(q + i * heads * d, kc, vc, block_tables + i * table_stride, len, first, heads, kvh, d, bs, scale,
+                   out + i * heads * d, acc, scores, m, l);
+        }
     }
     return 0;
 }
@@ -184,18 +201,18 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-LIMITS = dict(rep=64, rep_times_head_dim=4096, rep_times_block_size=2048)  # the kernel's per-thread buffers
+LIMITS = dict(heads=256, heads_times_head_dim=16384, heads_times_block_size=16384)  # per-thread buffers
 
 
 def available(query: torch.Tensor, key_cache: torch.Tensor, block_size: int) -> bool:
     """Whether the kernel serves a layer's decodes: query (..., heads, head_dim) and the cache (slots, kv_heads,
-    head_dim) float32 on the CPU, the cache contiguous, the shapes within its buffers (LIMITS: query heads per kv
-    head, times head_dim, times block_size), and the kernel built."""
+    head_dim) float32 on the CPU, the cache contiguous, the shapes within its buffers (LIMITS: query heads, times
+    head_dim, times block_size), and the kernel built."""
     if query.device.type != "cpu" or query.dtype != torch.float32 or key_cache.dtype != torch.float32:
         return False
-    rep, head_dim = query.shape[-2] // key_cache.shape[1], key_cache.shape[2]
-    fits = (rep <= LIMITS["rep"] and rep * head_dim <= LIMITS["rep_times_head_dim"]
-            and rep * block_size <= LIMITS["rep_times_block_size"])
+    heads, head_dim = query.shape[-2], key_cache.shape[2]
+    fits = (heads <= LIMITS["heads"] and heads * head_dim <= LIMITS["heads_times_head_dim"]
+            and heads * block_size <= LIMITS["heads_times_block_size"] and heads % key_cache.shape[1] == 0)
     return fits and key_cache.is_contiguous() and _library() is not None
 
 
@@ -217,7 +234,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         block_tables.stride(0), context_lens.data_ptr(), nd, heads, kv_heads, head_dim, block_size, scale,
         sliding_window or 0, out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"the CPU paged-attention kernel cannot take {heads // kv_heads} query heads per kv head "
+        raise ValueError(f"the CPU paged-attention kernel cannot take {heads} query heads over {kv_heads} kv heads "
                          f"with head_dim {head_dim} and blocks of {block_size} (its limits: {LIMITS}; `available` "
                          f"says so beforehand); set {_DISABLE}=0 to use torch's SDPA")
     return out
