@@ -15,7 +15,8 @@ compile and profiling included), and the token agreement between the two (sequen
 --compile adds a third contender, ours with ContinuousBatchingConfig(compile=True) (engine/compiled_step.py); its
 warm-up request (an 8-token prompt, 4 new tokens) compiles the step's graph (dynamic in the step's tokens),
 so its start-up includes compiling. Inductor's on-disk cache is a fresh folder of this run: the first compiled run
-starts cold, later ones (--repeats) warm, reusing what the first compiled; each start-up is labelled so.
+starts cold, later ones (--repeats) warm, reusing what the first compiled; each start-up is labelled so. vLLM's
+compile caches (VLLM_CACHE_ROOT, its Inductor folder) are fresh folders of the run too: its first start is cold.
 
     python benchmarks/bench_peer.py --vllm-python /work/vllm-venv/bin/python --shape tiny
     python benchmarks/bench_peer.py --vllm-python ... --shape 100m --num-requests 32 --repeats 2
@@ -176,8 +177,14 @@ def main(argv=None) -> None:
             spec_files["ours-compiled"].write_text(json.dumps({**spec, "engine": {"compile": True}}))
         base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
         ours_env = {**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
-                    "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}  # empty: the first compile is cold
-        vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_TARGET_DEVICE": "cpu"}
+                    "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),  # empty: the first compile is cold
+                    "XDG_CACHE_HOME": str(Path(tmp) / "cache")}  # and the CPU attention kernel's first build
+        # vLLM keeps its compiled graphs under VLLM_CACHE_ROOT (~/.cache/vllm by default, so every run after a
+        # machine's first would start warm) and Inductor's under TORCHINDUCTOR_CACHE_DIR: fresh folders of this run,
+        # so its first start is cold as ours is, and later ones (--repeats) warm
+        vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_TARGET_DEVICE": "cpu",
+                    "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm_cache"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "vllm_inductor")}
         if not args.vllm_default:
             vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         vllm_config = "its defaults" if args.vllm_default else f"all {cores} cores computing"
@@ -185,7 +192,7 @@ def main(argv=None) -> None:
         print(f"shape {args.shape}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}], "
               f"{total} output tokens, float32, {cores} cores; vLLM with {vllm_config}, ours with "
               f"{args.threads} torch threads{' (eager and compiled)' if args.compile else ''}", flush=True)
-        runs, compiled_runs = [], 0
+        runs, starts = [], {"ours-compiled": 0, "vllm": 0}
         for repeat in range(args.repeats):
             pair = {}
             kinds = list(spec_files)
@@ -197,9 +204,9 @@ def main(argv=None) -> None:
                 assert tokens == total, f"{kind} produced {tokens} tokens, {total} were asked for"
                 pair[kind] = answer
                 start = ""
-                if kind == "ours-compiled":
-                    start = " (cold: compiling)" if compiled_runs == 0 else " (warm: Inductor's cache)"
-                    compiled_runs += 1
+                if kind in starts:  # the compiling contenders: cold in their first run, warm after
+                    start = " (cold: compiling)" if starts[kind] == 0 else " (warm: compile caches)"
+                    starts[kind] += 1
                 print(f"  run {repeat + 1} {kind:13s}: {total / answer['seconds']:8.1f} tok/s "
                       f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s{start}", flush=True)
             for kind in (k for k in kinds if k != "vllm"):
