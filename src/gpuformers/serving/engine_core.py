@@ -204,8 +204,11 @@ class EngineCore:
         the engine breaks or no API server is left (returns 1)."""
         import zmq
 
+        from gpuformers.serving.server import freeze_startup_heap
+
         for number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(number, self._on_signal)
+        freeze_startup_heap()  # the model and torch out of the collector's walks (its full ones cost the engine)
         self.manager.start()
         for index in range(self.count):
             self._start_server(index)
