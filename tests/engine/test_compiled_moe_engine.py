@@ -20,8 +20,15 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 @pytest.mark.slow
-def test_compiled_engine_serves_moe_like_generate():
+@pytest.mark.parametrize("gathered", [False, True], ids=["loop_as_op", "after_generate_compiled"])
+def test_compiled_engine_serves_moe_like_generate(gathered):
+    """gathered: the blocks carry generate()'s compiled-step run_experts (generation/compiled_step.py), which
+    gathers the experts for steps of few tokens: a second graph for the larger steps, the same tokens."""
+    from gpuformers.generation.compiled_step import install_gathered_experts, liftable
+
     model = tiny_model("qwen3_moe", **MOE)
+    if gathered:
+        install_gathered_experts(liftable(model))
     prompts = make_prompts(32)
     reference = greedy_reference(model, prompts)
     config = ContinuousBatchingConfig(block_size=8, num_blocks=10, max_batch_tokens=24, max_requests_per_batch=16,
@@ -37,8 +44,9 @@ def test_compiled_engine_serves_moe_like_generate():
     finally:
         torch._dynamo.reset()
     assert_matches_under_preemption(manager, outputs, prompts, reference, sharing=True)
-    # One graph for every step size: the expert loops (a graph break each, without the op) are inside it.
-    assert graphs == 1
+    # One graph for every step size: the expert loops (a graph break each, without the op) are inside it; with the
+    # gathered experts, one for steps of tokens * top_k <= experts and one for the others.
+    assert graphs == (2 if gathered else 1)
 
 
 def test_moe_compile_decision():

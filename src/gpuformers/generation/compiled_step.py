@@ -26,10 +26,11 @@ What freezing costs:
 On CUDA nothing is added: the CompileConfig's mode ("reduce-overhead": CUDA graphs) is what pays there.
 
 Mixture-of-experts blocks on the CPU: SparseMoeBlock's torch `run_experts` reads which experts got tokens on the
-host (`.tolist()`), which a graph cannot hold. For the duration of a step (`lifted_host_waits(liftable(model))`,
-installed on the block instances as kernels/cpu_linear.py's copies are, and taken away after, so eager forwards,
-training and the engine never see it) the compiled step replaces each block's `run_experts`, decided by shape while
-Dynamo traces (static shapes: one decision per graph):
+host (`.tolist()`), which a graph cannot hold. The compiled step gives each such block a run_experts of its own
+(`install_gathered_experts`, once: installed and removed around each step, it changed the blocks' __dict__ at every
+step, which defeats Dynamo's dict-tag guard shortcut: its guard check took 1.2-2.4 ms per step against 0.9-1.3 ms,
+three alternated runs each at load ~3; the rest of that check is the ~270 parameters' guards). Outside a compiled graph, or with grad, it is the block's own; inside a
+compiled inference graph it is decided by shape while Dynamo traces:
 
 - few assignments (tokens * top_k <= experts, batch-1 decoding) and gated experts of plain nn.Linear layers: the
   experts gathered, no host sync. The expert weights stacked in the graph, (experts, 2 * intermediate, hidden) and
@@ -46,9 +47,12 @@ Dynamo traces (static shapes: one decision per graph):
   runs as one opaque op (layers/moe.py's `gpuformers::experts_outside_graph`: the loop called eagerly, its output
   shaped like its input), so the rest of the layer stays in one graph and the host wait happens inside the op.
 
-Numbers: the same as eager in float32 up to the matmuls' summation order (tokens equal in the tests).
+Numbers: the same as eager in float32 up to the matmuls' summation order (tokens equal in the tests). The
+installed run_experts stays on the blocks: a later torch.compile of the same model (the engine's compiled decoder)
+gathers too, with a second graph for steps of more assignments than experts.
 
-Offers: CompiledStep, CPU_INDUCTOR_SETTINGS, DYNAMO_SETTINGS, liftable, lifted_host_waits.
+Offers: CompiledStep, CPU_INDUCTOR_SETTINGS, DYNAMO_SETTINGS, liftable, lifted_host_waits,
+install_gathered_experts.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class CompiledStep:
         self.freezes = device.type == "cpu" and options.backend == "inductor"
         self.weights = _weights_state(model) if self.freezes else None
         self.code = model.forward.__func__.__code__
-        self.lifted = liftable(model)  # (MoE blocks, CPU only: their experts without a host wait, module docstring)
+        install_gathered_experts(liftable(model))  # (MoE blocks, CPU only: module docstring)
 
     def still_valid(self, model: nn.Module) -> bool:
         """Whether the compiled step still computes with the model's weights (always, without freezing). When not,
@@ -100,21 +104,16 @@ class CompiledStep:
         return False
 
     def __call__(self, **inputs):
-        with lifted_host_waits(self.lifted), torch._dynamo.config.patch(DYNAMO_SETTINGS):
+        with torch._dynamo.config.patch(DYNAMO_SETTINGS):
             if not self.freezes:
                 return self.function(**inputs)
             with torch._inductor.config.patch(CPU_INDUCTOR_SETTINGS):
                 return self.function(**inputs)
 
 
-# The run_experts installed on each block, made once so that the instance's attribute is the same object at every
-# step (Dynamo guards on it).
-_LIFTED_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (they go with their model)
-
-
 def liftable(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose run_experts a compiled step replaces: on the CPU, the host-waiting SparseMoeBlocks;
-    elsewhere none."""
+    """The blocks whose expert loop a compiled step holds without a host wait: on the CPU, the host-waiting
+    SparseMoeBlocks; elsewhere none."""
     if model.get_input_embeddings().weight.device.type != "cpu":
         return []
     names = set(host_syncing_modules(model))
@@ -123,44 +122,48 @@ def liftable(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def lifted_host_waits(modules: list[nn.Module]):
-    """While the block runs, `modules` (liftable's) run their experts without a host wait (module docstring)."""
+    """While inside, `modules` (liftable's) do not count as waiting on the host (host_syncing_modules): what
+    supports_compiled_decode answers for a compiled step, which holds their expert loop (module docstring)."""
     for module in modules:
-        run_experts = _LIFTED_EXPERTS.get(module)
-        if run_experts is None:
-            register_outside_graph(module)  # (a subclass that skipped SparseMoeBlock.__init__)
-            function = _gathered_or_outside if _gatherable(module) else type(module).run_experts
-            run_experts = _LIFTED_EXPERTS[module] = types.MethodType(function, module)
-        module.run_experts = run_experts
+        register_outside_graph(module)  # (a subclass that skipped SparseMoeBlock.__init__)
+        module.syncs_host = False
     try:
         yield
     finally:
         for module in modules:
-            module.__dict__.pop("run_experts", None)
+            module.__dict__.pop("syncs_host", None)
+
+
+def install_gathered_experts(modules: list[nn.Module]) -> None:
+    """Give each block (liftable's) the step's run_experts, once and for good: it is the block's own outside a
+    compiled graph and with grad, so eager forwards and training see no change (installed per step, it slowed
+    Dynamo's guard check: module docstring)."""
+    for module in modules:
+        register_outside_graph(module)
+        if "run_experts" not in module.__dict__:
+            module.run_experts = types.MethodType(_step_experts, module)
 
 
 def _gatherable(block: nn.Module) -> bool:
-    """Whether every expert is a GatedMLP of plain nn.Linear layers without bias, of one shape and dtype."""
-    def plain(linear):
-        return type(linear) is nn.Linear and linear.bias is None and type(linear.weight.data) is torch.Tensor
-
-    experts = list(block.experts)
-    if not experts or any(type(e) is not GatedMLP or "forward" in e.__dict__ for e in experts):
-        return False
-    linears = [getattr(e, name) for e in experts for name in ("gate_proj", "up_proj", "down_proj")]
-    first = experts[0]
-    shapes = (first.gate_proj.weight.shape, first.up_proj.weight.shape, first.down_proj.weight.shape)
-    return (all(plain(m) for m in linears) and len({m.weight.dtype for m in linears}) == 1
-            and shapes[0] == shapes[1] == shapes[2][::-1]
-            and all((e.gate_proj.weight.shape, e.up_proj.weight.shape, e.down_proj.weight.shape) == shapes
-                    for e in experts))
+    """Whether every expert is a GatedMLP of plain nn.Linear layers without bias (types only: it runs while Dynamo
+    traces, which guards on them)."""
+    return all(type(e) is GatedMLP and "forward" not in e.__dict__
+               and all(type(m) is nn.Linear and m.bias is None for m in (e.gate_proj, e.up_proj, e.down_proj))
+               for e in block.experts)
 
 
-def _gathered_or_outside(block: nn.Module, x: torch.Tensor, weights: torch.Tensor,
-                         experts: torch.Tensor) -> torch.Tensor:
-    """run_experts for a step: gathered when tokens * top_k <= experts, else outside the graph (module docstring).
-    x (tokens, hidden), weights / experts (tokens, top_k) -> (tokens, hidden)."""
-    if experts.numel() > len(block.experts):
-        return type(block).run_experts(block, x, weights, experts)  # (under compile: the op)
+def _step_experts(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The installed run_experts: gathered inside a compiled inference graph when tokens * top_k <= experts and the
+    experts allow it, else the block's own (under compile: its loop as one op)."""
+    if (torch.compiler.is_compiling() and not torch.is_grad_enabled() and experts.numel() <= len(block.experts)
+            and _gatherable(block)):
+        return _gathered_experts(block, x, weights, experts)
+    return type(block).run_experts(block, x, weights, experts)
+
+
+def _gathered_experts(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The experts gathered, no host sync (module docstring): x (tokens, hidden), weights / experts (tokens, top_k)
+    -> (tokens, hidden)."""
     tokens, top_k = experts.shape
     # (experts, 2 * intermediate, hidden) and (experts, hidden, intermediate): constants folded by freezing
     w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in block.experts])

@@ -70,12 +70,12 @@ class TopKRouter(nn.Module):
 
 def host_syncing_modules(model: nn.Module) -> list[str]:
     """Names of the modules whose forward waits on the host (class attribute `syncs_host`, as SparseMoeBlock's torch
-    forward reads which experts got tokens; neither forward replaced on the instance by a kernel nor run_experts by
-    a compiled step, generation/compiled_step.py): neither a CUDA graph (engine/cuda_graphs.py) nor a compiled
-    decode step (supports_compiled_decode) can hold them."""
+    forward reads which experts got tokens; forward not replaced on the instance by a kernel, syncs_host not set
+    False on the instance, as generation/compiled_step.py's lifted_host_waits does): neither a CUDA graph
+    (engine/cuda_graphs.py) nor a compiled decode step (supports_compiled_decode) can hold them."""
     return [name for name, module in model.named_modules()
-            if getattr(type(module), "syncs_host", False) and "forward" not in module.__dict__
-            and "run_experts" not in module.__dict__]
+            if module.__dict__.get("syncs_host", getattr(type(module), "syncs_host", False))
+            and "forward" not in module.__dict__]
 
 
 class SparseMoeBlock(nn.Module):
