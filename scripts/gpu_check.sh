@@ -3,7 +3,7 @@
 # written under $OUT. Run from the repository root of a checkout where torch, triton, transformers, peft and
 # safetensors are already installed; it never installs anything and needs no network.
 #
-#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~17 minutes)
+#   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh              # every step (up to ~20 minutes)
 #   OUT=/tmp/gpu-results PYTHONPATH=src scripts/gpu_check.sh tests kernels  # only the steps named
 # A device call lasts at most 10 minutes and a session gets about 15 minutes of device time in all, start-up (a few
 # minutes) included, so every step cannot run in one session. In order of what they prove: `tests compiled engine`
@@ -25,6 +25,8 @@
 #   serving   benchmarks/bench_serving.py --gpu, 64 then 256 clients (60 + 80)  bench_serving_64.txt, _256.txt
 #   quant     benchmarks/bench_quant.py on cuda, bf16, --big       (120)  bench_quant.txt
 #             (bitsandbytes rows only where the package is installed)
+#   peer      benchmarks/bench_peer.py --device cuda, bf16, 100m, --compile (180)  bench_peer.txt + .json
+#             (issue 30: the compiled engine against the eager one, start-up cold; vLLM only where installed)
 # env.txt records the GPU, driver and versions first. A step that runs out of time exits 124 and the next one runs.
 # Exit status: 0 when every step passed, else the first failing step's status.
 set -uo pipefail
@@ -38,7 +40,7 @@ unset TRITON_INTERPRET  # real kernels on the GPU, never the interpreter
 export PYTHONDONTWRITEBYTECODE=1 TQDM_DISABLE=1
 
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests compiled kernels generate engine load serving quant)
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests compiled kernels generate engine load serving quant peer)
 
 {
     date -u
@@ -107,7 +109,10 @@ for step in "${steps[@]}"; do
                 python benchmarks/bench_serving.py --gpu --clients 256 --rounds 2 ;;
         quant) run_step quant 120 bench_quant.txt \
             python benchmarks/bench_quant.py --device cuda --dtype bfloat16 --big --repeats 2 ;;
-        *) echo "unknown step ${step}; steps: tests compiled kernels generate engine load serving quant" >&2; exit 2 ;;
+        peer) run_step peer 180 bench_peer.txt python benchmarks/bench_peer.py --device cuda --dtype bfloat16 \
+            --shape 100m --num-requests 64 --compile --json "${OUT}/bench_peer.json" ;;
+        *) echo "unknown step ${step}; steps: tests compiled kernels generate engine load serving quant peer" >&2
+           exit 2 ;;
     esac
 done
 
