@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from gpuformers.engine import paged_attention_cpu
 from gpuformers.engine.config import ContinuousBatchingConfig
+from gpuformers.kernels import cpu_c
 from tests.engine.test_engine import assert_matches_under_preemption, qwen3, run_staggered  # noqa: F401 (qwen3: the fixture)
 
-pytestmark = pytest.mark.skipif(paged_attention_cpu._compiler() is None, reason="needs a C compiler")
+pytestmark = pytest.mark.skipif(cpu_c.compiler() is None, reason="needs a C compiler")
 
 
 def _reference(query, k_cache, v_cache, tables, lens, block_size, scale, window):
@@ -80,16 +81,20 @@ def test_built_once_then_loaded_and_absent_without_a_compiler(tmp_path, monkeypa
     paged_attention_cpu._library.cache_clear()
     try:
         assert paged_attention_cpu._library() is not None
-        built = list((tmp_path / "gpuformers" / "cpu_kernels").glob("*.so"))
+        built = list((tmp_path / "gpuformers" / "cpu_kernels").glob("paged_decode_*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
         paged_attention_cpu._library.cache_clear()
         assert paged_attention_cpu._library() is not None
         assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
         paged_attention_cpu._library.cache_clear()
-        monkeypatch.setattr(paged_attention_cpu, "_compiler", lambda: None)
+        monkeypatch.setattr(cpu_c, "compiler", lambda: None)
         assert paged_attention_cpu._library() is None
         assert not paged_attention_cpu.available(torch.zeros(1, 4, 8), torch.zeros(8, 2, 8), 4)
+        paged_attention_cpu._library.cache_clear()
+        monkeypatch.undo()
+        monkeypatch.setenv(cpu_c.DISABLE, "0")  # the switch that turns every C kernel off
+        assert paged_attention_cpu._library() is None
     finally:
         paged_attention_cpu._library.cache_clear()
 

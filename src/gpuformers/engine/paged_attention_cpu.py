@@ -13,13 +13,11 @@ keys and values are what must be read (~10 MB per layer there), which this kerne
 sequences, each block of a sequence's cache (block_size consecutive slots of all kv heads) streamed front to back:
 memory order, which the hardware prefetches (a loop per kv head strode through 1 KB rows and ran 4x slower from DRAM).
 
-It is C, compiled on first use with the machine's C compiler (the one Inductor needs for the CPU anyway: `CC`, else
-gcc, cc or clang) with OpenMP, and cached by the hash of its source and flags under
-$XDG_CACHE_HOME/gpuformers/cpu_kernels (~0.5 s once per machine). The library links the OpenMP runtime by its
-soname, so it runs on the runtime torch has already loaded (one thread pool, torch's thread count). Without a
-compiler, or if the build fails, `available()` is False (the reason logged once) and the engine keeps the SDPA loop.
-float32 only; each query head's output is the softmax over its row's keys (GQA: query head h reads kv head
-h // (heads / kv_heads)), with online softmax over blocks of keys. Parity with SDPA: tests/engine/test_paged_attention_cpu.py.
+It is C, built on first use and cached by kernels/cpu_c.py (the machine's C compiler, OpenMP on torch's runtime
+and thread count). Without a compiler, or if the build fails, `available()` is False and the engine keeps the SDPA
+loop. float32 only; each query head's output is the softmax over its row's keys (GQA: query head h reads kv head
+h // (heads / kv_heads)), with online softmax over blocks of keys. Parity with SDPA:
+tests/engine/test_paged_attention_cpu.py.
 
 Offers: available, paged_decode_attention, LIMITS, SOURCE.
 """
@@ -28,18 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from gpuformers.kernels import cpu_c
 
 SOURCE = r"""
 #include <math.h>
@@ -140,65 +130,12 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-_DISABLE = "GPUFORMERS_CPU_ATTENTION_KERNEL"  # "0": keep the SDPA loop
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gpuformers" / "cpu_kernels"
-
-
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per machine (cached by its source's hash); None, with the reason logged,
-    where it cannot be built."""
-    if os.environ.get(_DISABLE) == "0":
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("no C compiler found (CC, gcc, cc, clang): paged attention's CPU decodes use torch's SDPA per "
-                    "sequence")
-        return None
-    # -march=native: the build is for this CPU, so its flags are part of the key (a home folder shared by machines)
-    digest = hashlib.sha256((SOURCE + " ".join(_FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{digest}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                source = Path(tmp) / "paged_decode.c"
-                source.write_text(SOURCE)
-                built = Path(tmp) / target.name
-                subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(built, target)  # atomic: another process building the same file loses nothing
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", "") or error
-            logger.warning("could not build the CPU paged-attention kernel with %s (%s): the CPU decodes use torch's "
-                           "SDPA per sequence", compiler, str(detail).strip()[-500:])
-            return None
-    library = ctypes.CDLL(str(target))
-    function = library.paged_decode_f32
-    function.restype = ctypes.c_int
+    """The compiled kernel (kernels/cpu_c.py builds and caches it); None where it cannot be built."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, ctypes.c_int]
-    return library
+    return cpu_c.build("paged_decode", SOURCE, {"paged_decode_f32": (
+        ctypes.c_int, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, ctypes.c_int])})
 
 
 LIMITS = dict(heads=256, heads_times_head_dim=16384, heads_times_block_size=16384)  # per-thread buffers
@@ -236,5 +173,5 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if status != 0:
         raise ValueError(f"the CPU paged-attention kernel cannot take {heads} query heads over {kv_heads} kv heads "
                          f"with head_dim {head_dim} and blocks of {block_size} (its limits: {LIMITS}; `available` "
-                         f"says so beforehand); set {_DISABLE}=0 to use torch's SDPA")
+                         f"says so beforehand); set {cpu_c.DISABLE}=0 to use torch's SDPA")
     return out
