@@ -104,13 +104,40 @@ def test_engine_tokens_equal_generate_with_and_without_the_kernel(qwen3, kernel,
     model, prompts, reference = qwen3
     if not kernel:  # the path of a machine without a C compiler
         monkeypatch.setattr(paged_attention_cpu, "available", lambda *args: False)
-    calls = []
-    original = paged_attention_cpu.paged_decode_attention
+        monkeypatch.setattr(paged_attention_cpu, "write_kv", lambda *args: False)
+    calls, writes = [], []
+    original, original_write = paged_attention_cpu.paged_decode_attention, paged_attention_cpu.write_kv
     monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention",
                         lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    monkeypatch.setattr(paged_attention_cpu, "write_kv", lambda *args: writes.append(original_write(*args)) or writes[-1])
     # 12 blocks of 8 for 64 requests of up to 77 tokens: preemption, chunked prefills, shared prefixes
     config = ContinuousBatchingConfig(block_size=8, num_blocks=12, max_batch_tokens=24, max_requests_per_batch=16)
     manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
     outputs = run_staggered(manager, prompts)
     assert_matches_under_preemption(manager, outputs, prompts, reference, sharing=True)
     assert bool(calls) == kernel
+    assert all(writes) == kernel and writes  # the eager layers' keys and values rows are contiguous: the C copy
+
+
+def test_kv_write_puts_each_row_in_its_slot_and_checks_the_slots():
+    torch.manual_seed(0)
+    key_cache, value_cache = torch.zeros(40, 2, 8), torch.zeros(40, 2, 8)
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    assert paged_attention_cpu.write_kv(key, value, key_cache, value_cache, slots)
+    expected_k, expected_v = torch.zeros(40, 2, 8), torch.zeros(40, 2, 8)
+    expected_k.index_copy_(0, slots, key)
+    expected_v.index_copy_(0, slots, value)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    with pytest.raises(IndexError, match="outside the cache's 40 slots"):
+        paged_attention_cpu.write_kv(key, value, key_cache, value_cache, torch.tensor([1, 2, 3, 40, 4]))
+    assert torch.equal(key_cache, expected_k)  # nothing written
+    # a view into a fused projection's output (each token's row contiguous, rows apart): written
+    fused = torch.randn(5, 3, 2, 8)
+    assert paged_attention_cpu.write_kv(fused[:, 1], fused[:, 2], key_cache, value_cache, slots)
+    assert torch.equal(key_cache[slots], fused[:, 1]) and torch.equal(value_cache[slots], fused[:, 2])
+    # declined (the caller's index_copy_ runs): a transposed key, another dtype
+    assert not paged_attention_cpu.write_kv(key.transpose(1, 2).contiguous().transpose(1, 2), value, key_cache,
+                                            value_cache, slots)
+    assert not paged_attention_cpu.write_kv(key.double(), value.double(), key_cache.double(), value_cache.double(),
+                                            slots)

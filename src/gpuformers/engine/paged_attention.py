@@ -113,8 +113,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor) -> None:
     """key, value (1, kv_heads, total_tokens, head_dim) into the layer caches (slots, kv_heads, head_dim) at
     slot_mapping (total_tokens,)."""
-    key_cache.index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (total_tokens, kv_heads, head_dim)
+    if not key.is_cuda and paged_attention_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping):
+        return  # float32 on the CPU, rows contiguous: one C call for both caches
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def _gather_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

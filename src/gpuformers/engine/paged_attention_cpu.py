@@ -2,6 +2,7 @@
 row's keys read in place through its block table (no gathered copy, no padding), as the Triton decode kernel does on
 a GPU.
 
+    write_kv(key, value (total, kv_heads, head_dim), key_cache, value_cache, slot_mapping)   the step's new rows
     paged_decode_attention(query (nd, heads, head_dim), key_cache, value_cache (slots, kv_heads, head_dim),
                            block_tables (>= nd, max_blocks), context_lens (>= nd,), block_size, scale, out (nd, heads, head_dim))
 
@@ -19,7 +20,7 @@ loop. float32 only; each query head's output is the softmax over its row's keys 
 h // (heads / kv_heads)), with online softmax over blocks of keys. Parity with SDPA:
 tests/engine/test_paged_attention_cpu.py.
 
-Offers: available, paged_decode_attention, LIMITS, SOURCE.
+Offers: available, paged_decode_attention, write_kv, LIMITS, SOURCE.
 """
 
 from __future__ import annotations
@@ -128,14 +129,29 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     }
     return 0;
 }
+
+/* The step's new keys and values into their cache slots: token t's row of kvh * d floats at k + t * k_stride
+   (v + t * v_stride: a view into a fused projection's output), slots (total,) each in [0, num_slots) (else -1 and
+   nothing written). */
+int paged_write_f32(const float *k, const float *v, float *kc, float *vc, const int64_t *slots, int64_t total,
+                    int64_t row, int64_t k_stride, int64_t v_stride, int64_t num_slots) {
+    for (int64_t t = 0; t < total; t++) if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < total; t++) {
+        memcpy(kc + slots[t] * row, k + t * k_stride, sizeof(float) * row);
+        memcpy(vc + slots[t] * row, v + t * v_stride, sizeof(float) * row);
+    }
+    return 0;
+}
 """
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel (kernels/cpu_c.py builds and caches it); None where it cannot be built."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return cpu_c.build("paged_decode", SOURCE, {"paged_decode_f32": (
-        ctypes.c_int, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, ctypes.c_int])})
+    return cpu_c.build("paged_decode", SOURCE, {
+        "paged_decode_f32": (ctypes.c_int, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p,
+                                            ctypes.c_int]),
+        "paged_write_f32": (ctypes.c_int, [p, p, p, p, p, i64, i64, i64, i64, i64])})
 
 
 LIMITS = dict(heads=256, heads_times_head_dim=16384, heads_times_block_size=16384)  # per-thread buffers
@@ -175,3 +191,31 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                          f"with head_dim {head_dim} and blocks of {block_size} (its limits: {LIMITS}; `available` "
                          f"says so beforehand); set {cpu_c.DISABLE}=0 to use torch's SDPA")
     return out
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """key, value (total, kv_heads, head_dim) into the caches (slots, kv_heads, head_dim) at slot_mapping (total,)
+    int64, one row copy each: True, or False (nothing written) where the kernel does not serve these tensors
+    (float32 CPU tensors, each token's (kv_heads, head_dim) contiguous, the caches contiguous; the caller's
+    index_copy_ runs instead, ~40 us per call against ~5 here, twice per layer and step)."""
+    if not (key.dtype == value.dtype == key_cache.dtype == torch.float32 and key.device.type == "cpu"
+            and _rows_contiguous(key) and _rows_contiguous(value) and key_cache.is_contiguous()
+            and value_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and _library() is not None):
+        return False
+    if key.shape[1:] != key_cache.shape[1:] or value.shape != key.shape or value_cache.shape != key_cache.shape:
+        raise ValueError(f"keys {tuple(key.shape)} / values {tuple(value.shape)} do not fit the cache rows "
+                         f"{tuple(key_cache.shape[1:])}")
+    status = _library().paged_write_f32(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
+                                        value_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                                        key.shape[1] * key.shape[2], key.stride(0), value.stride(0),
+                                        key_cache.shape[0])
+    if status != 0:
+        raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's {key_cache.shape[0]} slots")
+    return True
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """(total, kv_heads, head_dim) whose every token's (kv_heads, head_dim) block is one run of floats."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
