@@ -3,8 +3,9 @@ eager generate, for several families on the same tiny shape, in one run.
 
 The claim (issue 30): on the tiny shape, where per-token overhead dominates, our decode through the compiled step
 (`cache_implementation="static"` with a `compile_config`: on the CPU, Inductor with weight freezing and
-concatenated sibling matmuls, generation/compiled_step.py) is at least 2x transformers' eager decode, for llama,
-qwen3, gemma2 and a mixture-of-experts family (qwen3_moe).
+concatenated sibling matmuls, and for qwen3_moe each token's experts gathered inside the graph,
+generation/compiled_step.py) is at least 2x transformers' eager decode, for llama, qwen3, gemma2 and a
+mixture-of-experts family (qwen3_moe).
 
 Both libraries run the same random weights (ours loads transformers' state dict), the same prompt and thread count.
 Decode speed is the difference of two generate() calls, N new tokens and 1 new token, so the prefill cancels out:

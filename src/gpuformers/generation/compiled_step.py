@@ -155,8 +155,9 @@ def _gatherable(block: nn.Module) -> bool:
 def _step_experts(block: nn.Module, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """The installed run_experts: gathered inside a compiled inference graph when tokens * top_k <= experts and the
     experts allow it, else the block's own (under compile: its loop as one op)."""
-    if (torch.compiler.is_compiling() and not torch.is_grad_enabled() and experts.numel() <= len(block.experts)
-            and _gatherable(block)):
+    # (the CPU only: elsewhere no freezing folds the stacked weights, which would be copied at every step)
+    if (torch.compiler.is_compiling() and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and experts.numel() <= len(block.experts) and _gatherable(block)):
         return _gathered_experts(block, x, weights, experts)
     return type(block).run_experts(block, x, weights, experts)
 
