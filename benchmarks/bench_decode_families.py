@@ -7,11 +7,11 @@ concatenated sibling matmuls, and for qwen3_moe each token's experts gathered in
 generation/compiled_step.py) is at least 2x transformers' eager decode, for llama, qwen3, gemma2 and a
 mixture-of-experts family (qwen3_moe).
 
-Both libraries run the same random weights (ours loads transformers' state dict), the same prompt and thread count.
-Decode speed is the difference of two generate() calls, N new tokens and 1 new token, so the prefill cancels out:
+Both libraries run the same random weights (ours loads the checkpoint transformers saves), the same prompt and
+thread count. Decode speed is the difference of two generate() calls, N new tokens and 1 new token, so the prefill cancels out:
 tokens/s = (N - 1) / (t_N - t_1). Every configuration runs `--repeats` times, interleaved, and the best time
 counts (other processes only ever add time). eos is off. The compiled step's first call (compiling) is reported
-apart. Each model's compiled tokens are checked against its eager tokens.
+apart. Each model's compiled tokens are checked against its eager tokens and transformers'.
 
     python benchmarks/bench_decode_families.py --threads 1
     python benchmarks/bench_decode_families.py --threads 1 --families llama qwen3_moe --repeats 5
@@ -39,20 +39,22 @@ FAMILIES = {
 
 
 def build(family: str):
-    """A random transformers model of the family and ours loaded from its state dict."""
+    """A random transformers model of the family and ours loaded from its saved checkpoint by our loader (which maps
+    transformers' fused expert tensors, mlp.experts.gate_up_proj / down_proj, onto our per-expert layers: loading its
+    state dict directly left qwen3_moe's experts at their random init)."""
+    import tempfile
+
     import transformers
 
-    from gpuformers.models.config import ModelConfig
-    from gpuformers.models.registry import model_class_for
+    from gpuformers import AutoModelForCausalLM
 
     hf_config = transformers.AutoConfig.for_model(family, **TINY, **FAMILIES[family], bos_token_id=1,
                                                   eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-    config = ModelConfig.from_dict(hf_config.to_dict())
-    ours = model_class_for(config)(config)
-    ours.load_state_dict(hf.state_dict(), strict=False)
-    ours.tie_weights()
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, progress=False)
     return hf, ours.eval()
 
 
@@ -84,6 +86,7 @@ def bench_family(family: str, args) -> dict[str, float]:
     compiled = variants["ours compiled"](prompt, n)
     first = time.perf_counter() - start
     same = torch.equal(compiled, variants["ours eager"](prompt, n))
+    same_as_transformers = torch.equal(compiled, variants["transformers"](prompt, n))
     for generate in variants.values():  # warm up
         timed(generate, prompt, 4)
     times = {key: {1: [], n: []} for key in variants}
@@ -94,8 +97,8 @@ def bench_family(family: str, args) -> dict[str, float]:
     speed = {key: (n - 1) / (min(times[key][n]) - min(times[key][1])) for key in variants}
     base = speed["transformers"]
     print(f"{family}: " + ", ".join(f"{k} {v:.1f} tok/s ({v / base:.2f}x)" for k, v in speed.items())
-          + f"; compiled first call {first:.1f} s, tokens {'same as eager' if same else 'DIFFER from eager'}",
-          flush=True)
+          + f"; compiled first call {first:.1f} s, tokens {'same as eager' if same else 'DIFFER from eager'}"
+          + f", {'same as' if same_as_transformers else 'DIFFER from'} transformers'", flush=True)
     return speed
 
 
