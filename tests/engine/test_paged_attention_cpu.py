@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuformers.engine import paged_attention_cpu
+from gpuformers.engine import paged_attention as paged_attention_module, paged_attention_cpu
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.kernels import cpu_c
 from tests.engine.test_engine import assert_matches_under_preemption, qwen3, run_staggered  # noqa: F401 (qwen3: the fixture)
@@ -105,6 +105,9 @@ def test_engine_tokens_equal_generate_with_and_without_the_kernel(qwen3, kernel,
     if not kernel:  # the path of a machine without a C compiler
         monkeypatch.setattr(paged_attention_cpu, "available", lambda *args: False)
         monkeypatch.setattr(paged_attention_cpu, "write_kv", lambda *args: False)
+    else:  # every decode goes to the kernel: the SDPA loop never runs
+        monkeypatch.setattr(paged_attention_module, "_cpu_decodes",
+                            lambda *args: pytest.fail("the SDPA loop ran where the kernel serves"))
     calls, writes = [], []
     original, original_write = paged_attention_cpu.paged_decode_attention, paged_attention_cpu.write_kv
     monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention",

@@ -253,12 +253,13 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     # gather of all real keys, then SDPA on slices 14-18 ms (the keys are out of cache when read); block-by-block
     # matmuls on the cache in place, no copy, 14 ms (two ops per block instead of two per sequence).
     batched = nd if _batch_decodes(query, ctx) else 0
-    if not batched and nd and base is sdpa_attention and paged_attention_cpu.available(query, key, ctx.block_size):
+    decode_queries = query[0, :, :nd].transpose(0, 1)  # (nd, heads, head_dim)
+    if (not batched and nd and base is sdpa_attention
+            and paged_attention_cpu.available(decode_queries, key, ctx.block_size)):
         # The CPU decode kernel: every decode in one call, keys read in place through the block tables
         # (engine/paged_attention_cpu.py; 2.3x the loop below at 32 decodes of <= 256 tokens, one thread)
-        paged_attention_cpu.paged_decode_attention(query[0, :, :nd].transpose(0, 1), key, value, ctx.block_tables,
-                                                   ctx.context_lens, ctx.block_size, scaling, out[:nd],
-                                                   sliding_window)
+        paged_attention_cpu.paged_decode_attention(decode_queries, key, value, ctx.block_tables, ctx.context_lens,
+                                                   ctx.block_size, scaling, out[:nd], sliding_window)
         batched = nd  # the loop below does the prefill chunks only
     elif not batched and nd and base is sdpa_attention and sliding_window is None:
         out[:nd] = _cpu_decodes(ctx, query, key, value, scaling)  # no C compiler: SDPA per sequence

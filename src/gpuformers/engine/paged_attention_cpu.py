@@ -158,12 +158,14 @@ LIMITS = dict(heads=256, heads_times_head_dim=16384, heads_times_block_size=1638
 
 
 def available(query: torch.Tensor, key_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether the kernel serves a layer's decodes: query (..., heads, head_dim) and the cache (slots, kv_heads,
+    """Whether the kernel serves a layer's decodes: query (nd, heads, head_dim) and the cache (slots, kv_heads,
     head_dim) float32 on the CPU, the cache contiguous, the shapes within its buffers (LIMITS: query heads, times
     head_dim, times block_size), and the kernel built."""
     if query.device.type != "cpu" or query.dtype != torch.float32 or key_cache.dtype != torch.float32:
         return False
-    heads, head_dim = query.shape[-2], key_cache.shape[2]
+    if query.dim() != 3:
+        raise ValueError(f"available() takes the decodes' queries as (decodes, heads, head_dim), not {tuple(query.shape)}")
+    heads, head_dim = query.shape[1], key_cache.shape[2]
     fits = (heads <= LIMITS["heads"] and heads * head_dim <= LIMITS["heads_times_head_dim"]
             and heads * block_size <= LIMITS["heads_times_block_size"] and heads % key_cache.shape[1] == 0)
     return fits and key_cache.is_contiguous() and _library() is not None
