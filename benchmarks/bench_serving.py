@@ -88,6 +88,8 @@ def start_server(model: Path, port: int, args, *extra: str) -> subprocess.Popen:
                "--dtype", args.dtype, *extra]
     if args.num_blocks:
         command += ["--num-blocks", str(args.num_blocks)]
+    if getattr(args, "compile", False):
+        command += ["--compile"]
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -187,6 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the server (CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with the compiled engine (serve --compile; with --compare the engine alone too)")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="the load test's server with its front end in this many API server processes (1: in the "
                              "engine's process)")

@@ -78,7 +78,8 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None) -> float:
+def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None,
+                 compile: bool = False) -> float:
     """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up."""
     import torch
 
@@ -88,7 +89,7 @@ def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blo
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = AutoModelForCausalLM.from_pretrained(model_dir, progress=False)
     manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
-        num_blocks=num_blocks, max_memory_percent=0.9))
+        num_blocks=num_blocks, max_memory_percent=0.9, compile=compile or None))
     manager.runner.reserve_cache()
     for prompt, tokens in requests[:16]:  # warm-up
         manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
@@ -208,7 +209,7 @@ def compare(args, bench) -> None:
             vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
             requests = [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
                          rng.randint(*output_len)) for _ in range(clients)]
-            alone = engine_alone(model, requests, args.num_blocks)
+            alone = engine_alone(model, requests, args.num_blocks, args.compile)
             print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone)}), flush=True)
             for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
                 row = measure(bench, model, args, clients, count, requests, tmp)
