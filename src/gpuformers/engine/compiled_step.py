@@ -79,8 +79,9 @@ def _why_not(model: nn.Module, has_states: bool) -> str:
     # The torch MoE block reads its routing on the host; under torch.compile its expert loop runs as one opaque op
     # (layers/moe.py), which on the CPU costs nothing more. On CUDA the op's wait would stall every step and a CUDA
     # graph cannot hold it, so models with one stay eager there.
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    for name in host_syncing_modules(model):
+    syncing = host_syncing_modules(model)
+    on_cpu = bool(syncing) and next(model.parameters()).device.type == "cpu"  # (asked only where it matters)
+    for name in syncing:
         module = model.get_submodule(name)
         if not (on_cpu and isinstance(module, SparseMoeBlock) and module.outside_graph_key is not None):
             return (f"{name} reads values on the host in its forward (the torch MoE block off the CPU), which a "
