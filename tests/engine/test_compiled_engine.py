@@ -36,13 +36,18 @@ def test_compiled_engine_matches_generate_without_recompiling(qwen3):
     assert graphs == 1
 
 
-def test_compile_decision():
+def test_compile_decision(monkeypatch):
+    monkeypatch.delenv("GPUFORMERS_ENGINE_COMPILE", raising=False)  # (the suite also runs under the switch)
     model = tiny_model()
     assert decide_compile(model, None, has_states=False)[0] is False  # off unless asked
     assert decide_compile(model, True, has_states=False)[0] is True
     assert decide_compile(model, False, has_states=False)[0] is False
     with pytest.raises(NotImplementedError, match="mamba"):
         decide_compile(model, True, has_states=True)
+    parallel = tiny_model()
+    parallel.tp_plan = "auto"  # what apply_tensor_parallel leaves (tests/engine/test_lockstep.py runs one for real)
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        decide_compile(parallel, True, has_states=False)
     moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     assert decide_compile(moe, True, has_states=False)[0] is True  # on the CPU: its expert loop as one op
     with pytest.raises(NotImplementedError, match="host"):  # off the CPU (CUDA: a wait at every step)

@@ -45,6 +45,7 @@ from gpuformers.engine.paged_attention import PagedKVCache
 from gpuformers.kernels.cpu_linear import packable_linears, row_bucket
 from gpuformers.kernels.cpu_matmul_probe import PACKED
 from gpuformers.layers.moe import SparseMoeBlock, host_syncing_modules
+from gpuformers.tensor_parallel import is_tensor_parallel
 
 logger = logging.getLogger(__name__)
 ENV = "GPUFORMERS_ENGINE_COMPILE"  # "1": compile=None compiles where the model allows it
@@ -76,6 +77,9 @@ def _why_not(model: nn.Module, has_states: bool) -> str:
         # a graph would guard on that layout and recompile; it would need to be one op reading the step's StepStates,
         # as paged attention reads its PagedContext)
         return "a hybrid model's mamba layers keep per-sequence states outside the paged KV cache"
+    if is_tensor_parallel(model):
+        return ("a tensor-parallel model's all-reduces take its process group, which Inductor's weight freezing "
+                "cannot hold (seen under torchrun: a compiled step failed on the group object)")
     # The torch MoE block reads its routing on the host; under torch.compile its expert loop runs as one opaque op
     # (layers/moe.py), which on the CPU costs nothing more. On CUDA the op's wait would stall every step and a CUDA
     # graph cannot hold it, so models with one stay eager there.
