@@ -60,17 +60,11 @@ def test_cpu_compiled_step_freezes_weights_and_follows_in_place_edits():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("rows", [1, 3], ids=["gathered", "outside_graph"])
-def test_moe_blocks_compile_without_host_waits(rows):
-    """A mixture-of-experts model on the CPU: the compiled step replaces its blocks' expert loop (a host wait), so
-    the decode step is one graph built once, with the eager tokens. One row (2 assignments <= 4 experts): the experts
-    are gathered inside the graph, no opaque op; three rows (6 assignments): each block's own loop runs as one op
-    inside the graph; outside the step the blocks still count as waiting on the host."""
+def _generate_compiled(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, list]:
+    """generate() through the compiled step from a fresh Dynamo, its graphs kept by a recording backend (run as
+    they are): (the tokens, the FX graphs compiled)."""
     from gpuformers.generation.config import CompileConfig
-    from gpuformers.layers.moe import host_syncing_modules
 
-    model = _model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-    ids = torch.randint(3, 128, (rows, 7), generator=torch.Generator().manual_seed(0))
     graphs = []
 
     def counting_backend(gm, example_inputs, **options):
@@ -79,12 +73,26 @@ def test_moe_blocks_compile_without_host_waits(rows):
 
     torch._dynamo.reset()
     try:
-        compiled = model.generate(ids, max_new_tokens=8, eos_token_id=None, cache_implementation="static",
-                                  compile_config=CompileConfig(backend=counting_backend))
+        tokens = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, cache_implementation="static",
+                                compile_config=CompileConfig(backend=counting_backend))
         assert hasattr(model, "_compiled_decode")
     finally:
         model.__dict__.pop("_compiled_decode", None)
         torch._dynamo.reset()
+    return tokens, graphs
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["gathered", "outside_graph"])
+def test_moe_blocks_compile_without_host_waits(rows):
+    """A mixture-of-experts model on the CPU: the compiled step replaces its blocks' expert loop (a host wait), so
+    the decode step is one graph built once, with the eager tokens. One row (2 assignments <= 4 experts): the experts
+    are gathered inside the graph, no opaque op; three rows (6 assignments): each block's own loop runs as one op
+    inside the graph; outside the step the blocks still count as waiting on the host."""
+    from gpuformers.layers.moe import host_syncing_modules
+
+    model = _model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    ids = torch.randint(3, 128, (rows, 7), generator=torch.Generator().manual_seed(0))
+    compiled, graphs = _generate_compiled(model, ids, 8)
     assert torch.equal(compiled, model.generate(ids, max_new_tokens=8, eos_token_id=None))
     assert len(graphs) == 1
     op = torch.ops.gpuformers.experts_outside_graph
@@ -97,23 +105,10 @@ def test_moe_blocks_compile_without_host_waits(rows):
 def test_mixtral_experts_run_outside_the_compiled_graph():
     """Mixtral's experts (w1 / w3 / w2, not a GatedMLP) are not gathered: even at batch 1 its blocks' loop runs as
     the opaque op, with the eager tokens (its float32 router weights and its own block forward kept)."""
-    from gpuformers.generation.config import CompileConfig
 
     model = _model("mixtral", num_local_experts=4, num_experts_per_tok=2)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
-    graphs = []
-
-    def counting_backend(gm, example_inputs, **options):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        compiled = model.generate(ids, max_new_tokens=6, eos_token_id=None, cache_implementation="static",
-                                  compile_config=CompileConfig(backend=counting_backend))
-    finally:
-        model.__dict__.pop("_compiled_decode", None)
-        torch._dynamo.reset()
+    compiled, graphs = _generate_compiled(model, ids, 6)
     assert torch.equal(compiled, model.generate(ids, max_new_tokens=6, eos_token_id=None))
     op = torch.ops.gpuformers.experts_outside_graph
     assert len(graphs) == 1

@@ -14,23 +14,29 @@ from gpuformers.engine.config import ContinuousBatchingConfig
 from tests.engine.test_engine import assert_matches_under_preemption, qwen3, run_staggered, tiny_model  # noqa: F401 (qwen3: the fixture)
 
 
-@pytest.mark.slow
-def test_compiled_engine_matches_generate_without_recompiling(qwen3):
-    model, prompts, reference = qwen3
-    config = ContinuousBatchingConfig(block_size=8, num_blocks=12, max_batch_tokens=24, max_requests_per_batch=16,
-                                      compile=True)
+def run_compiled(model, prompts, config: ContinuousBatchingConfig):
+    """A compiled engine (config.compile=True) over staggered requests, from a fresh Dynamo: (manager, outputs,
+    Dynamo graphs compiled on the way)."""
     torch._dynamo.reset()
     # Counted from here: dynamo's counters outlive reset(), and other tests of this process compiled graphs before
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
         manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
         assert manager.runner.compiled is not None
-        packed = manager.runner.packed  # only the LM head, which runs eagerly, gets a copy of its weight
-        assert packed is None or packed.layers == [model.lm_head]
         outputs = run_staggered(manager, prompts)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        return manager, outputs, torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_engine_matches_generate_without_recompiling(qwen3):
+    model, prompts, reference = qwen3
+    config = ContinuousBatchingConfig(block_size=8, num_blocks=12, max_batch_tokens=24, max_requests_per_batch=16,
+                                      compile=True)
+    manager, outputs, graphs = run_compiled(model, prompts, config)
+    packed = manager.runner.packed  # only the LM head, which runs eagerly, gets a copy of its weight
+    assert packed is None or packed.layers == [model.lm_head]
     assert_matches_under_preemption(manager, outputs, prompts, reference, sharing=True)
     # Hundreds of steps of different sizes (one-token steps among them), block tables and context lengths: one graph.
     assert graphs == 1

@@ -8,13 +8,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from gpuformers.engine.compiled_step import decide_compile
 from gpuformers.engine.config import ContinuousBatchingConfig
 from gpuformers.layers.moe import SparseMoeBlock
-from tests.engine.test_engine import (assert_matches_under_preemption, greedy_reference, make_prompts, run_staggered,
-                                      tiny_model)
+from tests.engine.test_compiled_engine import run_compiled
+from tests.engine.test_engine import assert_matches_under_preemption, greedy_reference, make_prompts, tiny_model
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -33,16 +32,7 @@ def test_compiled_engine_serves_moe_like_generate(gathered):
     reference = greedy_reference(model, prompts)
     config = ContinuousBatchingConfig(block_size=8, num_blocks=10, max_batch_tokens=24, max_requests_per_batch=16,
                                       compile=True)
-    torch._dynamo.reset()
-    # Counted from here: dynamo's counters outlive reset(), and other tests of this process compiled graphs before
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    try:
-        manager = model.init_continuous_batching(continuous_batching_config=config, eos_token_id=None)
-        assert manager.runner.compiled is not None
-        outputs = run_staggered(manager, prompts)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    finally:
-        torch._dynamo.reset()
+    manager, outputs, graphs = run_compiled(model, prompts, config)
     assert_matches_under_preemption(manager, outputs, prompts, reference, sharing=True)
     # One graph for every step size: the expert loops (a graph break each, without the op) are inside it; with the
     # gathered experts, one for steps of tokens * top_k <= experts and one for the others.
