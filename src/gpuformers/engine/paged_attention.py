@@ -268,7 +268,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         from gpuformers.engine.paged_attention_triton import paged_decode_attention
 
         # Keys read in place through the block tables: no gathered copy. (nd, heads, head_dim)
-        out[:nd] = paged_decode_attention(query[0, :, :nd].transpose(0, 1), key, value, ctx.block_tables[:nd],
+        out[:nd] = paged_decode_attention(decode_queries, key, value, ctx.block_tables[:nd],
                                           ctx.context_lens[:nd], ctx.block_size, scaling, sliding_window)
     elif batched:
         slots, mask = _decode_layout(ctx, sliding_window)  # (nd, length), (nd, 1, 1, length)
@@ -281,7 +281,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         # Grouped-query attention without copying keys per query head: the n_rep query heads that share a kv head
         # become n_rep query rows of that kv head (all at the same position, so one mask row serves them all).
         # Query head h = kv_head * n_rep + r, the order repeat_kv uses.
-        q = query[0, :, :nd].transpose(0, 1).reshape(nd, kv_heads, heads // kv_heads, head_dim)
+        q = decode_queries.reshape(nd, kv_heads, heads // kv_heads, head_dim)
         o, _ = base(module, q, k, v, mask, scaling=scaling)  # (nd, n_rep, kv_heads, head_dim)
         out[:nd] = o.transpose(1, 2).reshape(nd, heads, head_dim)
     num_seqs = len(ctx.query_start) - 1
