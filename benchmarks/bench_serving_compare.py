@@ -13,7 +13,9 @@ clocks: psutil) divided by the tokens streamed is its host CPU per token.
 With --vllm-python, vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, from its own virtualenv) runs
 the same rounds on the same checkpoint, float32, after our servers of each row: on the CPU with every core computing
 (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE=2 GiB; its processes' CPU is
-counted the same way. The clients parse both servers' JSON (vLLM's is compact: no spaces after colons).
+counted the same way. Every server and the engine alone hold up to max(--client-counts) requests per step (both
+servers' --max-num-seqs): each client count runs in one batch on either side, whatever the servers' defaults (ours is
+128 on the CPU, vLLM's OpenAI server's 128 too). The clients parse both servers' JSON (vLLM's is compact: no spaces after colons).
 
 Offers: compare (called by bench_serving.py), and the client process's main.
 """
@@ -79,8 +81,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None,
-                 compile: bool = False) -> float:
-    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up."""
+                 compile: bool = False, max_num_seqs: int | None = None) -> float:
+    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up; `max_num_seqs`:
+    the requests one step may hold (the servers' --max-num-seqs)."""
     import torch
 
     from gpuformers import AutoModelForCausalLM
@@ -89,7 +92,7 @@ def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blo
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = AutoModelForCausalLM.from_pretrained(model_dir, progress=False)
     manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
-        num_blocks=num_blocks, max_memory_percent=0.9, compile=compile or None))
+        num_blocks=num_blocks, max_memory_percent=0.9, compile=compile or None, max_requests_per_batch=max_num_seqs))
     manager.runner.reserve_cache()
     for prompt, tokens in requests[:16]:  # warm-up
         manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
@@ -117,6 +120,27 @@ def _cpu_seconds(processes) -> dict[int, float]:
         except Exception:  # it exited
             pass
     return out
+
+
+def _schedstats(processes) -> dict[int, tuple[float, float]]:
+    """Per thread of the processes: (seconds on a CPU, seconds runnable but waiting for one), from Linux's schedstat
+    ({} elsewhere; a process that exited is left out)."""
+    out = {}
+    for process in processes:
+        try:
+            for tid in os.listdir(f"/proc/{process.pid}/task"):
+                ran, waited = open(f"/proc/{process.pid}/task/{tid}/schedstat").read().split()[:2]
+                out[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _busiest_thread_waiting(before: dict, after: dict, seconds: float) -> float | None:
+    """The share of the round (%) that the server's busiest thread (the engine loop: ours in the core, vLLM's in its
+    engine core) spent runnable without a CPU: how much the other processes (API servers, clients) held it back."""
+    deltas = [(after[tid][0] - before[tid][0], after[tid][1] - before[tid][1]) for tid in after if tid in before]
+    return round(100 * max(deltas)[1] / seconds, 1) if deltas else None
 
 
 def start_vllm(python: str, model: Path, port: int, args) -> subprocess.Popen:
@@ -152,7 +176,8 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
     port = bench.free_port()
     args.clients = clients
     if count:
-        server = bench.start_server(model, port, args, "--api-server-count", str(count))
+        server = bench.start_server(model, port, args, "--api-server-count", str(count), "--max-num-seqs",
+                                    str(max(args.client_counts)))
     else:
         server = start_vllm(args.vllm_python, model, port, args)
     try:
@@ -165,9 +190,9 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
         file.write_text(json.dumps(bodies[:min(32, clients)]))
         subprocess.run(command, check=True)  # warm-up
         file.write_text(json.dumps(bodies))
-        before = _cpu_seconds(processes)
+        before, sched = _cpu_seconds(processes), _schedstats(processes)
         subprocess.run(command, check=True)
-        after = _cpu_seconds(processes)
+        after, sched_after = _cpu_seconds(processes), _schedstats(processes)
         report = json.loads(file.read_text())
     finally:
         server.terminate()
@@ -191,7 +216,8 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
     return dict(clients=clients, api_server_count=count if count else "vllm", tokens=tokens, seconds=round(seconds, 2),
                 server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
                 ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
-                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu)
+                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu,
+                busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds))
 
 
 def compare(args, bench) -> None:
@@ -209,7 +235,7 @@ def compare(args, bench) -> None:
             vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
             requests = [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
                          rng.randint(*output_len)) for _ in range(clients)]
-            alone = engine_alone(model, requests, args.num_blocks, args.compile)
+            alone = engine_alone(model, requests, args.num_blocks, args.compile, max(args.client_counts))
             print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone)}), flush=True)
             for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
                 row = measure(bench, model, args, clients, count, requests, tmp)
