@@ -149,6 +149,19 @@ def test_connections_are_spread_evenly_over_the_api_servers(server):
     assert all(160 <= count <= 240 for count in served.values()), served
 
 
+def test_api_servers_yield_the_cpu_to_the_engine_core(server):
+    """Each API server runs API_SERVER_NICE below the engine core's priority, so on a machine short of cores the
+    kernel runs the engine loop first (a front end that falls behind sends several tokens per chunk instead)."""
+    from gpuformers.serving.api_server import API_SERVER_NICE
+
+    if not hasattr(os, "nice"):
+        pytest.skip("process priorities (os.nice) are POSIX")
+    core = psutil.Process(server.process.pid)
+    servers = listening_api_servers(server)
+    assert API_SERVER_NICE > 0
+    assert [p.nice() for p in servers] == [min(19, core.nice() + API_SERVER_NICE)] * len(servers)
+
+
 def test_max_pending_bounds_the_api_servers_together(checkpoint):
     """--max-pending 1 with 2 API servers: while a stream holds the one slot through one server, a request through
     the other gets 429 at once (the limit counts every server's requests until their responses end; a share of it

@@ -5,11 +5,17 @@ and reasoning parsing, SSE) over an EngineClient (engine_client.py) instead of t
 on a listening socket of its own bound to the port with SO_REUSEPORT (Linux: the kernel spreads connections between
 the API servers), or on the one listening socket inherited from the core (elsewhere).
 
+An API server lowers its own scheduling priority (nice +API_SERVER_NICE) before it serves: where the machine has fewer
+free cores than busy processes, the kernel then runs the engine core's loop first, the process that keeps the
+accelerator fed (or, on the CPU, computes every token). An API server that falls behind loses nothing: a job reads
+only each choice's newest output (output_inbox.py), so it sends several tokens in one chunk and catches up, while
+an engine slowed by its front ends would slow every stream. Where cores are free, the priority changes nothing.
+
 CONFIG is the core's JSON file (in its private run folder): the app's settings, the port (and the inherited socket's
 file descriptor, if any), the core's pid and the facts of its model; the API key comes in $GPUFORMERS_API_KEY, not on
 the command line.
 
-Offers: main.
+Offers: main, API_SERVER_NICE.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ import json
 import logging
 import socket
 import sys
+
+# How much an API server lowers its priority (os.nice): at +10 the kernel gives a busy engine core about ten times an
+# API server's share of a contended core (bench_serving.py --compare at 256 streams on 2 cores: 5 of 5 alternated
+# pairs faster, 7,355 -> 7,871 tok/s on average; BENCHMARKS.md)
+API_SERVER_NICE = 10
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gpuformers").setLevel(config["log_level"].upper())
     import os
+
+    if hasattr(os, "nice"):  # (POSIX) the engine core runs first where cores are short (module docstring)
+        os.nice(API_SERVER_NICE)
 
     from gpuformers import AutoTokenizer
     from gpuformers.serving.connections import ConnectionLimits
