@@ -213,7 +213,7 @@ def test_outputs_are_taken_without_a_timer_and_close_cancels_the_tick():
     async def main():
         job = make_job(parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8}))
         job.state.tokenizer = Tokenizer()
-        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s: None)
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s, times=1: None)
         job.choices[0] = job_module.ChoiceText(job.state.tokenizer, [], 8, set())
         job.queue.put_nowait((0, GenerationOutput("r", generated_tokens=[0], status=RequestStatus.DECODING)))
         first = await job._next(Client(float("inf")))
@@ -252,7 +252,7 @@ def test_a_job_behind_the_engine_reads_each_choice_latest_output_once_in_one_chu
     async def main():
         job = make_job(parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8, "n": 2}))
         job.state.tokenizer = Tokenizer()
-        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s: None)
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s, times=1: None)
         job.choices = [job_module.ChoiceText(job.state.tokenizer, [], 8, set()) for _ in range(2)]
         for step in range(1, 4):  # three engine steps for choice 1, then two for choice 0, unread
             job.queue.put_nowait((1, output(range(step))))
@@ -312,3 +312,14 @@ def test_histogram_buckets_hold_each_value_in_the_first_bound_not_below_it():
     assert 'h_bucket{le="+Inf"} 8' in lines and "h_count 8" in lines
     with pytest.raises(ValueError, match="must be ascending"):
         Histogram("h", "help", (1.0, 0.1))
+
+
+def test_tokens_of_one_chunk_are_observed_together_as_separately():
+    """The tokens of one streamed chunk share their interval: observe(s, times=k) counts as k observe(s) calls."""
+    together, apart = Histogram("h", "help", (0.1, 1.0)), Histogram("h", "help", (0.1, 1.0))
+    for seconds, times in ((0.05, 3), (0.5, 1), (5.0, 2), (float("nan"), 2)):
+        together.observe(seconds, times)
+        for _ in range(times):
+            apart.observe(seconds)
+    assert together.lines() == apart.lines()
+    assert "h_count 8" in together.lines()

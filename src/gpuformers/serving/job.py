@@ -303,9 +303,8 @@ class Job:
         if last is None:
             self.state.metrics.observe_ttft(now - self.arrival)
             new_tokens -= 1
-        else:
-            for _ in range(new_tokens):  # tokens that arrived together share the interval
-                self.state.metrics.observe_itl((now - last) / new_tokens)
+        elif new_tokens:  # tokens that arrived together share the interval
+            self.state.metrics.observe_itl((now - last) / new_tokens, new_tokens)
         self.last_token_time[index] = now
 
     def _check_error(self) -> None:

@@ -36,13 +36,14 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, seconds: float) -> None:
-        # One count per observation, in the first bucket that holds it (once per streamed token: no loop over the
-        # buckets); lines() makes them cumulative.
-        self.sum += seconds
-        self.count += 1
+    def observe(self, seconds: float, times: int = 1) -> None:
+        """`times` observations of `seconds` (the tokens of one chunk share their interval)."""
+        # Counted in the first bucket that holds it (once per streamed chunk: no loop over the buckets); lines()
+        # makes them cumulative.
+        self.sum += seconds * times
+        self.count += times
         # (nan is in no bucket but +Inf, as `nan <= bound` is false)
-        self.counts[bisect.bisect_left(self.buckets, seconds) if seconds == seconds else -1] += 1
+        self.counts[bisect.bisect_left(self.buckets, seconds) if seconds == seconds else -1] += times
 
     def lines(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
@@ -80,9 +81,9 @@ class Metrics:
         with self._lock:
             self.ttft.observe(seconds)
 
-    def observe_itl(self, seconds: float) -> None:
+    def observe_itl(self, seconds: float, times: int = 1) -> None:
         with self._lock:
-            self.itl.observe(seconds)
+            self.itl.observe(seconds, times)
 
     def snapshot(self, in_flight: int = 0) -> dict:
         """This server's counts as plain data (msgpack, engine_wire.py), for the other API server processes."""
