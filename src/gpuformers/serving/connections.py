@@ -359,7 +359,10 @@ class GuardedServer(uvicorn.Server):
 
 def guarded_config(app, host: str, port: int, limits: ConnectionLimits, stats: ConnectionStats,
                    **options: Any) -> uvicorn.Config:
-    """uvicorn.Config serving `app` on the guarded h11 protocol; `options` go to uvicorn.Config as they are."""
+    """uvicorn.Config serving `app` on the guarded h11 protocol, each request's uvicorn cycle in its scope (for
+    sse_response.SSEResponse's direct chunk writes); `options` go to uvicorn.Config as they are."""
+    from gpuformers.serving.sse_response import exposing_the_cycle
+
     limits = limits.resolved()
-    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, stats), backlog=limits.backlog,
+    return uvicorn.Config(exposing_the_cycle(app), host=host, port=port, http=guarded_protocol(limits, stats), backlog=limits.backlog,
                           timeout_keep_alive=limits.keep_alive_timeout, **options)

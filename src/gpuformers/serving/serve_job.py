@@ -17,7 +17,7 @@ import logging
 from typing import Any, Callable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from gpuformers.serving.answer_grammar import answer_grammar, needs_grammar
 from gpuformers.serving.api_error import APIError
@@ -25,6 +25,7 @@ from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
 from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
 from gpuformers.serving.job import Job
 from gpuformers.serving.server_state import ServerState
+from gpuformers.serving.sse_response import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ SAMPLING_EPS = 1e-5
 async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, job_class: type[Job],
                     prompts_of: Callable[[ServerState, CompletionRequest], list[list[int]]],
                     default_max_tokens: int | None = None):
-    """The answer to `parsed` (a StreamingResponse, a dict, or an empty 499 when the client left first).
+    """The answer to `parsed` (an SSEResponse, a dict, or an empty 499 when the client left first).
     `prompts_of(state, parsed)` gives each prompt's token ids (one prompt, but for a completions batch; it runs off
     the event loop); `default_max_tokens`
     is what an omitted max_tokens means before the model's generation config caps it (None: the rest of the
@@ -80,7 +81,7 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     state.metrics.count_tokens(sum(map(len, prompts)), 0)
     if parsed.stream:
         state.metrics.count_request(endpoint, 200)
-        return StreamingResponse(job.sse(request), media_type="text/event-stream",
+        return SSEResponse(job.sse(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         body = await job.whole(request)
