@@ -122,18 +122,26 @@ def _cpu_seconds(processes) -> dict[int, float]:
     return out
 
 
-def _schedstats(processes) -> dict[int, tuple[float, float]]:
-    """Per thread of the processes: (seconds on a CPU, seconds runnable but waiting for one), from Linux's schedstat
-    ({} elsewhere; a process that exited is left out)."""
+def _schedstats(processes) -> dict[int, tuple[float, float, int, str]]:
+    """Per thread of the processes: (seconds on a CPU, seconds runnable but waiting for one, its process's pid, its
+    name), from Linux's schedstat ({} elsewhere; a process that exited is left out)."""
     out = {}
     for process in processes:
         try:
             for tid in os.listdir(f"/proc/{process.pid}/task"):
                 ran, waited = open(f"/proc/{process.pid}/task/{tid}/schedstat").read().split()[:2]
-                out[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9)
+                name = open(f"/proc/{process.pid}/task/{tid}/comm").read().strip()
+                out[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9, process.pid, name)
         except (OSError, ValueError):
             pass
     return out
+
+
+def _first_process_threads(process, before: dict, after: dict, tokens: int) -> list[list]:
+    """The first process's (our engine core's) busiest threads: [name, CPU us per streamed token], most first (its
+    Python threads are all named python: the engine loop first, then the one taking the API servers' requests)."""
+    rows = [[name, ran - before.get(tid, (0.0,))[0]] for tid, (ran, _, pid, name) in after.items() if pid == process.pid]
+    return [[name, round(1e6 * ran / tokens, 1)] for name, ran in sorted(rows, key=lambda row: -row[1])[:4]]
 
 
 def _busiest_thread_waiting(before: dict, after: dict, seconds: float) -> float | None:
@@ -217,7 +225,8 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
                 server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
                 ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
                 itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu,
-                busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds))
+                busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds),
+                first_process_threads_us_per_token=_first_process_threads(processes[0], sched, sched_after, tokens))
 
 
 def compare(args, bench) -> None:
