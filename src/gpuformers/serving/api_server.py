@@ -25,9 +25,9 @@ import logging
 import socket
 import sys
 
-# How much an API server lowers its priority (os.nice): at +10 the kernel gives a busy engine core about ten times an
-# API server's share of a contended core (bench_serving.py --compare at 256 streams on 2 cores: 5 of 5 alternated
-# pairs faster, 7,355 -> 7,871 tok/s on average; BENCHMARKS.md)
+# How much an API server lowers its priority (os.nice): at +10 the kernel gives a busy engine core about nine times an
+# API server's share of a contended core (bench_serving.py --compare at 256 streams on 2 cores: faster in 5 of 5
+# quiet alternated pairs, 7,296 -> 7,805 tok/s on average, slower in one pair under load; BENCHMARKS.md, session 20)
 API_SERVER_NICE = 10
 
 
