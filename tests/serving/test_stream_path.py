@@ -133,6 +133,31 @@ def test_a_closed_loop_raises_as_call_soon_threadsafe_does():
         relay.put(asyncio.Queue(), 2)
 
 
+def test_outputs_of_an_api_servers_engine_client_go_straight_into_the_queue():
+    """An EngineClient calls on_output in the event loop (outputs_in_loop): the output is in the job's queue as the
+    callback returns, no relay made; a manager in another thread (the one-process server) goes through the loop's
+    relay, delivered once the loop runs it."""
+
+    class Manager:
+        def __init__(self, in_loop):
+            self.outputs_in_loop, self.callbacks = in_loop, []
+
+        def add_request(self, prompt_ids, request_id, streaming, on_output, **sampling):
+            self.callbacks.append(on_output)
+
+    loop = RecordingLoop()
+    for in_loop in (True, False):
+        engine, queue = job_module.Engine(Manager(in_loop), max_pending=4), collections.deque()
+        engine.submit([1, 2], {}, 3, SimpleNamespace(put_nowait=queue.append), loop)
+        engine.manager.callbacks[0]("output")
+        if in_loop:
+            assert list(queue) == [(3, "output")] and not engine._relays and not loop.callbacks
+        else:
+            assert not queue and len(loop.callbacks) == 1
+            loop.run_pending()
+            assert list(queue) == [(3, "output")]
+
+
 # ---------------------------------------------------------------------------------------------- a Job's chunks
 
 

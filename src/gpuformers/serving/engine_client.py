@@ -60,6 +60,8 @@ class EngineClient:
     """The engine core, seen from API server `index`; `facts` are what the core told it at its start (api_server.py):
     the model's and cache's sizes, the adapters, the generation config."""
 
+    outputs_in_loop = True  # on_output is called in the event loop that started this client (job.Engine.submit)
+
     def __init__(self, run_dir: str, index: int, core_pid: int, facts: dict):
         import zmq
 

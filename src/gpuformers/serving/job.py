@@ -73,14 +73,20 @@ class Engine:
         """Add an engine request; its outputs arrive in `queue` (put_nowait: an asyncio.Queue or a job's OutputInbox)
         as (tag, GenerationOutput), the last one finished.
         The engine's thread hands each one to the loop's LoopRelay as it publishes it (add_request's on_output; a
-        loop that closed under it, at shutdown, makes the engine drop the rest)."""
+        loop that closed under it, at shutdown, makes the engine drop the rest); a manager whose `outputs_in_loop`
+        is true (an API server's EngineClient) calls on_output in the loop itself, which puts it in the queue."""
         request_id = f"srv-{uuid.uuid4().hex}"
-        with self._lock:
-            relay = self._relays.get(loop)
-            if relay is None:
-                relay = self._relays[loop] = LoopRelay(loop)
-        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True,
-                                 on_output=lambda output: relay.put(queue, (tag, output)), **sampling)
+        if getattr(self.manager, "outputs_in_loop", False):
+            # an API server's EngineClient calls on_output in this event loop already (it reads the core's messages
+            # there): straight into the queue, no relay's deque and self-pipe wakeup per message
+            on_output = lambda output: queue.put_nowait((tag, output))  # noqa: E731
+        else:
+            with self._lock:
+                relay = self._relays.get(loop)
+                if relay is None:
+                    relay = self._relays[loop] = LoopRelay(loop)
+            on_output = lambda output: relay.put(queue, (tag, output))  # noqa: E731
+        self.manager.add_request(prompt_ids, request_id=request_id, streaming=True, on_output=on_output, **sampling)
         return request_id
 
     def cancel(self, request_id: str) -> None:
