@@ -58,3 +58,49 @@ def test_metrics_render_adds_the_other_servers_counts():
     assert 'gpuformers_connections_closed_total{reason="idle"} 2' in text
     # this server's own counts are left as they were
     assert 'status="200"} 1' in mine.render(None)
+
+
+def test_an_api_servers_in_flight_counts_of_one_loop_pass_reach_the_core_as_one_message(tmp_path):
+    """A burst of requests starting or ending together changes an API server's count many times in one pass of its
+    event loop: the core gets the last count, once; and /metrics' view of the other servers is made when asked, from
+    the core's latest message."""
+    import asyncio
+    import os
+
+    import zmq
+
+    from gpuformers.serving.engine_client import EngineClient
+
+    context = zmq.Context()
+    core = context.socket(zmq.PULL)
+    core.bind(f"ipc://{tmp_path}/in")
+    facts = {"generation_config": {}, "vocab_size": 10, "max_position_embeddings": 64, "num_blocks": 4,
+             "block_size": 16, "adapters": []}
+    client = EngineClient(str(tmp_path), 0, os.getppid(), facts)
+
+    async def burst():
+        client.start()
+        for count in (1, 2, 3, 2):
+            client.report_in_flight(count)
+        await asyncio.sleep(0.05)
+        client.report_in_flight(5)
+        await asyncio.sleep(0.05)
+        client.stop()
+
+    try:
+        asyncio.run(burst())
+        received = []
+        while core.poll(1000):
+            received.append(unpack(core.recv()))
+            if len(received) == 2:
+                break
+        assert received == [["in_flight", 0, 2], ["in_flight", 0, 5]]
+        snapshot = Metrics().snapshot(in_flight=7)
+        client._deliver([[0, 0, 4, 0, None, [2, 6]], [], {0: Metrics().snapshot(), 1: snapshot}, False])
+        assert client.peer_metrics == [{**snapshot, "in_flight": 6}]  # the core's count, not the snapshot's
+    finally:
+        core.close(linger=0)
+        client._out.close(linger=0)
+        client._in.close(linger=0)
+        client._context.term()
+        context.term()

@@ -76,7 +76,6 @@ class EngineClient:
         self.scheduler = SimpleNamespace(waiting=_Sized(), running=_Sized())
         self.num_steps = 0
         self.adapters: list[str] = list(facts["adapters"])
-        self.peer_metrics: list[dict] = []  # the other servers' latest snapshots (routes_admin's /metrics)
         self._running: list[int] = []  # each API server's engine requests, as the core's latest message said
         self._facts_time = 0.0  # when that message came (time.monotonic())
         self._peers: dict[int, dict] = {}
@@ -96,6 +95,7 @@ class EngineClient:
         self._timer = None
         self._next_metrics = 0.0
         self._waiters: collections.deque = collections.deque()  # futures of refresh() calls
+        self._in_flight: int | None = None  # this server's count not yet sent to the core (report_in_flight)
 
     # --- the manager's interface ---------------------------------------------------------------------------
 
@@ -146,8 +146,28 @@ class EngineClient:
 
     def report_in_flight(self, count: int) -> None:
         """This server's requests in flight (job.py's count, held until each response ends), which the core hands
-        the other servers for --max-pending."""
-        self._send(["in_flight", self.index, count])
+        the other servers for --max-pending: the latest count of a pass of the event loop, in one message (a burst
+        of requests starting or ending together changes it hundreds of times in one pass; each message was a ZMQ
+        send and a wakeup of the core)."""
+        if self._loop is None:  # (no loop reading the core: at once)
+            self._send(["in_flight", self.index, count])
+            return
+        if self._in_flight is None:
+            self._loop.call_soon(self._send_in_flight)
+        self._in_flight = count
+
+    def _send_in_flight(self) -> None:
+        count, self._in_flight = self._in_flight, None
+        if count is not None:
+            self._send(["in_flight", self.index, count])
+
+    @property
+    def peer_metrics(self) -> list[dict]:
+        """The other servers' latest snapshots, with their requests in flight as the core's latest message counted
+        them (routes_admin's /metrics; made when asked, not on every message)."""
+        running = self._running
+        return [{**snap, "in_flight": running[server] if server < len(running) else 0}
+                for server, snap in self._peers.items()]
 
     def load_adapter(self, *args, **kwargs):
         raise NotImplementedError("loading LoRA adapters at run time with --api-server-count > 1 is not "
@@ -243,9 +263,6 @@ class EngineClient:
         self.block_manager.num_free_blocks = free
         if peers is not None:
             self._peers = {server: snap for server, snap in peers.items() if server != self.index}
-        # the other servers' counts, their requests in flight as the core sees them now
-        self.peer_metrics = [{**snap, "in_flight": running[server] if server < len(running) else 0}
-                             for server, snap in self._peers.items()]
         if asked:
             while self._waiters:
                 future = self._waiters.popleft()
