@@ -15,7 +15,8 @@ the same rounds on the same checkpoint, float32, after our servers of each row: 
 (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE=2 GiB; its processes' CPU is
 counted the same way. Every server and the engine alone hold up to max(--client-counts) requests per step (both
 servers' --max-num-seqs): each client count runs in one batch on either side, whatever the servers' defaults (ours is
-128 on the CPU, vLLM's OpenAI server's 128 too). The clients parse both servers' JSON (vLLM's is compact: no spaces after colons).
+128 on the CPU, vLLM's OpenAI server's 128 too). The clients parse both servers' JSON (vLLM's is compact: no spaces
+after colons).
 
 Offers: compare (called by bench_serving.py), and the client process's main.
 """
@@ -140,7 +141,8 @@ def _schedstats(processes) -> dict[int, tuple[float, float, int, str]]:
 def _first_process_threads(process, before: dict, after: dict, tokens: int) -> list[list]:
     """The first process's (our engine core's) busiest threads: [name, CPU us per streamed token], most first (its
     Python threads are all named python: the engine loop first, then the one taking the API servers' requests)."""
-    rows = [[name, ran - before.get(tid, (0.0,))[0]] for tid, (ran, _, pid, name) in after.items() if pid == process.pid]
+    rows = [[name, ran - before.get(tid, (0.0,))[0]] for tid, (ran, _, pid, name) in after.items()
+            if pid == process.pid]
     return [[name, round(1e6 * ran / tokens, 1)] for name, ran in sorted(rows, key=lambda row: -row[1])[:4]]
 
 

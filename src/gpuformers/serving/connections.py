@@ -364,5 +364,5 @@ def guarded_config(app, host: str, port: int, limits: ConnectionLimits, stats: C
     from gpuformers.serving.sse_response import exposing_the_cycle
 
     limits = limits.resolved()
-    return uvicorn.Config(exposing_the_cycle(app), host=host, port=port, http=guarded_protocol(limits, stats), backlog=limits.backlog,
-                          timeout_keep_alive=limits.keep_alive_timeout, **options)
+    return uvicorn.Config(exposing_the_cycle(app), host=host, port=port, http=guarded_protocol(limits, stats),
+                          backlog=limits.backlog, timeout_keep_alive=limits.keep_alive_timeout, **options)
