@@ -18,6 +18,7 @@ from gpuformers.generation.stopping import (
     token_bytes,
 )
 from tests.assets import qwen3_tokenizer_dir
+from tests.fixtures.tokenizers import byte_level_bpe
 
 CORPUS = [
     "The capital of France is Paris. Paris is a city.",
@@ -28,15 +29,7 @@ CORPUS = [
 
 def tiny_byte_level_tokenizer():
     """A 300-token byte-level BPE trained here: common words merge, rare bytes (é, €, emoji) stay split."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+    return byte_level_bpe(CORPUS, special_tokens=("<eos>",))
 
 
 @pytest.fixture(scope="module")

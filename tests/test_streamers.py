@@ -11,6 +11,7 @@ import torch
 
 from gpuformers.generation.streamers import StreamerTimeout, TextIteratorStreamer, TextStreamer
 from tests.assets import qwen3_tokenizer_dir
+from tests.fixtures.tokenizers import byte_level_bpe
 
 TEXT = "Le café coûte 3 € 🙂 aujourd'hui, merci.\nNouvelle ligne: the capital of France is Paris."
 
@@ -18,15 +19,7 @@ TEXT = "Le café coûte 3 € 🙂 aujourd'hui, merci.\nNouvelle ligne: the capi
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE trained here on English only, so é, €, û and the emoji are split into byte tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
-    tok.train_from_iterator(["the capital of France is Paris. New line, thanks."] * 50, trainer)
-    return tok
+    return byte_level_bpe(["the capital of France is Paris. New line, thanks."] * 50, special_tokens=("<eos>",))
 
 
 class Recorder(TextStreamer):

@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from gpuformers.tokenizer import PreTrainedTokenizerFast
+from tests.fixtures.tokenizers import byte_level_bpe
 
 CORPUS = ["the cat sat on the mat", "a dog ran in the park", "hello world", "the quick brown fox"] * 5
 
@@ -171,12 +172,7 @@ def test_config_added_token_flags_win_over_tokenizer_json(tmp_path):
     special), transformers applies the config's; gpuformers kept tokenizer.json's, so ids and decode differed."""
     from transformers import AutoTokenizer
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    )
+    backend = byte_level_bpe(CORPUS)
     from tokenizers import AddedToken
 
     backend.add_tokens([AddedToken("<end>", lstrip=True, special=False), AddedToken("<tool>", special=False)])

@@ -9,12 +9,13 @@ import itertools
 import random
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from gpuformers.serving.byte_pieces import byte_pieces
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.tokenizer import PreTrainedTokenizerFast, byte_level_alphabet
 from tests.assets import qwen3_tokenizer_dir
+from tests.fixtures.tokenizers import byte_level_bpe
 
 TEXT = "Hello 👋🏽 world! 你好，世界。Ünïcödé ✨ — 日本語のテキスト 🇫🇷🧑‍💻 done. Ещё 😀😀😀 end\n\tcafé €"
 ALPHABET = byte_level_alphabet()  # byte -> the character byte-level vocabularies spell it with
@@ -40,12 +41,8 @@ def qwen3():
 def gpt2_style() -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on English only (so é, € and emoji are split into byte tokens), with special added
     tokens and non-special ones, some spelled in the byte alphabet ("Ġ" is a space) and some not."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    backend.train_from_iterator(["the capital of France is Paris. New line, thanks."] * 50, trainer)
+    backend = byte_level_bpe(["the capital of France is Paris. New line, thanks."] * 50,
+                             special_tokens=("<|endoftext|>",))
     backend.add_tokens([AddedToken(t, special=False) for t in ("ĠHi", "café", " sp ace", "thĠe", "<tool>")])
     backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|sp é|>", "Ġspec", "<|im_end|>")])
     return PreTrainedTokenizerFast(backend, eos_token="<|endoftext|>")

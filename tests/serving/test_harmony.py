@@ -20,6 +20,7 @@ from gpuformers.serving.detokenizer import IncrementalDetokenizer  # noqa: E402
 from gpuformers.serving.harmony import HarmonyReasoningParser, HarmonyToolCallParser  # noqa: E402
 from gpuformers.serving.reasoning import detect_reasoning_parser, get_reasoning_parser  # noqa: E402
 from gpuformers.serving.tool_calls import detect_tool_call_parser, get_tool_call_parser  # noqa: E402
+from tests.fixtures.tokenizers import byte_level_bpe  # noqa: E402
 from tests.serving.test_tool_calls import TOOL, USER, ScriptedManager, calls_of  # noqa: E402
 
 SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
@@ -111,17 +112,11 @@ def split_whole(text: str) -> HarmonyReasoningParser:
 def harmony_tokenizer():
     """A byte-level BPE tokenizer trained on a few harmony-like sentences, with harmony's special tokens and a
     chat template that writes the channels and the tools, as gpt-oss's does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from gpuformers.tokenizer import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
     corpus = [THINKING, "It is sunny in Paris.", "Let me look it up.", 'commentary analysis final functions json',
               '{"city": "Paris", "unit": "C"}'] * 4
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend = byte_level_bpe(corpus, vocab_size=400)
     template = (
         "{% if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n{% for t in tools %}"
         "type {{ t.function.name }} = (_: any) => any;\n{% endfor %}}<|end|>{% endif %}"
