@@ -82,9 +82,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None,
-                 compile: bool = False, max_num_seqs: int | None = None) -> float:
-    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up; `max_num_seqs`:
-    the requests one step may hold (the servers' --max-num-seqs)."""
+                 compile: bool = False, max_num_seqs: int | None = None) -> tuple[float, int]:
+    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up, and the engine
+    steps it took; `max_num_seqs`: the requests one step may hold (the servers' --max-num-seqs)."""
     import torch
 
     from gpuformers import AutoModelForCausalLM
@@ -100,16 +100,16 @@ def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blo
     manager.run_until_done()
     while manager.get_result(timeout=0) is not None:
         pass
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), manager.num_steps
     for prompt, tokens in requests:
         manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
     manager.run_until_done()
-    seconds = time.perf_counter() - start
+    seconds, steps = time.perf_counter() - start, manager.num_steps - steps
     produced = 0
     while (output := manager.get_result(timeout=0)) is not None:
         produced += len(output.generated_tokens)
     assert produced == sum(tokens for _, tokens in requests), produced
-    return produced / seconds
+    return produced / seconds, steps
 
 
 def _cpu_seconds(processes) -> dict[int, float]:
@@ -151,6 +151,14 @@ def _busiest_thread_waiting(before: dict, after: dict, seconds: float) -> float 
     engine core) spent runnable without a CPU: how much the other processes (API servers, clients) held it back."""
     deltas = [(after[tid][0] - before[tid][0], after[tid][1] - before[tid][1]) for tid in after if tid in before]
     return round(100 * max(deltas)[1] / seconds, 1) if deltas else None
+
+
+def _engine_steps(port: int) -> int:
+    """Our server's engine steps so far (its /metrics)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return int(float(re.search(r"^gpuformers_engine_steps_total (\S+)$", text, re.M).group(1)))
 
 
 def start_vllm(python: str, model: Path, port: int, args) -> subprocess.Popen:
@@ -200,9 +208,12 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
         file.write_text(json.dumps(bodies[:min(32, clients)]))
         subprocess.run(command, check=True)  # warm-up
         file.write_text(json.dumps(bodies))
+        steps = _engine_steps(port) if count else None
         before, sched = _cpu_seconds(processes), _schedstats(processes)
         subprocess.run(command, check=True)
         after, sched_after = _cpu_seconds(processes), _schedstats(processes)
+        if count:
+            steps = _engine_steps(port) - steps
         report = json.loads(file.read_text())
     finally:
         server.terminate()
@@ -226,7 +237,7 @@ def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: P
     return dict(clients=clients, api_server_count=count if count else "vllm", tokens=tokens, seconds=round(seconds, 2),
                 server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
                 ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
-                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), cpu_us_per_token=cpu,
+                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), engine_steps=steps, cpu_us_per_token=cpu,
                 busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds),
                 first_process_threads_us_per_token=_first_process_threads(processes[0], sched, sched_after, tokens))
 
@@ -246,11 +257,13 @@ def compare(args, bench) -> None:
             vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
             requests = [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
                          rng.randint(*output_len)) for _ in range(clients)]
-            alone = engine_alone(model, requests, args.num_blocks, args.compile, max(args.client_counts))
-            print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone)}), flush=True)
+            alone, alone_steps = engine_alone(model, requests, args.num_blocks, args.compile, max(args.client_counts))
+            print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone), "engine_alone_steps": alone_steps}),
+                  flush=True)
             for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
                 row = measure(bench, model, args, clients, count, requests, tmp)
-                row.update(engine_alone_tok_s=round(alone), server_over_engine=round(row["server_tok_s"] / alone, 2))
+                row.update(engine_alone_tok_s=round(alone), engine_alone_steps=alone_steps,
+                           server_over_engine=round(row["server_tok_s"] / alone, 2))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"shape={shape} prompt_len={prompt_len} output_len={output_len} num_blocks={args.num_blocks} "
