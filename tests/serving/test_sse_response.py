@@ -35,6 +35,40 @@ def stream_app(responses: list):
     return app
 
 
+def pushing_app(responses: list, accepted: list):
+    """/pushed?n=N: N events that the producer writes through stream_to's writer while the response's iterator waits
+    (as job.Job writes the engine's outputs as they arrive), then the iterator's own last event."""
+    import asyncio
+
+    app = FastAPI()
+    tasks = set()
+
+    @app.get("/pushed")
+    async def pushed(n: int = 5):
+        writers, done = [], asyncio.Event()
+
+        async def producer():
+            while not writers:  # handed over once the head is sent
+                await asyncio.sleep(0.001)
+            for index in range(n):
+                await asyncio.sleep(0)  # one per pass of the loop, as the engine's messages come
+                accepted.append(writers[0](f"data: {index:012d}\n\n".encode()))
+            done.set()
+
+        async def events():
+            await done.wait()
+            yield "data: [DONE]\n\n"
+
+        task = asyncio.ensure_future(producer())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        response = SSEResponse(events(), stream_to=writers.append)
+        responses.append(response)
+        return response
+
+    return app
+
+
 def expected(n: int, size: int) -> bytes:
     return "".join(f"data: {index:0{max(1, size - 8)}d}\n\n" for index in range(n)).encode()
 
@@ -69,6 +103,18 @@ def test_chunks_go_straight_to_the_connection_framed_as_h11_frames_them():
             assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
             assert b"text/event-stream" in head and body == expected(n, 20)
             assert (responses[-1].direct_chunks, responses[-1].sent_chunks) == (n, 0)
+
+
+def test_chunks_a_producer_writes_through_stream_to_arrive_before_the_iterators():
+    responses, accepted = [], []
+    with ThreadServer(pushing_app(responses, accepted)) as server, server.connect() as sock:
+        for n in (3, 30):  # two responses on one kept-alive connection
+            sock.sendall(f"GET /pushed?n={n} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            head, body = read_response(sock)
+            assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+            assert body == "".join(f"data: {index:012d}\n\n" for index in range(n)).encode() + b"data: [DONE]\n\n"
+            assert (responses[-1].direct_chunks, responses[-1].sent_chunks) == (n + 1, 0)
+    assert accepted == [True] * 33
 
 
 def test_an_http_1_0_client_gets_the_body_through_send():

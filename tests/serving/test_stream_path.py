@@ -203,6 +203,8 @@ def test_the_general_chunk_is_what_json_dumps_gives():
 class Client:
     """A request whose client leaves at `leaves_at` (time.monotonic())."""
 
+    scope: dict = {}  # (no uvicorn request cycle in it: is_disconnected is asked)
+
     def __init__(self, leaves_at: float):
         self.leaves_at, self.asked = leaves_at, 0
 
@@ -348,3 +350,118 @@ def test_tokens_of_one_chunk_are_observed_together_as_separately():
             apart.observe(seconds)
     assert together.lines() == apart.lines()
     assert "h_count 8" in together.lines()
+
+
+# ---------------------------------------------------------------------------------------------- chunks written as outputs arrive
+
+
+class LetterTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        if 25 in ids:
+            raise ValueError("token 25 cannot be decoded")
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, str]]:
+    """Job.sse of a request whose engine outputs are `outputs` ((choice, token ids, done) each, put as they come
+    while the stream's coroutine runs), with a direct writer that takes a chunk when writer_takes(call number) is
+    true (None: no writer): each chunk as ("direct" or "yield", text), in the order the client gets them."""
+    from gpuformers.engine.outputs import GenerationOutput
+    from gpuformers.engine.sequence import RequestStatus
+
+    parsed = parse_chat({**body, "messages": [{"role": "user", "content": "hi"}]}) if "chat" in body.pop("kind") \
+        else parse_completion({**body, "prompt": "hi"})
+    got = []
+
+    async def main():
+        job = make_job(parsed)
+        job.id, job.created = "cmpl-x", 0  # two streams' chunks compared byte for byte
+        job.state.tokenizer = LetterTokenizer()
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s, times=1: None,
+                                            count_tokens=lambda prompt, generated: None)
+        job.state.engine = SimpleNamespace(cancel=lambda request_id: None, release=lambda count: None)
+        job.state.manager = SimpleNamespace(is_running=lambda: True)
+        job.choices = [job_module.ChoiceText(job.state.tokenizer, parsed.stop, 8, set())
+                       for _ in range(job.num_choices)]
+        job.request_ids = [f"r{index}" for index in range(job.num_choices)]
+        calls = []
+        if writer_takes is not None:
+            def write(data: bytes) -> bool:
+                calls.append(data)
+                if writer_takes(len(calls)):
+                    got.append(("direct", data.decode()))
+                    return True
+                return False
+
+            job.stream_to(write)
+
+        async def consume():
+            async for chunk in job.sse(Client(float("inf"))):
+                got.append(("yield", chunk))
+
+        task = asyncio.ensure_future(consume())
+        for index, tokens, done in outputs:
+            for _ in range(3):  # the coroutine sends what it holds and waits again
+                await asyncio.sleep(0)
+            job.put_nowait((index, GenerationOutput(f"r{index}", generated_tokens=list(tokens),
+                                                    status=RequestStatus.FINISHED if done else RequestStatus.DECODING)))
+        await asyncio.wait_for(task, timeout=10)
+        return job
+
+    job = asyncio.run(main())
+    assert job.closed and job._writer is None
+    return got
+
+
+# two choices, a stop string cutting choice 1 ("de"), text held back while it could still become one
+OUTPUTS = [(0, [0], False), (1, [2], False), (0, [0, 1], False), (1, [2, 3], False), (0, [0, 1, 2], False),
+           (1, [2, 3, 4], False), (0, [0, 1, 2, 5], True), (1, [2, 3, 4, 6], False)]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_chunks_written_as_outputs_arrive_are_the_chunks_the_stream_yields(kind):
+    body = {"kind": kind, "model": "m", "stream": True, "n": 2, "stop": ["de"],
+            "stream_options": {"include_usage": True}}
+    through_the_coroutine = streamed(dict(body), OUTPUTS)
+    written = streamed(dict(body), OUTPUTS, writer_takes=lambda call: True)
+    assert "".join(text for _, text in written) == "".join(text for _, text in through_the_coroutine)
+    assert all(way == "yield" for way, _ in through_the_coroutine)
+    # every output's chunks but the last's went straight to the writer; the stream's end came from the coroutine
+    # (the finish chunks, usage and [DONE] in one write)
+    direct = [text for way, text in written if way == "direct"]
+    assert len(direct) >= 4 and written[-1][0] == "yield" and written[-1][1].endswith("data: [DONE]\n\n")
+    assert '"finish_reason": "length"' in written[-1][1] and '"completion_tokens": 5' in written[-1][1]
+    assert any('"finish_reason": "stop"' in text for text in direct)  # choice 1's, cut at "de": "c" only
+
+
+def test_chunks_the_writer_refuses_go_through_the_coroutine_first_in_order():
+    body = {"kind": "completions", "model": "m", "stream": True, "n": 2, "stop": ["de"]}
+    expected = "".join(text for _, text in streamed(dict(body), OUTPUTS))
+    for refused in ({1}, {2, 3}, {1, 3, 5}, set(range(1, 20))):
+        calls = []
+        got = streamed(dict(body), OUTPUTS, writer_takes=lambda call: calls.append(call) or call not in refused)
+        assert "".join(text for _, text in got) == expected, refused
+        assert sum(way == "direct" for way, _ in got) == len([call for call in calls if call not in refused]) > 0 \
+            or refused == set(range(1, 20))
+        # each refused chunk came out of the coroutine next, before anything later
+        yielded = [index for index, (way, _) in enumerate(got) if way == "yield"]
+        assert len(yielded) >= 1 + len([call for call in calls if call in refused])
+
+
+def test_an_error_while_writing_an_output_is_raised_by_the_stream():
+    """A chunk that fails to be made outside the coroutine fails the stream as it would inside it (not a stream
+    that hangs for an output that never comes)."""
+    body = {"kind": "completions", "model": "m", "stream": True, "stop": ["de"]}
+    with pytest.raises(ValueError, match="token 25"):
+        streamed(dict(body), [(0, [0], False), (0, [0, 25], False), (0, [0, 25, 1], True)],
+                 writer_takes=lambda call: True)
+
+
+def test_a_client_that_left_is_seen_in_uvicorns_request_cycle_without_asking_the_server():
+    cycle = SimpleNamespace(disconnected=False)
+    request = SimpleNamespace(scope={"extensions": {job_module.HTTP_CYCLE: cycle}})
+    assert asyncio.run(job_module.client_left(request)) is False
+    cycle.disconnected = True
+    assert asyncio.run(job_module.client_left(request)) is True
+    asked = Client(0.0)  # no cycle: Starlette's is_disconnected is asked
+    assert asyncio.run(job_module.client_left(asked)) is True and asked.asked == 1

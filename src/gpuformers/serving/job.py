@@ -26,13 +26,14 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from gpuformers.engine.sequence import RequestStatus
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.serving.loop_relay import LoopRelay
 from gpuformers.serving.output_inbox import OutputInbox
 from gpuformers.serving.protocol import APIError, CompletionRequest, error_body
+from gpuformers.serving.sse_response import HTTP_CYCLE
 
 
 class Engine:
@@ -70,7 +71,7 @@ class Engine:
             report(self.in_flight)
 
     def submit(self, prompt_ids: list[int], sampling: dict, tag: Any, queue, loop: asyncio.AbstractEventLoop) -> str:
-        """Add an engine request; its outputs arrive in `queue` (put_nowait: an asyncio.Queue or a job's OutputInbox)
+        """Add an engine request; its outputs arrive in `queue` (put_nowait: an asyncio.Queue, or a Job)
         as (tag, GenerationOutput), the last one finished.
         The engine's thread hands each one to the loop's LoopRelay as it publishes it (add_request's on_output; a
         loop that closed under it, at shutdown, makes the engine drop the rest); a manager whose `outputs_in_loop`
@@ -189,6 +190,8 @@ _MARKER = "text"  # any text: its encoding is found by position (Job._text_chunk
 # idle wait to ask
 CHECK_CLIENT_SECONDS = 0.5
 CHECK_CLIENT = object()
+# The queue item that wakes a stream's idle wait to send the chunks Job.put_nowait made but could not write
+FLUSH = object()
 
 
 class Job:
@@ -234,6 +237,15 @@ class Job:
         self._tick: asyncio.TimerHandle | None = None  # puts a CHECK_CLIENT into the queue (see _next)
         self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # per choice: a text chunk's JSON around the text
         self.closed = False
+        # A stream's chunks made as outputs arrive (put_nowait), while Job.sse's coroutine waits in _next: the
+        # response's direct writer (SSEResponse hands it over), whether the coroutine waits (parked), the chunks it
+        # must send itself (the writer could not take them, or the stream ended) and an error to raise there
+        self._writer: Callable[[bytes], bool] | None = None
+        self._parked = False
+        self._unsent: list[str] = []
+        self._push_error: Exception | None = None
+        self._reported = [0] * self.num_choices  # per choice: generated tokens whose logprobs a chunk carried
+        self._failed = False  # a stream's error event was made: the stream ends
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -258,8 +270,7 @@ class Job:
             # each prompt's n choices are sampled as a request of that prompt alone would be (same seeds)
             prompt = self.prompt_of(index)
             sampling = {**sampling_of(parsed, index % parsed.n, self.max_tokens[prompt]), **adjustments}
-            self.request_ids.append(self.state.engine.submit(self.prompts[prompt], sampling, index, self.queue,
-                                                             self.loop))
+            self.request_ids.append(self.state.engine.submit(self.prompts[prompt], sampling, index, self, self.loop))
 
     def close(self) -> None:
         """Cancel what is still running (a disconnect, a stop string, an error) and give the slots back."""
@@ -275,14 +286,37 @@ class Job:
         generated = sum(c.num_tokens_kept() for c in self.choices)
         self.state.metrics.count_tokens(0, generated)
 
-    async def _next(self, request) -> tuple[int, str]:
-        """The next (choice index, new text) from the engine; raises ConnectionError when the client left."""
+    def put_nowait(self, item: tuple) -> None:
+        """An engine output, (choice index, GenerationOutput), in the event loop (Engine.submit hands the job's outputs
+        here). While a stream's coroutine waits in _next with nothing unread, its chunks are made and written now,
+        through the response's direct writer: no wakeup of the coroutine, its generators and the response's loop per
+        token. Otherwise, or when the writer cannot take them (a slow client: they must wait for its socket), the
+        output or the chunks go to the coroutine, which sends them in order."""
+        if self._writer is None or not self._parked or self._unsent or not self.queue.empty():
+            self.queue.put_nowait(item)
+            return
+        try:
+            events: list[str] = []
+            self._add_output_events(events, *self._take(item))
+            if not self._stream_over() and (not events or self._writer("".join(events).encode())):
+                return
+            self._unsent = events  # the stream's end, or chunks the writer refused: sent by the coroutine
+        except Exception as error:  # raised by the coroutine, as if it had made the chunks
+            self._push_error = error
+        if self._tick is not None:  # the queue holds one marker at a time: FLUSH, the coroutine arms a new tick
+            self._tick.cancel()
+            self._tick = None
+        self.queue.put_nowait(FLUSH)
+
+    async def _next(self, request) -> tuple[int, str] | None:
+        """The next (choice index, new text) from the engine, or None when put_nowait left chunks to send (or an
+        error to raise); raises ConnectionError when the client left."""
         while True:
             # Ask whether the client is still there every half second, busy or not: a whole-answer request has no
             # other way to learn that its client gave up (a streamed one is also cancelled by Starlette).
             if time.monotonic() - self.last_check > CHECK_CLIENT_SECONDS:
                 self.last_check = time.monotonic()
-                if await request.is_disconnected():
+                if await client_left(request):
                     raise ConnectionError("client disconnected")
             # An idle wait ends within half a second by a CHECK_CLIENT the tick puts in the queue. One tick at a time,
             # armed when the queue is empty: a timeout per wait (asyncio.wait_for makes a task and a timer each
@@ -290,16 +324,26 @@ class Job:
             if self._tick is None and self.queue.empty():
                 self._tick = asyncio.get_running_loop().call_later(CHECK_CLIENT_SECONDS, self.queue.put_nowait,
                                                                    CHECK_CLIENT)
-            item = await self.queue.get()
+            self._parked = True
+            try:
+                item = await self.queue.get()
+            finally:
+                self._parked = False
             if item is CHECK_CLIENT:
                 self._tick = None
                 continue
-            index, output = item
-            choice = self.choices[index]
-            before = len(choice.token_ids)
-            text = choice.update(output)
-            self._time_tokens(index, len(choice.token_ids) - before)
-            return index, text
+            if item is FLUSH:
+                return None
+            return self._take(item)
+
+    def _take(self, item: tuple) -> tuple[int, str]:
+        """(choice index, new text) of an engine output, its tokens timed for the latency histograms."""
+        index, output = item
+        choice = self.choices[index]
+        before = len(choice.token_ids)
+        text = choice.update(output)
+        self._time_tokens(index, len(choice.token_ids) - before)
+        return index, text
 
     def _time_tokens(self, index: int, new_tokens: int) -> None:
         if new_tokens <= 0:
@@ -408,34 +452,54 @@ class Job:
         """The finish reason the stream's last chunk of a choice gives."""
         return choice.finish_reason
 
+    def stream_to(self, writer: Callable[[bytes], bool] | None) -> None:
+        """The response's direct writer for this stream's chunks (sse_response.SSEResponse: returns False, having
+        written nothing, when a chunk must wait for a slow client); None: none (every chunk through the coroutine)."""
+        self._writer = writer
+
+    def _stream_over(self) -> bool:
+        return self._failed or all(c.finished for c in self.choices)
+
+    def _add_output_events(self, events: list[str], index: int, text: str) -> None:
+        """Append the chunks that choice `index`'s new output makes (its new `text`): its deltas, its finish chunk
+        once finished, or the stream's error event when it failed."""
+        choice, reported = self.choices[index], self._reported
+        if choice.error is not None:
+            _, message, param, kind, code = self._failure(choice)
+            events.append(f"data: {json.dumps(error_body(message, kind, param, code))}\n\n")
+            self._failed = True
+            return
+        # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
+        end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
+        self._add_deltas(events, index, choice, text, reported, end)
+        if choice.finished:
+            events.append(self._chunk(index, None, self._finish_reason(index, choice),
+                                      logprobs=self._logprobs(choice, reported[index], end, choice.sent)))
+            reported[index] = max(reported[index], end)
+
     async def sse(self, request) -> AsyncIterator[str]:
         """Server-sent events: the kind's opening chunks, the deltas of each engine output (_add_deltas), a finish
         chunk per choice, the usage chunk when asked for, then `data: [DONE]`. Cancelled (the client left) -> the
         engine requests are too. The chunks that one engine output makes (the last text, the finish chunk, the
-        usage and [DONE]) go out in one write."""
-        reported = [0] * self.num_choices  # per choice: generated tokens whose logprobs were sent
+        usage and [DONE]) go out in one write. With a direct writer (stream_to), the outputs that arrive while this
+        coroutine waits are turned into chunks and written as they arrive (put_nowait); the stream's end, and
+        chunks a slow client makes wait, come back here."""
         try:
             opening = self._opening()
             if opening:
                 yield opening
             events: list[str] = []  # the chunks of the latest engine output, not sent yet
-            while not all(c.finished for c in self.choices):
+            while not self._stream_over():
                 if events:
                     yield "".join(events)
-                    events = []
-                index, text = await self._next(request)
-                choice = self.choices[index]
-                if choice.error is not None:
-                    _, message, param, kind, code = self._failure(choice)
-                    events.append(f"data: {json.dumps(error_body(message, kind, param, code))}\n\n")
-                    break
-                # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
-                end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
-                self._add_deltas(events, index, choice, text, reported, end)
-                if choice.finished:
-                    events.append(self._chunk(index, None, self._finish_reason(index, choice),
-                                              logprobs=self._logprobs(choice, reported[index], end, choice.sent)))
-                    reported[index] = max(reported[index], end)
+                events = []
+                taken = await self._next(request)
+                events, self._unsent = self._unsent, []  # chunks put_nowait made first: they came first
+                if self._push_error is not None:
+                    error, self._push_error = self._push_error, None
+                    raise error
+                if taken is not None:
+                    self._add_output_events(events, *taken)
             if self.parsed.include_usage:
                 body = {"id": self.id, "object": self.chunk_object, "created": self.created,
                         "model": self.parsed.model, "choices": [], "usage": self._usage()}
@@ -445,7 +509,18 @@ class Job:
         except ConnectionError:
             return
         finally:
+            self._writer = None
             self.close()
+
+
+async def client_left(request) -> bool:
+    """Whether the request's client disconnected: uvicorn's request cycle says so at once where the app sees it
+    (sse_response.HTTP_CYCLE), else Starlette asks the ASGI server (a receive under a cancelled scope, ~10x the
+    cost)."""
+    cycle = request.scope.get("extensions", {}).get(HTTP_CYCLE)
+    if cycle is not None:
+        return bool(cycle.disconnected)
+    return await request.is_disconnected()
 
 
 # The logprob reported for a token the request's masks ruled out (a grammar, min_tokens' eos mask): -inf is not JSON

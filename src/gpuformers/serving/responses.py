@@ -131,6 +131,9 @@ class ResponseJob(ChatJob):
         self.sequence_number += 1
         return f"event: {kind}\ndata: {JSON.encode(body)}\n\n"
 
+    def stream_to(self, writer) -> None:
+        """Every output through sse below (its typed events are not Job's chunks): no direct writer taken."""
+
     async def sse(self, request) -> AsyncIterator[str]:
         """The typed events of the class docstring. Cancelled (the client left) -> the engine request is too."""
         choice = self.choices[0]

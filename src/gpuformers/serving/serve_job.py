@@ -81,8 +81,8 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     state.metrics.count_tokens(sum(map(len, prompts)), 0)
     if parsed.stream:
         state.metrics.count_request(endpoint, 200)
-        return SSEResponse(job.sse(request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(job.sse(request), media_type="text/event-stream", stream_to=job.stream_to,
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         body = await job.whole(request)
     finally:

@@ -19,6 +19,10 @@ same as if it had framed them. Anywhere else (another ASGI server, h11 internals
 through `send`, as StreamingResponse does: tests/serving/test_sse_response.py checks that the direct path is the
 one taken with the installed uvicorn and h11.
 
+A producer of chunks may take the direct writer too (SSEResponse's stream_to): job.Job writes the chunks of the
+engine outputs that arrive while its iterator waits, so a token costs no wakeup of the iterator, its generators and
+this loop; what the writer refuses goes back through the iterator, in order.
+
 Offers: SSEResponse, HTTP_CYCLE, exposing_the_cycle, chunk_writer.
 """
 
@@ -69,19 +73,36 @@ def chunk_writer(cycle) -> Callable[[bytes], bool] | None:
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream StreamingResponse whose chunks skip ASGI's send where they can (module docstring)."""
+    """A text/event-stream StreamingResponse whose chunks skip ASGI's send where they can (module docstring).
+    `stream_to`: called with the direct writer (a function of bytes -> bool, as chunk_writer's) once the head is
+    sent, when there is one, so that the producer of the chunks can write those it makes outside its iterator itself
+    (job.Job.put_nowait: as the engine's outputs arrive, without a wakeup of the iterator per chunk)."""
 
     media_type = "text/event-stream"
-    direct_chunks = 0  # chunks written directly, and
+    direct_chunks = 0  # chunks written directly (by this response or through stream_to's writer), and
     sent_chunks = 0  # chunks that went through send (counted per response, for the tests)
+
+    def __init__(self, content, *args, stream_to: Callable[[Callable[[bytes], bool]], None] | None = None, **kwargs):
+        super().__init__(content, *args, **kwargs)
+        self._stream_to = stream_to
 
     async def __call__(self, scope, receive, send) -> None:
         self._cycle = scope.get("extensions", {}).get(HTTP_CYCLE) if scope["type"] == "http" else None
         await super().__call__(scope, receive, send)
 
+    def _counted(self, write: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+        def counted(data: bytes) -> bool:
+            written = write(data)
+            self.direct_chunks += written
+            return written
+
+        return counted
+
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         write = chunk_writer(self._cycle) if self._cycle is not None else None
+        if write is not None and self._stream_to is not None:
+            self._stream_to(self._counted(write))
         async for chunk in self.body_iterator:
             if not isinstance(chunk, (bytes, memoryview)):
                 chunk = chunk.encode(self.charset)
