@@ -120,3 +120,38 @@ def test_a_handler_module_imports_without_the_server():
             "gpuformers.serving.routes_responses, gpuformers.serving.routes_admin; "
             "assert 'gpuformers.serving.server' not in sys.modules, 'a handler module imported server.py'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_small_prompt_is_tokenized_on_the_event_loop_and_a_large_one_in_a_worker_thread():
+    """A hop to a worker thread and back costs more than tokenizing a short prompt (and, on a busy loop, the worker
+    waits for the GIL); a body over INLINE_PROMPT_BYTES is still tokenized off the loop, so that a long prompt does
+    not stall the other streams."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from gpuformers.serving import routes_completions
+    from gpuformers.serving.api_error import APIError
+    from gpuformers.serving.serve_job import INLINE_PROMPT_BYTES
+    from gpuformers.serving.server_state import ServerState
+
+    on_the_loop = []
+
+    class RecordingTokenizer(LetterTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            try:
+                asyncio.get_running_loop()
+                on_the_loop.append(True)
+            except RuntimeError:  # a worker thread runs no loop
+                on_the_loop.append(False)
+            return super().encode(text, add_special_tokens)
+
+    app = bare_app(routes_completions)
+    app.state.serving = ServerState(CountingManager(), RecordingTokenizer(), "m", max_model_len=8192, api_key=None,
+                                    max_pending=8)
+    http = TestClient(app)
+    small = http.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 2})
+    assert small.status_code == 200
+    with pytest.raises(APIError, match="maximum context length"):  # (a bare app: no handler makes it the 400)
+        http.post("/v1/completions", json={"model": "m", "prompt": "a" * INLINE_PROMPT_BYTES, "max_tokens": 2})
+    assert on_the_loop == [True, False]

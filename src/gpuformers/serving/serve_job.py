@@ -3,7 +3,7 @@ a parsed request to its answer, given the endpoint's own parts (how its prompt b
 its default max_tokens):
 
     parsed request -> shutting down? n too large? model or adapter known? -> sampling defaults filled
-                   -> prompts_of (in a worker thread) -> length checks -> grammar (answer_grammar.py)
+                   -> prompts_of (a large request's in a worker thread) -> length checks -> grammar (answer_grammar.py)
                    -> job_class (n engine requests per prompt) -> SSE stream, or the whole JSON answer
 
 Offers: serve_job, SAMPLING_EPS.
@@ -34,13 +34,25 @@ logger = logging.getLogger(__name__)
 # top_p rounds to 0, and either makes the sampler's probabilities nan, which fails every request in the engine step
 SAMPLING_EPS = 1e-5
 
+# A request body up to this many bytes has its prompt tokenized on the event loop (well under a millisecond); a larger
+# one (or one of unknown size: no Content-Length) in a worker thread
+INLINE_PROMPT_BYTES = 16 * 1024
+
+
+def _body_size(request: Request) -> float:
+    """The request body's bytes as its Content-Length says (infinity when it does not)."""
+    try:
+        return int(request.headers.get("content-length", ""))
+    except ValueError:
+        return float("inf")
+
 
 async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, job_class: type[Job],
                     prompts_of: Callable[[ServerState, CompletionRequest], list[list[int]]],
                     default_max_tokens: int | None = None):
     """The answer to `parsed` (an SSEResponse, a dict, or an empty 499 when the client left first).
     `prompts_of(state, parsed)` gives each prompt's token ids (one prompt, but for a completions batch; it runs off
-    the event loop); `default_max_tokens`
+    the event loop for a body over INLINE_PROMPT_BYTES); `default_max_tokens`
     is what an omitted max_tokens means before the model's generation config caps it (None: the rest of the
     context). `endpoint` is the path /metrics counts the request under."""
     state: ServerState = request.app.state.serving
@@ -58,8 +70,12 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     adapter = state.adapter_of(parsed.model)  # None for the base model, else a LoRA adapter's name
     state.sampling_defaults.fill(parsed)  # before the Job: a Response object repeats the values used
     # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
-    # that other clients' streams keep flowing meanwhile
-    prompts = await asyncio.to_thread(prompts_of, state, parsed)
+    # that other clients' streams keep flowing meanwhile; a small request's is done here, in less time than the hop
+    # to a worker thread and back costs (and, on a busy loop, than the worker's wait for the GIL)
+    if _body_size(request) <= INLINE_PROMPT_BYTES:
+        prompts = prompts_of(state, parsed)
+    else:
+        prompts = await asyncio.to_thread(prompts_of, state, parsed)
     max_tokens = [_check_lengths(state, parsed, len(ids), default_max_tokens,
                                  "" if len(prompts) == 1 else f"prompt[{index}]: ")
                   for index, ids in enumerate(prompts)]
