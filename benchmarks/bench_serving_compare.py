@@ -1,24 +1,28 @@
 """bench_serving.py --compare: what the HTTP front end costs, with the real server and real (raw-socket) clients.
 
-For each client count and each --api-server-count, a fresh `gpuformers serve` answers a warm-up round and then C
-streaming /v1/completions clients at once (prompts of random token ids, --output-len tokens each, eos ignored),
-opened by a client process (this file run as a script: asyncio and raw sockets, no tokenizer), which records when
-each chunk arrives. Beside it, the engine alone (a ContinuousBatchingManager in this process on the same checkpoint
-and cache settings, run_until_done) on the same requests. Each server process's CPU time over the round (its CPU
-clocks: psutil) divided by the tokens streamed is its host CPU per token.
+For each client count, each --api-server-count's `gpuformers serve` (and vLLM's server, below) is started and answers
+a warm-up round; then --repeats rounds (default 3) of C streaming /v1/completions clients at once (prompts of random
+token ids, --output-len tokens each, eos ignored; each round its own prompts, so no round finds another's prefix in
+a cache), opened by a client process (this file run as a script: asyncio and raw sockets, no tokenizer), which
+records when each chunk arrives. Beside them, the engine alone (a ContinuousBatchingManager in this process on the
+same checkpoint and cache settings, run_until_done) on the same requests. The rounds are interleaved (engine alone,
+then each server in turn, per repeat; the servers not measured sit idle), so that a slower minute of a shared
+machine slows every side; each side's median round is reported with every round's throughput beside it, and the
+ratios are the median of each repeat's (a round against the engine alone's and vLLM's of the same repeat). Each server process's CPU time over a round (its CPU clocks: psutil) divided by the tokens streamed is its host
+CPU per token.
 
     python benchmarks/bench_serving.py --compare --shape micro --client-counts 64 256 --output-len 64 64
     python benchmarks/bench_serving.py --compare --shape host --client-counts 256 --vllm-python V/bin/python
 
 With --vllm-python, vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, from its own virtualenv) runs
-the same rounds on the same checkpoint, float32, after our servers of each row: on the CPU with every core computing
+the same rounds on the same checkpoint, float32: on the CPU with every core computing
 (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and VLLM_CPU_KVCACHE_SPACE=2 GiB; its processes' CPU is
-counted the same way. Every server and the engine alone hold up to max(--client-counts) requests per step (both
-servers' --max-num-seqs): each client count runs in one batch on either side, whatever the servers' defaults (ours is
-128 on the CPU, vLLM's OpenAI server's 128 too). The clients parse both servers' JSON (vLLM's is compact: no spaces
-after colons).
+counted the same way; each of our rows then has server_over_vllm (medians) and each round's ratio. Every server and
+the engine alone hold up to max(--client-counts) requests per step (both servers' --max-num-seqs): each client
+count runs in one batch on either side, whatever the servers' defaults (ours is 128 on the CPU, vLLM's OpenAI
+server's 128 too). The clients parse both servers' JSON (vLLM's is compact: no spaces after colons).
 
-Offers: compare (called by bench_serving.py), and the client process's main.
+Offers: compare (called by bench_serving.py), EngineAlone, Server, and the client process's main.
 """
 
 from __future__ import annotations
@@ -81,35 +85,38 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def engine_alone(model_dir: Path, requests: list[tuple[list[int], int]], num_blocks: int | None,
-                 compile: bool = False, max_num_seqs: int | None = None) -> tuple[float, int]:
-    """Output tok/s of the engine alone on these requests (greedy, eos ignored), after a warm-up, and the engine
-    steps it took; `max_num_seqs`: the requests one step may hold (the servers' --max-num-seqs)."""
-    import torch
+class EngineAlone:
+    """The engine alone: a ContinuousBatchingManager in this process on the checkpoint, with the servers' cache
+    settings; `max_num_seqs`: the requests one step may hold (the servers' --max-num-seqs). Warmed up on `warm_up`."""
 
-    from gpuformers import AutoModelForCausalLM
-    from gpuformers.engine.config import ContinuousBatchingConfig
+    def __init__(self, model_dir: Path, warm_up: list[tuple[list[int], int]], num_blocks: int | None,
+                 compile: bool = False, max_num_seqs: int | None = None):
+        import torch
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, progress=False)
-    manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
-        num_blocks=num_blocks, max_memory_percent=0.9, compile=compile or None, max_requests_per_batch=max_num_seqs))
-    manager.runner.reserve_cache()
-    for prompt, tokens in requests[:16]:  # warm-up
-        manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
-    manager.run_until_done()
-    while manager.get_result(timeout=0) is not None:
-        pass
-    start, steps = time.perf_counter(), manager.num_steps
-    for prompt, tokens in requests:
-        manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
-    manager.run_until_done()
-    seconds, steps = time.perf_counter() - start, manager.num_steps - steps
-    produced = 0
-    while (output := manager.get_result(timeout=0)) is not None:
-        produced += len(output.generated_tokens)
-    assert produced == sum(tokens for _, tokens in requests), produced
-    return produced / seconds, steps
+        from gpuformers import AutoModelForCausalLM
+        from gpuformers.engine.config import ContinuousBatchingConfig
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, progress=False)
+        self.manager = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=num_blocks, max_memory_percent=0.9, compile=compile or None,
+            max_requests_per_batch=max_num_seqs))
+        self.manager.runner.reserve_cache()
+        self.run(warm_up)
+
+    def run(self, requests: list[tuple[list[int], int]]) -> tuple[float, int]:
+        """Output tok/s on these requests (greedy, eos ignored, all added at once) and the engine steps taken."""
+        manager = self.manager
+        start, steps = time.perf_counter(), manager.num_steps
+        for prompt, tokens in requests:
+            manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
+        manager.run_until_done()
+        seconds, steps = time.perf_counter() - start, manager.num_steps - steps
+        produced = 0
+        while (output := manager.get_result(timeout=0)) is not None:
+            produced += len(output.generated_tokens)
+        assert produced == sum(tokens for _, tokens in requests), produced
+        return produced / seconds, steps
 
 
 def _cpu_seconds(processes) -> dict[int, float]:
@@ -187,59 +194,75 @@ def start_vllm(python: str, model: Path, port: int, args) -> subprocess.Popen:
     raise RuntimeError("vLLM's server was not ready within 600 s")
 
 
-def measure(bench, model: Path, args, clients: int, count: int, requests, tmp: Path) -> dict:
-    """One row: `count` API servers of ours (0: vLLM's server) answering `clients` streaming clients."""
-    import psutil
+class Server:
+    """One server of a row: `count` API servers of ours (0: vLLM's server), started, answering rounds, stopped."""
 
-    port = bench.free_port()
-    args.clients = clients
-    if count:
-        server = bench.start_server(model, port, args, "--api-server-count", str(count), "--max-num-seqs",
-                                    str(max(args.client_counts)))
-    else:
-        server = start_vllm(args.vllm_python, model, port, args)
-    try:
-        core = psutil.Process(server.pid)
-        processes = [core, *core.children(recursive=count == 0)]
+    def __init__(self, bench, model: Path, args, count: int, tmp: Path):
+        import psutil
+
+        self.count, self.tmp, self.port = count, tmp, bench.free_port()
+        if count:
+            self.process = bench.start_server(model, self.port, args, "--api-server-count", str(count),
+                                              "--max-num-seqs", str(max(args.client_counts)))
+        else:
+            self.process = start_vllm(args.vllm_python, model, self.port, args)
+        core = psutil.Process(self.process.pid)
+        self.processes = [core, *core.children(recursive=count == 0)]
+        self.names = (["core" if count > 1 else "server"] + [f"api{i}" for i in range(len(self.processes) - 1)]
+                      if count else ["vllm"] + [f"vllm{i}" for i in range(1, len(self.processes))])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+    def _client(self, requests: list[tuple[list[int], int]]) -> dict:
+        """The client process's round: every request at once, streamed; its report."""
         bodies = [{"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
                    "ignore_eos": True, "stream_options": {"include_usage": True}} for prompt, tokens in requests]
-        file = tmp / f"bodies-{clients}-{count}.json"
-        command = [sys.executable, __file__, str(port), str(file)]
-        file.write_text(json.dumps(bodies[:min(32, clients)]))
-        subprocess.run(command, check=True)  # warm-up
+        file = self.tmp / f"bodies-{self.port}.json"
         file.write_text(json.dumps(bodies))
-        steps = _engine_steps(port) if count else None
+        subprocess.run([sys.executable, __file__, str(self.port), str(file)], check=True)
+        return json.loads(file.read_text())
+
+    def warm_up(self, requests: list[tuple[list[int], int]]) -> None:
+        self._client(requests)
+
+    def round(self, requests: list[tuple[list[int], int]]) -> dict:
+        """One measured round of len(requests) streaming clients: the row's figures."""
+        count, processes = self.count, self.processes
+        steps = _engine_steps(self.port) if count else None
         before, sched = _cpu_seconds(processes), _schedstats(processes)
-        subprocess.run(command, check=True)
+        report = self._client(requests)
         after, sched_after = _cpu_seconds(processes), _schedstats(processes)
         if count:
-            steps = _engine_steps(port) - steps
-        report = json.loads(file.read_text())
-    finally:
-        server.terminate()
-        server.wait(60)
-    results = report["results"]
-    assert all(r["done"] and r["tokens"] == tokens for r, (_, tokens) in zip(results, requests)), \
-        "an answer was not whole"
-    tokens = sum(r["tokens"] for r in results)
-    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    ttft = [r["times"][0][0] - r["start"] for r in results if r["times"]]
-    itl = []
-    for r in results:
-        for (a, _), (b, events) in zip(r["times"], r["times"][1:]):
-            itl += [(b - a) / events] * events  # chunks that arrived in one read share the gap
-    names = (["core" if count > 1 else "server"] + [f"api{i}" for i in range(len(processes) - 1)] if count
-             else ["vllm"] + [f"vllm{i}" for i in range(1, len(processes))])
-    cpu = {name: round(1e6 * (after.get(p.pid, 0) - before.get(p.pid, 0)) / tokens, 1)
-           for name, p in zip(names, processes)}
-    cpu["all_server"] = round(sum(cpu.values()), 1)
-    cpu["client"] = round(1e6 * report["client_cpu"] / tokens, 1)
-    return dict(clients=clients, api_server_count=count if count else "vllm", tokens=tokens, seconds=round(seconds, 2),
-                server_tok_s=round(tokens / seconds), ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
-                ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1), itl_p50_ms=round(1000 * _percentile(itl, 50), 2),
-                itl_p99_ms=round(1000 * _percentile(itl, 99), 2), engine_steps=steps, cpu_us_per_token=cpu,
-                busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds),
-                first_process_threads_us_per_token=_first_process_threads(processes[0], sched, sched_after, tokens))
+            steps = _engine_steps(self.port) - steps
+        results = report["results"]
+        assert all(r["done"] and r["tokens"] == tokens for r, (_, tokens) in zip(results, requests)), \
+            "an answer was not whole"
+        tokens = sum(r["tokens"] for r in results)
+        seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+        ttft = [r["times"][0][0] - r["start"] for r in results if r["times"]]
+        itl = []
+        for r in results:
+            for (a, _), (b, events) in zip(r["times"], r["times"][1:]):
+                itl += [(b - a) / events] * events  # chunks that arrived in one read share the gap
+        cpu = {name: round(1e6 * (after.get(p.pid, 0) - before.get(p.pid, 0)) / tokens, 1)
+               for name, p in zip(self.names, processes)}
+        cpu["all_server"] = round(sum(cpu.values()), 1)
+        cpu["client"] = round(1e6 * report["client_cpu"] / tokens, 1)
+        return dict(clients=len(requests), api_server_count=count if count else "vllm", tokens=tokens,
+                    seconds=round(seconds, 2), server_tok_s=round(tokens / seconds),
+                    ttft_p50_ms=round(1000 * _percentile(ttft, 50), 1),
+                    ttft_p99_ms=round(1000 * _percentile(ttft, 99), 1),
+                    itl_p50_ms=round(1000 * _percentile(itl, 50), 2), itl_p99_ms=round(1000 * _percentile(itl, 99), 2),
+                    engine_steps=steps, cpu_us_per_token=cpu,
+                    busiest_thread_waiting_for_cpu_pct=_busiest_thread_waiting(sched, sched_after, seconds),
+                    first_process_threads_us_per_token=_first_process_threads(processes[0], sched, sched_after,
+                                                                               tokens))
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def compare(args, bench) -> None:
@@ -248,26 +271,59 @@ def compare(args, bench) -> None:
     output_len = args.output_len or (64, 64)
     # every request's blocks fit at once (prompt + answer in 64-token blocks), the same for the server and engine
     args.num_blocks = args.num_blocks or max(512, max(args.client_counts) * -(-(prompt_len[1] + output_len[1]) // 64))
+    repeats = args.repeats
+    vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
+
+    def requests_of(seed: int, clients: int) -> list[tuple[list[int], int]]:
+        rng = random.Random(seed)
+        return [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
+                 rng.randint(*output_len)) for _ in range(clients)]
+
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         model = Path(args.model) if args.model else bench.make_checkpoint(tmp / "model", shape)
         for clients in args.client_counts:
-            rng = random.Random(args.seed)
-            vocab = bench.SHAPES.get(shape, {}).get("vocab_size", 151936) if not args.model else 150000
-            requests = [([rng.randrange(100, min(150000, vocab)) for _ in range(rng.randint(*prompt_len))],
-                         rng.randint(*output_len)) for _ in range(clients)]
-            alone, alone_steps = engine_alone(model, requests, args.num_blocks, args.compile, max(args.client_counts))
-            print(json.dumps({"clients": clients, "engine_alone_tok_s": round(alone), "engine_alone_steps": alone_steps}),
-                  flush=True)
-            for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
-                row = measure(bench, model, args, clients, count, requests, tmp)
-                row.update(engine_alone_tok_s=round(alone), engine_alone_steps=alone_steps,
-                           server_over_engine=round(row["server_tok_s"] / alone, 2))
+            # each repeat its own prompts (no prefix cached from an earlier round), the warm-up others again
+            sets = [requests_of(args.seed + repeat, clients) for repeat in range(repeats)]
+            warm_up = requests_of(args.seed + 1000, min(32, clients))
+            alone = EngineAlone(model, warm_up[:16], args.num_blocks, args.compile, max(args.client_counts))
+            servers, args.clients = [], clients  # (bench.start_server's --max-pending)
+            try:
+                for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
+                    servers.append(Server(bench, model, args, count, tmp))
+                    servers[-1].warm_up(warm_up)
+                alone_runs, runs = [], {server.count: [] for server in servers}
+                for repeat in range(repeats):  # interleaved: a slower minute of the machine hits every side
+                    alone_runs.append(alone.run(sets[repeat]))
+                    print(json.dumps({"clients": clients, "repeat": repeat, "engine_alone_tok_s":
+                                      round(alone_runs[-1][0]), "engine_alone_steps": alone_runs[-1][1]}), flush=True)
+                    for server in servers:
+                        runs[server.count].append(server.round(sets[repeat]))
+                        print(json.dumps({"repeat": repeat, **runs[server.count][-1]}), flush=True)
+            finally:
+                for server in servers:
+                    server.stop()
+            alone_tok_s = [tok_s for tok_s, _ in alone_runs]
+            vllm = [row["server_tok_s"] for row in runs.get(0, [])]
+            for count, measured in runs.items():
+                tok_s = [row["server_tok_s"] for row in measured]
+                # the median round's figures, with each round's throughput and ratios beside them
+                row = dict(sorted(measured, key=lambda row: row["server_tok_s"])[len(measured) // 2])
+                row.update(repeats=repeats, server_tok_s=round(_median(tok_s)), server_tok_s_each=tok_s,
+                           engine_alone_tok_s=round(_median(alone_tok_s)),
+                           engine_alone_tok_s_each=[round(value) for value in alone_tok_s],
+                           engine_alone_steps=alone_runs[0][1],
+                           # each round against the engine alone's (and vLLM's) of the same repeat, run beside it
+                           server_over_engine=round(_median([a / b for a, b in zip(tok_s, alone_tok_s)]), 2),
+                           server_over_engine_each=[round(a / b, 2) for a, b in zip(tok_s, alone_tok_s)])
+                if vllm and count:
+                    row.update(server_over_vllm=round(_median([a / b for a, b in zip(tok_s, vllm)]), 2),
+                               server_over_vllm_each=[round(a / b, 2) for a, b in zip(tok_s, vllm)])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"shape={shape} prompt_len={prompt_len} output_len={output_len} num_blocks={args.num_blocks} "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} cores={os.cpu_count()}")
+          f"repeats={repeats} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} cores={os.cpu_count()}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(shape=shape, rows=rows), indent=2))
 
