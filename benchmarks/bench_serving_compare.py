@@ -1,7 +1,7 @@
 """bench_serving.py --compare: what the HTTP front end costs, with the real server and real (raw-socket) clients.
 
 For each client count, each --api-server-count's `gpuformers serve` (and vLLM's server, below) is started and answers
-a warm-up round; then --repeats rounds (default 3) of C streaming /v1/completions clients at once (prompts of random
+a warm-up round of as many clients (other prompts); then --repeats rounds (default 3) of C streaming /v1/completions clients at once (prompts of random
 token ids, --output-len tokens each, eos ignored; each round its own prompts, so no round finds another's prefix in
 a cache), opened by a client process (this file run as a script: asyncio and raw sockets, no tokenizer), which
 records when each chunk arrives. Beside them, the engine alone (a ContinuousBatchingManager in this process on the
@@ -286,8 +286,10 @@ def compare(args, bench) -> None:
         for clients in args.client_counts:
             # each repeat its own prompts (no prefix cached from an earlier round), the warm-up others again
             sets = [requests_of(args.seed + repeat, clients) for repeat in range(repeats)]
-            warm_up = requests_of(args.seed + 1000, min(32, clients))
-            alone = EngineAlone(model, warm_up[:16], args.num_blocks, args.compile, max(args.client_counts))
+            # a whole round's worth: the first batch of each size and prefill chunk builds its oneDNN primitives
+            # (ours and vLLM's), which made a first measured round up to 25% slower after a 32-request warm-up
+            warm_up = requests_of(args.seed + 1000, clients)
+            alone = EngineAlone(model, warm_up, args.num_blocks, args.compile, max(args.client_counts))
             servers, args.clients = [], clients  # (bench.start_server's --max-pending)
             try:
                 for count in [*args.api_server_counts, *([0] if args.vllm_python else [])]:  # 0: vLLM's server
