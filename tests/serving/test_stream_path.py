@@ -381,6 +381,7 @@ def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, st
                                             count_tokens=lambda prompt, generated: None)
         job.state.engine = SimpleNamespace(cancel=lambda request_id: None, release=lambda count: None)
         job.state.manager = SimpleNamespace(is_running=lambda: True)
+        job.state.token_texts = TokenTexts(job.state.tokenizer)
         job.choices = [job_module.ChoiceText(job.state.tokenizer, parsed.stop, 8, set())
                        for _ in range(job.num_choices)]
         job.request_ids = [f"r{index}" for index in range(job.num_choices)]
@@ -403,8 +404,10 @@ def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, st
         for index, tokens, done in outputs:
             for _ in range(3):  # the coroutine sends what it holds and waits again
                 await asyncio.sleep(0)
-            job.put_nowait((index, GenerationOutput(f"r{index}", generated_tokens=list(tokens),
-                                                    status=RequestStatus.FINISHED if done else RequestStatus.DECODING)))
+            job.put_nowait((index, GenerationOutput(
+                f"r{index}", generated_tokens=list(tokens), logprobs=[-0.25 * t for t in tokens],
+                top_logprobs=[[(t, -0.25 * t), (t + 1, -1.5)] for t in tokens],
+                status=RequestStatus.FINISHED if done else RequestStatus.DECODING)))
         await asyncio.wait_for(task, timeout=10)
         return job
 
@@ -418,10 +421,13 @@ OUTPUTS = [(0, [0], False), (1, [2], False), (0, [0, 1], False), (1, [2, 3], Fal
            (1, [2, 3, 4], False), (0, [0, 1, 2, 5], True), (1, [2, 3, 4, 6], False)]
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["text", "logprobs"])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_chunks_written_as_outputs_arrive_are_the_chunks_the_stream_yields(kind):
+def test_chunks_written_as_outputs_arrive_are_the_chunks_the_stream_yields(kind, logprobs):
     body = {"kind": kind, "model": "m", "stream": True, "n": 2, "stop": ["de"],
             "stream_options": {"include_usage": True}}
+    if logprobs:  # each chunk carries the logprobs of the tokens since the last one: bookkeeping across both paths
+        body.update({"logprobs": True, "top_logprobs": 2} if kind == "chat" else {"logprobs": 2})
     through_the_coroutine = streamed(dict(body), OUTPUTS)
     written = streamed(dict(body), OUTPUTS, writer_takes=lambda call: True)
     assert "".join(text for _, text in written) == "".join(text for _, text in through_the_coroutine)
