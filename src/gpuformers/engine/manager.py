@@ -232,7 +232,7 @@ class ContinuousBatchingManager:
             return  # a follower's outputs: the leader publishes the same ones
         output = GenerationOutput(
             request_id=seq.request_id,
-            prompt_ids=list(seq.prompt_ids),
+            prompt_ids=seq.output_prompt_ids,  # one copy per request, shared by its outputs
             generated_tokens=list(seq.generated_ids),
             logprobs=list(seq.logprobs),
             top_logprobs=list(seq.top_logprobs),

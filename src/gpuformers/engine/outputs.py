@@ -37,6 +37,7 @@ class GenerationOutput:
     """One request's result (or, while streaming, its progress so far)."""
 
     request_id: str
+    # the request's outputs share one list (the engine keeps its own: changing it changes nothing the engine reads)
     prompt_ids: list[int] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

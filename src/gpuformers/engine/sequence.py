@@ -201,6 +201,7 @@ class Sequence:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token id")
         self.request_id = request_id
         self.prompt_ids = [int(t) for t in prompt_ids]
+        self._output_prompt_ids: list[int] | None = None  # (output_prompt_ids)
         self.generated_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per generated token, when params.top_logprobs
@@ -237,6 +238,16 @@ class Sequence:
         self.created_time = 0.0
 
     # --- derived values -----------------------------------------------------------------------------------------
+
+    @property
+    def output_prompt_ids(self) -> list[int]:
+        """The prompt as the request's outputs carry it: one copy, made for the first output and shared by all of
+        them, apart from the engine's own list (a caller that changes an output's prompt changes nothing the engine
+        reads). A copy per output cost ~10 us per streaming request and step for a 4k-token prompt: at 256 streams
+        of 2k-6k-token prompts, 7.8 of a step's 11.6 ms of host work (bench_engine_host.py --streaming)."""
+        if self._output_prompt_ids is None:
+            self._output_prompt_ids = list(self.prompt_ids)
+        return self._output_prompt_ids
 
     @property
     def token_ids(self) -> list[int]:
