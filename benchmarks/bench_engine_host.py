@@ -12,6 +12,7 @@ Reports milliseconds per step and per phase at each batch size, with the default
 
     python benchmarks/bench_engine_host.py                       # 64, 128, 256 running requests
     python benchmarks/bench_engine_host.py --rows 256 --block-size 16 --steps 100
+    python benchmarks/bench_engine_host.py --rows 256 --core --generated 4000   # serve's engine core, long answers
 """
 
 from __future__ import annotations
@@ -97,31 +98,52 @@ def timed_phases(manager, totals: dict[str, float]) -> None:
 
 
 def measure(rows: int, block_size: int, steps: int, prompt_range: tuple[int, int], vocab: int,
-            streaming: bool) -> dict[str, float]:
-    """ms per step, in total and per phase, with `rows` requests decoding."""
+            streaming: bool, generated: int = 0, core: bool = False) -> dict[str, float]:
+    """ms per step, in total and per phase, with `rows` requests decoding (each with `generated` tokens answered
+    before the timed steps). `core`: each request's outputs go to a callback as the engine core's
+    (serving/engine_core.py) do, and after each step their new tokens become the core's message rows (timed: the
+    core does it in the engine's thread)."""
+    import collections
+
+    from gpuformers.serving.engine_wire import OutputDeltas
     model = stand_in_model(vocab)
     low, high = prompt_range
-    max_len = high + steps + 64
+    max_len = high + generated + steps + 64
     blocks = rows * (-(-max_len // block_size) + 1)
     manager = model.init_continuous_batching(
         eos_token_id=None, block_size=block_size, num_blocks=blocks, max_batch_tokens=rows * high,
         max_requests_per_batch=rows, use_async_batching=True)
     manager.runner.decoder = ZeroDecoder(model.config.hidden_size)
     rng = random.Random(0)
+    pending, deltas = collections.deque(), OutputDeltas()
     for _ in range(rows):
+        callback = dict(on_output=pending.append, share_lists=True) if core else {}
         manager.add_request([rng.randrange(vocab) for _ in range(rng.randint(low, high))],
-                            max_new_tokens=steps + 32, ignore_eos=True, streaming=streaming)
+                            max_new_tokens=generated + steps + 32, ignore_eos=True, streaming=streaming, **callback)
+
+    def core_rows():
+        while pending:
+            deltas.row(pending.popleft())
+
     while any(seq.num_output_tokens == 0 for seq in manager.scheduler.running) or manager.scheduler.waiting:
         manager.step()  # prefill everything, untimed
-    for _ in range(3):
+        core_rows()
+    for _ in range(3 + generated):
         manager.step()
+        core_rows()
+        for stream in manager.outbox.streams.values():
+            while not stream.empty():
+                stream.get_nowait()
     assert len(manager.scheduler.running) == rows, "every request should be decoding"
-    totals = {phase: 0.0 for phase in [*PHASES, "sample (launch)", "model (stand-in)"]}
+    totals = {phase: 0.0 for phase in [*PHASES, "sample (launch)", "model (stand-in)", "core rows"]}
     timed_phases(manager, totals)
     elapsed = 0.0
     for _ in range(steps):
         start = time.perf_counter()
         manager.step()
+        rows_start = time.perf_counter()
+        core_rows()
+        totals["core rows"] += time.perf_counter() - rows_start
         elapsed += time.perf_counter() - start
         for stream in manager.outbox.streams.values():  # the readers' work (a server's other thread): untimed
             while not stream.empty():
@@ -147,14 +169,20 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--streaming", action="store_true", help="requests stream (the server's case): each step "
                         "publishes every request's output so far")
+    parser.add_argument("--core", action="store_true", help="requests stream to the engine core's callback "
+                        "(gpuformers serve --api-server-count N > 1), whose rows for the API servers are made after "
+                        "each step (timed as 'core rows')")
+    parser.add_argument("--generated", type=int, default=0, help="tokens each request has answered before the "
+                        "timed steps (long answers: a reasoning model's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     print(f"engine host work per decode step (ms), block_size {args.block_size}, prompts of "
-          f"[{args.min_prompt}, {args.max_prompt}] tokens, async batching, {'streaming, ' if args.streaming else ''}"
+          f"[{args.min_prompt}, {args.max_prompt}] tokens, {args.generated} answered before, async batching, "
+          f"{'streaming, ' if args.streaming else ''}{'to the engine core, ' if args.core else ''}"
           f"a stand-in model with no compute")
     results = {rows: measure(rows, args.block_size, args.steps, (args.min_prompt, args.max_prompt), args.vocab,
-                             args.streaming) for rows in args.rows}
+                             args.streaming, args.generated, args.core) for rows in args.rows}
     names = list(next(iter(results.values())))
     print("| phase | " + " | ".join(f"{rows} rows" for rows in results) + " |")
     print("| --- |" + " --- |" * len(results))

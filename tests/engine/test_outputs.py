@@ -161,3 +161,38 @@ def test_a_caller_that_changes_an_outputs_prompt_changes_nothing_the_engine_read
         second = manager.get_result(again, timeout=60)
     assert [finals[i] for i in ids] == reference and second.generated_tokens == reference[0]
     assert [prompts_seen[i] for i in ids] == [list(p) for p in prompts]
+
+
+def test_outputs_that_share_the_requests_lists_carry_every_token_to_a_reader_in_the_engines_thread():
+    """share_lists (the engine core's callback): no copy of the answer per output and step; a reader that takes
+    each output's new tokens before the next step (after_step, as the core does) gets every token once, in order;
+    the default still gives each output a snapshot of its own."""
+    model = tiny_model()
+    prompts = make_prompts(3)
+    reference = greedy_reference(model, prompts)
+    pending, taken, shared_outputs = [], {}, {}
+
+    def take_new_tokens():  # the core's OutputDeltas, in the engine's thread after each step
+        while pending:
+            output = pending.pop(0)
+            tokens = taken.setdefault(output.request_id, [])
+            tokens += output.generated_tokens[len(tokens):]
+
+    with model.init_continuous_batching(eos_token_id=None, block_size=8, num_blocks=64) as manager:
+        manager.after_step = take_new_tokens
+        ids = [manager.add_request(p, max_new_tokens=NEW_TOKENS, on_output=lambda o: (
+            pending.append(o), shared_outputs.setdefault(o.request_id, []).append(o)), share_lists=True)
+               for p in prompts]
+        snapshots = []
+        copied = manager.add_request(prompts[0], max_new_tokens=NEW_TOKENS, on_output=snapshots.append)
+        deadline = time.monotonic() + 60
+        while not (snapshots and snapshots[-1].is_finished()) or any(
+                len(taken.get(i, [])) < NEW_TOKENS for i in ids):
+            assert time.monotonic() < deadline, "not every request finished"
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match="share_lists=True is for an on_output callback"):
+            manager.add_request(prompts[0], max_new_tokens=2, share_lists=True)
+    assert [taken[i] for i in ids] == reference
+    # the shared outputs are the request's own lists: the first one has grown to the whole answer
+    assert all(shared_outputs[i][0].generated_tokens == reference[k] for k, i in enumerate(ids))
+    assert [len(o.generated_tokens) for o in snapshots] == list(range(1, NEW_TOKENS + 1)) and copied

@@ -230,12 +230,14 @@ class ContinuousBatchingManager:
     def _publish_one(self, seq: Sequence, final: bool) -> None:
         if self._lockstep is not None and not self._lockstep.is_leader:
             return  # a follower's outputs: the leader publishes the same ones
+        # a final output's lists change no more, and a reader that shares them reads them before the next step
+        copy = (lambda items: items) if final or seq.shares_output_lists else list
         output = GenerationOutput(
             request_id=seq.request_id,
             prompt_ids=seq.output_prompt_ids,  # one copy per request, shared by its outputs
-            generated_tokens=list(seq.generated_ids),
-            logprobs=list(seq.logprobs),
-            top_logprobs=list(seq.top_logprobs),
+            generated_tokens=copy(seq.generated_ids),
+            logprobs=copy(seq.logprobs),
+            top_logprobs=copy(seq.top_logprobs),
             prompt_logprobs=list(seq.prompt_logprobs),
             prompt_top_logprobs=list(seq.prompt_top_logprobs),
             error=seq.error,
@@ -383,7 +385,8 @@ class ContinuousBatchingManager:
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, adapter_name: str | None = None,
-                    on_output: Callable[[GenerationOutput], None] | None = None, **sampling) -> str:
+                    on_output: Callable[[GenerationOutput], None] | None = None, share_lists: bool = False,
+                    **sampling) -> str:
         """Queue one prompt (a list of token ids); returns its request id. `adapter_name`: one of `adapters` (None:
         the base model). `sampling` overrides this request's temperature, top_p, top_k, min_p, do_sample, stop,
         seed, ignore_eos, repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens, logit_bias,
@@ -392,7 +395,15 @@ class ContinuousBatchingManager:
         reach a step; so does a `request_id` whose earlier request's final output has not been taken yet.
         `on_output` (not in transformers): a callback that gets every output of the request (streamed, then the final
         one) in the engine's thread, instead of get_result / request_id_iter; it must return at once (hand the output
-        to another thread or event loop) and a callback that raises gets nothing more."""
+        to another thread or event loop) and a callback that raises gets nothing more. `share_lists` (with on_output):
+        its streamed outputs hold the request's own generated_tokens, logprobs and top_logprobs lists, not copies (a
+        copy per output and step costs O(answer length): milliseconds per step at 256 streams of long answers), for
+        a callback that reads them before the engine's next step, in the engine's thread (after_step), and keeps
+        none of them: the engine core's (serving/engine_core.py), which sends each step's new tokens on. A final
+        output never copies: its lists do not change any more."""
+        if share_lists and on_output is None:
+            raise ValueError("share_lists=True is for an on_output callback that reads each output before the "
+                             "engine's next step; without on_output the outputs wait for their readers: leave it False")
         if self.broken is not None and not self.is_running():
             raise RuntimeError(f"the engine loop has stopped ({self.broken}); start() it again, or make a new manager")
         if adapter_name is not None:
@@ -415,6 +426,7 @@ class ContinuousBatchingManager:
             seq = Sequence(request_id, input_ids, params, streaming=streaming, adapter_name=adapter_name)
             seq.adapter_id = self.adapter_bank.adapter_id(adapter_name) if adapter_name is not None else None
             seq.created_time = time.time()
+            seq.shares_output_lists = share_lists
             return seq
 
         streaming = streaming or on_output is not None  # a callback is called on every update

@@ -202,6 +202,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_ids = [int(t) for t in prompt_ids]
         self._output_prompt_ids: list[int] | None = None  # (output_prompt_ids)
+        self.shares_output_lists = False  # its outputs hold its own lists (manager.add_request's share_lists)
         self.generated_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per generated token, when params.top_logprobs

@@ -255,8 +255,9 @@ class EngineCore:
                         raise ValueError("its grammar never reached the engine core")
                     sampling["structured_output"] = self._grammars[key]
                 self._requests[index].add(request_id)
+                # share_lists: _flush reads each output's new tokens before the engine's next step, in its thread
                 self.manager.add_request(prompt, request_id=request_id, streaming=True,
-                                         on_output=self._callbacks[index], **sampling)
+                                         on_output=self._callbacks[index], share_lists=True, **sampling)
                 logger.debug("%s (api server %d): %d prompt tokens", request_id, index, len(prompt))
             except (ValueError, RuntimeError, TypeError) as error:  # what add_request refuses: the request fails
                 self._requests[index].discard(request_id)
