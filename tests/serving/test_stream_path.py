@@ -362,10 +362,15 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
-def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, str]]:
+def streamed(body: dict, outputs: list, writer_takes=None, assembled: bool = False, bursts: int = 1,
+             timed: list | None = None) -> list[tuple[str, str]]:
     """Job.sse of a request whose engine outputs are `outputs` ((choice, token ids, done) each, put as they come
     while the stream's coroutine runs), with a direct writer that takes a chunk when writer_takes(call number) is
-    true (None: no writer): each chunk as ("direct" or "yield", text), in the order the client gets them."""
+    true (None: no writer): each chunk as ("direct" or "yield", text), in the order the client gets them.
+    `assembled`: the outputs are an API server's (engine_wire.OutputAssembly: one set of lists per request, extended
+    by each row); `bursts`: outputs put per pass of the loop (several: the coroutine reads only the latest);
+    `timed`: gets the number of tokens each latency observation covered."""
+    from gpuformers.serving.engine_wire import STATUSES, OutputAssembly
     from gpuformers.engine.outputs import GenerationOutput
     from gpuformers.engine.sequence import RequestStatus
 
@@ -377,7 +382,9 @@ def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, st
         job = make_job(parsed)
         job.id, job.created = "cmpl-x", 0  # two streams' chunks compared byte for byte
         job.state.tokenizer = LetterTokenizer()
-        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: None, observe_itl=lambda s, times=1: None,
+        observed = timed if timed is not None else []
+        job.state.metrics = SimpleNamespace(observe_ttft=lambda s: observed.append(1),
+                                            observe_itl=lambda s, times=1: observed.append(times),
                                             count_tokens=lambda prompt, generated: None)
         job.state.engine = SimpleNamespace(cancel=lambda request_id: None, release=lambda count: None)
         job.state.manager = SimpleNamespace(is_running=lambda: True)
@@ -401,13 +408,23 @@ def streamed(body: dict, outputs: list, writer_takes=None) -> list[tuple[str, st
                 got.append(("yield", chunk))
 
         task = asyncio.ensure_future(consume())
-        for index, tokens, done in outputs:
-            for _ in range(3):  # the coroutine sends what it holds and waits again
-                await asyncio.sleep(0)
-            job.put_nowait((index, GenerationOutput(
-                f"r{index}", generated_tokens=list(tokens), logprobs=[-0.25 * t for t in tokens],
-                top_logprobs=[[(t, -0.25 * t), (t + 1, -1.5)] for t in tokens],
-                status=RequestStatus.FINISHED if done else RequestStatus.DECODING)))
+        assemblies = [OutputAssembly(f"r{index}", [1, 2, 3]) for index in range(job.num_choices)]
+        for number, (index, tokens, done) in enumerate(outputs):
+            if number % bursts == 0:
+                for _ in range(3):  # the coroutine sends what it holds and waits again
+                    await asyncio.sleep(0)
+            status = RequestStatus.FINISHED if done else RequestStatus.DECODING
+            if assembled:  # the row of the tokens since this choice's last one
+                assembly = assemblies[index]
+                new = list(tokens)[len(assembly.tokens):]
+                output = assembly.add([f"r{index}", STATUSES.index(status), new, [-0.25 * t for t in new],
+                                       [[[t, -0.25 * t], [t + 1, -1.5]] for t in new], [], None, None, 0.0, None])
+            else:
+                output = GenerationOutput(f"r{index}", generated_tokens=list(tokens),
+                                          logprobs=[-0.25 * t for t in tokens],
+                                          top_logprobs=[[(t, -0.25 * t), (t + 1, -1.5)] for t in tokens],
+                                          status=status)
+            job.put_nowait((index, output))
         await asyncio.wait_for(task, timeout=10)
         return job
 
@@ -438,6 +455,23 @@ def test_chunks_written_as_outputs_arrive_are_the_chunks_the_stream_yields(kind,
     assert len(direct) >= 4 and written[-1][0] == "yield" and written[-1][1].endswith("data: [DONE]\n\n")
     assert '"finish_reason": "length"' in written[-1][1] and '"completion_tokens": 5' in written[-1][1]
     assert any('"finish_reason": "stop"' in text for text in direct)  # choice 1's, cut at "de": "c" only
+
+
+@pytest.mark.parametrize("bursts", [1, 3], ids=["each_output_read", "outputs_pile_up"])
+@pytest.mark.parametrize("writer", [False, True], ids=["coroutine", "written_as_they_arrive"])
+def test_an_api_servers_outputs_extending_one_set_of_lists_stream_the_same(writer, bursts):
+    """An API server's outputs of a request share lists that each row extends (no copy per token): the stream is
+    the one snapshots give, and the latency histograms see the same tokens, when several outputs pile up before
+    the stream reads the latest too."""
+    body = {"kind": "chat", "model": "m", "stream": True, "n": 2, "stop": ["de"], "logprobs": True,
+            "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    takes = (lambda call: True) if writer else None
+    timed_snapshots, timed_assembled = [], []
+    snapshots = streamed(dict(body), OUTPUTS, takes, bursts=bursts, timed=timed_snapshots)
+    assembled = streamed(dict(body), OUTPUTS, takes, assembled=True, bursts=bursts, timed=timed_assembled)
+    assert "".join(text for _, text in assembled) == "".join(text for _, text in snapshots)
+    # the same latency observations (tokens read together share one): none lost or counted twice
+    assert timed_assembled == timed_snapshots and sum(timed_snapshots) >= 6
 
 
 def test_chunks_the_writer_refuses_go_through_the_coroutine_first_in_order():

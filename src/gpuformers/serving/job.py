@@ -115,6 +115,7 @@ class ChoiceText:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
         self.token_ids: list[int] = []
+        self.seen = 0  # generated tokens the latest update covered (an API server's output lists grow after it)
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float | None] = []
@@ -134,6 +135,7 @@ class ChoiceText:
         if self.finished:
             return ""
         self.token_ids = output.generated_tokens
+        self.seen = len(self.token_ids)
         self.logprobs, self.top_logprobs = output.logprobs, output.top_logprobs
         self.prompt_logprobs = getattr(output, "prompt_logprobs", [])
         self.prompt_top_logprobs = getattr(output, "prompt_top_logprobs", [])
@@ -165,7 +167,7 @@ class ChoiceText:
         """Generated tokens that the returned text covers (all of them unless a stop string cut the text): the
         fewest leading tokens whose decode starts with the text."""
         if not self.cut_at_stop:
-            return len(self.token_ids)
+            return self.seen
         if self._kept is None:
             # The detokenizer's count is exact but for a token that starts a character the cut leaves out (the
             # text took that token's bytes only once the character was whole): step back over such tokens, a few
@@ -340,9 +342,9 @@ class Job:
         """(choice index, new text) of an engine output, its tokens timed for the latency histograms."""
         index, output = item
         choice = self.choices[index]
-        before = len(choice.token_ids)
+        before = choice.seen  # (not len(choice.token_ids): an API server's output extends the same list)
         text = choice.update(output)
-        self._time_tokens(index, len(choice.token_ids) - before)
+        self._time_tokens(index, choice.seen - before)
         return index, text
 
     def _time_tokens(self, index: int, new_tokens: int) -> None:
@@ -470,7 +472,7 @@ class Job:
             self._failed = True
             return
         # Each chunk carries the logprobs of the tokens that arrived since the last chunk.
-        end = choice.num_tokens_kept() if choice.finished else len(choice.token_ids)
+        end = choice.num_tokens_kept() if choice.finished else choice.seen
         self._add_deltas(events, index, choice, text, reported, end)
         if choice.finished:
             events.append(self._chunk(index, None, self._finish_reason(index, choice),
