@@ -3,7 +3,8 @@ besides its route's own work: the API key check, the JSON body read with a size 
 Content-Length, or once the bytes read pass it, never buffered whole) and without lone UTF-16 surrogates, and the
 OpenAI-shaped 500 (counted in /metrics) for an error nothing else caught.
 
-Offers: MAX_BODY_BYTES, check_api_key_setting, check_api_key, read_json, add_unexpected_error_handler.
+Offers: MAX_BODY_BYTES, check_api_key_setting, check_api_key, declared_body_size, read_json,
+add_unexpected_error_handler.
 """
 
 from __future__ import annotations
@@ -60,13 +61,19 @@ def _too_large(size: str) -> APIError:
                     code="request_too_large")
 
 
+def declared_body_size(request: Request) -> int | None:
+    """The body's size as its Content-Length declares it (None: none declared, a chunked body)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
+
+
 async def read_json(request: Request) -> Any:
     """The request body as JSON; a 413 for a body over MAX_BODY_BYTES (read no further than that: a client
     streaming gigabytes must not fill the server's memory), a 400 for one that is not JSON or holds a lone
     surrogate, a 499 (CLIENT_CLOSED_REQUEST) when the client leaves before the body's end."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large(declared)
+    declared = declared_body_size(request)
+    if declared is not None and declared > MAX_BODY_BYTES:
+        raise _too_large(str(declared))
     chunks, size = [], 0
     try:
         async for chunk in request.stream():  # a chunked body declares no length: count as it comes

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from gpuformers.serving.answer_grammar import answer_grammar, needs_grammar
 from gpuformers.serving.api_error import APIError
 from gpuformers.serving.completion_request import SEED_MIN, CompletionRequest
-from gpuformers.serving.http import CLIENT_CLOSED_REQUEST
+from gpuformers.serving.http import CLIENT_CLOSED_REQUEST, declared_body_size
 from gpuformers.serving.job import Job
 from gpuformers.serving.server_state import ServerState
 from gpuformers.serving.sse_response import SSEResponse
@@ -38,13 +38,6 @@ SAMPLING_EPS = 1e-5
 # one (or one of unknown size: no Content-Length) in a worker thread
 INLINE_PROMPT_BYTES = 16 * 1024
 
-
-def _body_size(request: Request) -> float:
-    """The request body's bytes as its Content-Length says (infinity when it does not)."""
-    try:
-        return int(request.headers.get("content-length", ""))
-    except ValueError:
-        return float("inf")
 
 
 async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, job_class: type[Job],
@@ -72,7 +65,8 @@ async def serve_job(request: Request, parsed: CompletionRequest, endpoint: str, 
     # Tokenizing (and rendering a chat template) takes seconds for a prompt of megabytes: off the event loop, so
     # that other clients' streams keep flowing meanwhile; a small request's is done here, in less time than the hop
     # to a worker thread and back costs (and, on a busy loop, than the worker's wait for the GIL)
-    if _body_size(request) <= INLINE_PROMPT_BYTES:
+    size = declared_body_size(request)
+    if size is not None and size <= INLINE_PROMPT_BYTES:
         prompts = prompts_of(state, parsed)
     else:
         prompts = await asyncio.to_thread(prompts_of, state, parsed)
