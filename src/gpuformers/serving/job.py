@@ -113,9 +113,10 @@ class ChoiceText:
         # False for a reasoning parser that reads special-token markers (gpt-oss's harmony channels)
         self.skip_special_tokens = skip_special_tokens
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        # The engine's latest output's lists (each output holds fresh lists: kept by reference, not copied)
+        # The engine's latest output's lists, kept by reference, not copied (an API server's outputs of a request
+        # share lists that its later rows extend: `seen` says how many tokens the latest update covered)
         self.token_ids: list[int] = []
-        self.seen = 0  # generated tokens the latest update covered (an API server's output lists grow after it)
+        self.seen = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float | None] = []
@@ -294,7 +295,7 @@ class Job:
         through the response's direct writer: no wakeup of the coroutine, its generators and the response's loop per
         token. Otherwise, or when the writer cannot take them (a slow client: they must wait for its socket), the
         output or the chunks go to the coroutine, which sends them in order."""
-        if self._writer is None or not self._parked or self._unsent or not self.queue.empty():
+        if self._writer is None or not self._parked or not self.queue.empty():
             self.queue.put_nowait(item)
             return
         try:
@@ -494,7 +495,6 @@ class Job:
             while not self._stream_over():
                 if events:
                     yield "".join(events)
-                events = []
                 taken = await self._next(request)
                 events, self._unsent = self._unsent, []  # chunks put_nowait made first: they came first
                 if self._push_error is not None:

@@ -101,13 +101,14 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         write = chunk_writer(self._cycle) if self._cycle is not None else None
-        if write is not None and self._stream_to is not None:
-            self._stream_to(self._counted(write))
+        if write is not None:
+            write = self._counted(write)
+            if self._stream_to is not None:
+                self._stream_to(write)
         async for chunk in self.body_iterator:
             if not isinstance(chunk, (bytes, memoryview)):
                 chunk = chunk.encode(self.charset)
             if write is not None and write(bytes(chunk)):
-                self.direct_chunks += 1
                 continue
             self.sent_chunks += 1
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
