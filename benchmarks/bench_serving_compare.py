@@ -1,15 +1,16 @@
 """bench_serving.py --compare: what the HTTP front end costs, with the real server and real (raw-socket) clients.
 
 For each client count, each --api-server-count's `gpuformers serve` (and vLLM's server, below) is started and answers
-a warm-up round of as many clients (other prompts); then --repeats rounds (default 3) of C streaming /v1/completions clients at once (prompts of random
-token ids, --output-len tokens each, eos ignored; each round its own prompts, so no round finds another's prefix in
-a cache), opened by a client process (this file run as a script: asyncio and raw sockets, no tokenizer), which
-records when each chunk arrives. Beside them, the engine alone (a ContinuousBatchingManager in this process on the
-same checkpoint and cache settings, run_until_done) on the same requests. The rounds are interleaved (engine alone,
-then each server in turn, per repeat; the servers not measured sit idle), so that a slower minute of a shared
-machine slows every side; each side's median round is reported with every round's throughput beside it, and the
-ratios are the median of each repeat's (a round against the engine alone's and vLLM's of the same repeat). Each server process's CPU time over a round (its CPU clocks: psutil) divided by the tokens streamed is its host
-CPU per token.
+a warm-up round of as many clients (other prompts); then --repeats rounds (default 3) of C streaming /v1/completions
+clients at once (prompts of random token ids, --output-len tokens each, eos ignored; each round its own prompts, so
+no round finds another's prefix in a cache), opened by a client process (this file run as a script: asyncio and raw
+sockets, no tokenizer), which records when each chunk arrives. Beside them, the engine alone (a
+ContinuousBatchingManager in this process on the same checkpoint and cache settings, run_until_done) on the same
+requests. The rounds are interleaved (engine alone, then each server in turn, per repeat; the servers not measured
+sit idle), so that a slower minute of a shared machine slows every side; each side's median round is reported with
+every round's throughput beside it, and the ratios are the median of each repeat's (a round against the engine
+alone's and vLLM's of the same repeat). Each server process's CPU time over a round (its CPU clocks: psutil) divided
+by the tokens streamed is its host CPU per token.
 
     python benchmarks/bench_serving.py --compare --shape micro --client-counts 64 256 --output-len 64 64
     python benchmarks/bench_serving.py --compare --shape host --client-counts 256 --vllm-python V/bin/python
@@ -261,10 +262,6 @@ class Server:
                                                                                tokens))
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def compare(args, bench) -> None:
     shape = args.shape or "micro"
     prompt_len = args.prompt_len or (16, 64)
@@ -312,15 +309,15 @@ def compare(args, bench) -> None:
                 tok_s = [row["server_tok_s"] for row in measured]
                 # the median round's figures, with each round's throughput and ratios beside them
                 row = dict(sorted(measured, key=lambda row: row["server_tok_s"])[len(measured) // 2])
-                row.update(repeats=repeats, server_tok_s=round(_median(tok_s)), server_tok_s_each=tok_s,
-                           engine_alone_tok_s=round(_median(alone_tok_s)),
+                row.update(repeats=repeats, server_tok_s=round(_percentile(tok_s, 50)), server_tok_s_each=tok_s,
+                           engine_alone_tok_s=round(_percentile(alone_tok_s, 50)),
                            engine_alone_tok_s_each=[round(value) for value in alone_tok_s],
                            engine_alone_steps=alone_runs[0][1],
                            # each round against the engine alone's (and vLLM's) of the same repeat, run beside it
-                           server_over_engine=round(_median([a / b for a, b in zip(tok_s, alone_tok_s)]), 2),
+                           server_over_engine=round(_percentile([a / b for a, b in zip(tok_s, alone_tok_s)], 50), 2),
                            server_over_engine_each=[round(a / b, 2) for a, b in zip(tok_s, alone_tok_s)])
                 if vllm and count:
-                    row.update(server_over_vllm=round(_median([a / b for a, b in zip(tok_s, vllm)]), 2),
+                    row.update(server_over_vllm=round(_percentile([a / b for a, b in zip(tok_s, vllm)], 50), 2),
                                server_over_vllm_each=[round(a / b, 2) for a, b in zip(tok_s, vllm)])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -20,11 +20,9 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / ".cache" / "assets" / "qwen3-tokenizer"
+from bench_serving_host import TOKENIZER_DIR  # (this folder is on sys.path when a benchmark runs as a script)
 
 
 class Manager:

@@ -352,7 +352,7 @@ def test_tokens_of_one_chunk_are_observed_together_as_separately():
     assert "h_count 8" in together.lines()
 
 
-# ---------------------------------------------------------------------------------------------- chunks written as outputs arrive
+# ------------------------------------------------------------------------------------- chunks written as outputs arrive
 
 
 class LetterTokenizer:
