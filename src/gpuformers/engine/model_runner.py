@@ -164,7 +164,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = seq.block_table
             if n == 1:  # a decode (or a one-token chunk): the common case, without ranges
-                tokens += seq.tokens(start, start + 1)
+                tokens.append(seq.token_at(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 if num_decodes == index:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gpuformers.engine.sequence import RequestStatus
+from gpuformers.engine.sequence import ENDED, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class GenerationOutput:
     finished_time: float | None = None
 
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        return self.status in ENDED
 
 
 class Outbox:

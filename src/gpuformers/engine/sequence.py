@@ -44,6 +44,11 @@ class RequestStatus(str, enum.Enum):
     FAILED = "failed"
 
 
+# The statuses of a request that has ended, in a constant: asked of every request several times per engine step, and
+# naming the members in the test (an Enum class attribute each) cost four times the test itself.
+ENDED = (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. temperature 0 or do_sample=False is greedy decoding.
@@ -268,6 +273,14 @@ class Sequence:
             found += [PLACEHOLDER] * (stop - max(start, prompt + generated))
         return found
 
+    def token_at(self, position: int) -> int:
+        """token_ids[position] (0 <= position < num_tokens): a decode's one input token, without a list."""
+        prompt = self.prompt_ids
+        if position < len(prompt):
+            return prompt[position]
+        position -= len(prompt)
+        return self.generated_ids[position] if position < len(self.generated_ids) else PLACEHOLDER
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated_ids) + self.num_pending_tokens
@@ -294,7 +307,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        return self.status in ENDED
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -28,7 +28,7 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Callable
 
-from gpuformers.engine.sequence import RequestStatus
+from gpuformers.engine.sequence import ENDED, RequestStatus
 from gpuformers.serving.detokenizer import IncrementalDetokenizer
 from gpuformers.serving.loop_relay import LoopRelay
 from gpuformers.serving.output_inbox import OutputInbox
@@ -140,7 +140,7 @@ class ChoiceText:
         self.logprobs, self.top_logprobs = output.logprobs, output.top_logprobs
         self.prompt_logprobs = getattr(output, "prompt_logprobs", [])
         self.prompt_top_logprobs = getattr(output, "prompt_top_logprobs", [])
-        done = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        done = output.status in ENDED
         detokenizer = self.detokenizer
         searched = len(detokenizer.text)  # text before this update: already searched for stop strings
         for token_id in self.token_ids[len(detokenizer.token_ids):]:
