@@ -92,6 +92,7 @@ class StandInDevice:
         self.torch = torch
         self.hidden_size, self.script, self.step_seconds = hidden_size, script, step_seconds
         self.ready_at = 0.0  # when the last launched step's tokens are ready
+        self.offsets: dict[str, int] = {}  # request id -> its script offset (ids are unique: never reused)
 
     def decoder(self, input_ids, position_ids, past_key_values):
         self.ready_at = max(time.perf_counter(), self.ready_at) + self.step_seconds
@@ -100,7 +101,11 @@ class StandInDevice:
     def sample(self, logits, sequences, counts):
         """sample_on_device's results: the script's next token for each sequence, logprobs when asked for."""
         torch = self.torch
-        tokens = torch.tensor([self.token(seq.prompt_ids, seq.num_output_tokens) for seq in sequences])
+        offsets, script, size = self.offsets, self.script, len(self.script)
+        for seq in sequences:  # a GPU samples in a few kernels: the stand-in's Python per row kept small
+            if seq.request_id not in offsets:
+                offsets[seq.request_id] = self.offset(seq.prompt_ids)
+        tokens = torch.tensor([script[(offsets[seq.request_id] + seq.num_output_tokens) % size] for seq in sequences])
         want = [i for i, seq in enumerate(sequences) if seq.params.return_logprobs]
         out = [tokens]
         if want:
@@ -114,7 +119,11 @@ class StandInDevice:
     def token(self, prompt_ids: list[int], index: int) -> int:
         """Generated token `index` of the request with this prompt: the script from an offset the prompt gives (so
         the checks can work the answer out too)."""
-        return self.script[(sum(prompt_ids) * 7919 + index) % len(self.script)]
+        return self.script[(self.offset(prompt_ids) + index) % len(self.script)]
+
+    @staticmethod
+    def offset(prompt_ids: list[int]) -> int:
+        return sum(prompt_ids) * 7919
 
 
 def install(manager, device: StandInDevice) -> None:

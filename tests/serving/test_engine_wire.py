@@ -106,3 +106,61 @@ def test_an_api_servers_in_flight_counts_of_one_loop_pass_reach_the_core_as_one_
         client._in.close(linger=0)
         client._context.term()
         context.term()
+
+
+def test_an_api_server_behind_the_core_hands_each_request_its_newest_output_once(tmp_path):
+    """Steps' messages waiting together (the API server fell behind): each request's rows are added up in order and
+    on_output gets its newest output once (one chunk instead of one per step), a request finished in an earlier
+    message still gets its final output, and the facts are the newest message's. One message at a time: an output
+    per message. And _read takes every waiting message off the core's socket."""
+    import os
+
+    import zmq
+
+    from gpuformers.serving.engine_client import EngineClient
+
+    context = zmq.Context()
+    core_in, core_out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    core_in.bind(f"ipc://{tmp_path}/in")
+    core_out.bind(f"ipc://{tmp_path}/out-0")
+    facts = {"generation_config": {}, "vocab_size": 10, "max_position_embeddings": 64, "num_blocks": 4,
+             "block_size": 16, "adapters": []}
+    client = EngineClient(str(tmp_path), 0, os.getppid(), facts)
+    received = {"a": [], "b": []}
+
+    def on_output(output):  # (a copy: an API server's outputs share lists the next rows extend)
+        received[output.request_id].append((list(output.generated_tokens), output.status))
+
+    deltas = OutputDeltas()
+
+    def step(number: int, outputs: list[GenerationOutput]) -> list:  # the core's message of engine step `number`
+        return unpack(pack([[0, 2, 4, number, None, [2]], [deltas.row(o) for o in outputs], None, False]))
+
+    def out(request_id, tokens, status=RequestStatus.DECODING):
+        return GenerationOutput(request_id, [1], list(tokens), status=status)
+
+    try:
+        for request_id in ("a", "b"):
+            client.add_request([1], request_id=request_id, on_output=on_output)
+        client._deliver(step(1, [out("a", [5]), out("b", [7])]))
+        assert received == {"a": [([5], RequestStatus.DECODING)], "b": [([7], RequestStatus.DECODING)]}
+        client._deliver(step(2, [out("a", [5, 6]), out("b", [7, 8], RequestStatus.FINISHED)]),
+                        step(3, [out("a", [5, 6, 9])]), step(4, [out("a", [5, 6, 9, 3])]))
+        assert received["a"] == [([5], RequestStatus.DECODING), ([5, 6, 9, 3], RequestStatus.DECODING)]
+        assert received["b"] == [([7], RequestStatus.DECODING), ([7, 8], RequestStatus.FINISHED)]
+        assert client.num_steps == 4 and "b" not in client._requests
+        for number, tokens in ((5, [5, 6, 9, 3, 4]), (6, [5, 6, 9, 3, 4, 2])):  # through the socket this time
+            status = RequestStatus.FINISHED if number == 6 else RequestStatus.DECODING
+            core_out.send(pack(step(number, [out("a", tokens, status)])))
+        for _ in range(100):
+            if client.num_steps == 6:
+                break
+            client._in.poll(100)
+            client._read()
+        assert client.num_steps == 6 and received["a"][-1] == ([5, 6, 9, 3, 4, 2], RequestStatus.FINISHED)
+        assert not client._requests
+    finally:
+        for sock in (core_in, core_out, client._out, client._in):
+            sock.close(linger=0)
+        client._context.term()
+        context.term()

@@ -203,12 +203,14 @@ class EngineClient:
         waiting to some, so all are read each time (and the watch reads again, should an edge be missed)."""
         import zmq
 
-        sock = self._in
+        sock, messages = self._in, []
         try:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._deliver(unpack(sock.recv(zmq.NOBLOCK)))
+                messages.append(unpack(sock.recv(zmq.NOBLOCK)))
         except zmq.Again:
             pass
+        if messages:
+            self._deliver(*messages)
 
     def _watch(self) -> None:
         """Every _WATCH_SECONDS in the loop: is the core still this process's parent; this server's counts to the
@@ -254,30 +256,37 @@ class EngineClient:
     def _peers_running(self) -> int:
         return sum(count for server, count in enumerate(self._running) if server != self.index)
 
-    def _deliver(self, message: list) -> None:
-        facts, rows, peers, asked = message
-        self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken, running = facts
-        self._running, self._facts_time = running, time.monotonic()
-        if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
-            self.broken = f"the engine core's loop stopped: {broken}"
-        self.block_manager.num_free_blocks = free
-        if peers is not None:
-            self._peers = {server: snap for server, snap in peers.items() if server != self.index}
-        if asked:
-            while self._waiters:
-                future = self._waiters.popleft()
-                if not future.done():
-                    future.set_result(None)
-        requests = self._requests
-        for row in rows:
-            request_id = row[0]
-            entry = requests.get(request_id)
-            if entry is None:
-                continue
-            assembly, on_output = entry
-            output = assembly.add(row)
-            if output.is_finished():
-                del requests[request_id]
+    def _deliver(self, *messages: list) -> None:
+        """The core's messages, oldest first: the facts of each, then each request's rows added up in order and
+        only its newest output handed to on_output. Several messages wait when this server fell behind the engine
+        (its CPU taken by other processes): a stream then gets the steps' tokens in one chunk, as a job behind its
+        outputs sends them (output_inbox.py), instead of a chunk (and a socket write) per step to catch up on."""
+        requests, newest = self._requests, {}
+        for message in messages:
+            facts, rows, peers, asked = message
+            self.scheduler.waiting.count, self.scheduler.running.count, free, self.num_steps, broken, running = facts
+            self._running, self._facts_time = running, time.monotonic()
+            if broken is not None and self.broken is None:  # the core's engine loop broke: it exits next
+                self.broken = f"the engine core's loop stopped: {broken}"
+            self.block_manager.num_free_blocks = free
+            if peers is not None:
+                self._peers = {server: snap for server, snap in peers.items() if server != self.index}
+            if asked:
+                while self._waiters:
+                    future = self._waiters.popleft()
+                    if not future.done():
+                        future.set_result(None)
+            for row in rows:
+                request_id = row[0]
+                entry = requests.get(request_id)
+                if entry is None:
+                    continue
+                assembly, on_output = entry
+                output = assembly.add(row)
+                if output.is_finished():
+                    del requests[request_id]
+                newest[request_id] = (output, on_output)
+        for request_id, (output, on_output) in newest.items():
             try:
                 on_output(output)
             except Exception:  # as the manager does: a callback that fails gets nothing more
