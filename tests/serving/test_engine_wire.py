@@ -36,6 +36,31 @@ def test_deltas_rebuild_each_output_with_logprobs_and_send_each_token_once():
     assert deltas._sent == {}  # the finished request is forgotten
 
 
+def test_a_streams_rows_between_its_first_and_last_carry_only_its_new_tokens():
+    """A stream without logprobs: its first and last rows are whole (created_time, finished_time), the ones between
+    only the new tokens and the status; the outputs rebuilt are the ones published, created_time kept throughout.
+    With prompt logprobs arriving over two prefill chunks, the second row is whole again."""
+    def stream(prompt_logprobs_at_step_1: bool) -> list[GenerationOutput]:
+        published = []
+        for step in range(5):
+            prompt = [None, -1.0] + ([-2.0] if prompt_logprobs_at_step_1 and step >= 1 else [])
+            published.append(GenerationOutput(
+                "srv-2", [1, 2, 3], [50 + k for k in range(step)], prompt_logprobs=prompt,
+                status=RequestStatus.FINISHED if step == 4 else RequestStatus.DECODING, created_time=5.0,
+                finished_time=9.0 if step == 4 else None))
+        return published
+
+    for late_prompt_logprobs in (False, True):
+        published = stream(late_prompt_logprobs)
+        deltas, assembly = OutputDeltas(), OutputAssembly("srv-2", [1, 2, 3])
+        rows = [unpack(pack(deltas.row(output))) for output in published]
+        short = [1, 2, 3] if not late_prompt_logprobs else [2, 3]
+        assert [index for index, row in enumerate(rows) if len(row) == 3] == short
+        assert all(len(row) == 10 for index, row in enumerate(rows) if index not in short)
+        assert [copy.deepcopy(assembly.add(row)) for row in rows] == published
+        assert deltas._sent == {}
+
+
 def test_metrics_render_adds_the_other_servers_counts():
     mine, theirs = Metrics(), Metrics()
     mine.connections, theirs.connections = ConnectionStats(), ConnectionStats()

@@ -19,6 +19,8 @@ over ZMQ sockets on Unix domain sockets (ipc://) in a private folder.
             asked: whether this message answers a "facts?"
         row: [request_id, status, new token ids, their logprobs, their top logprobs (or None), new prompt logprobs,
               their top logprobs, error, created_time, finished_time]
+             or, the common row of a streamed answer (not its first or last, no logprobs, nothing else new):
+             [request_id, status, new token ids]
 
 A row carries only what its request gained since the last one (OutputDeltas): a streamed answer of T tokens costs
 O(T) bytes in all, not O(T^2). The API server puts the pieces back together into the GenerationOutput the engine
@@ -52,16 +54,25 @@ class OutputDeltas:
     (the engine's), so unlocked."""
 
     def __init__(self):
-        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (generated tokens, prompt logprobs) sent
+        self._sent: dict[str, list[int]] = {}  # request id -> [generated tokens, prompt logprobs] sent
 
     def row(self, output: GenerationOutput) -> list:
-        tokens, prompt = self._sent.pop(output.request_id, (0, 0))
-        finished = output.is_finished()
-        if not finished:
-            self._sent[output.request_id] = (len(output.generated_tokens), len(output.prompt_logprobs))
+        """The output's row; the short one (three fields instead of ten to make, pack and unpack) when all the
+        request gained since its last row is tokens: the row of most streams at most engine steps."""
+        request_id, generated = output.request_id, output.generated_tokens
+        sent = self._sent.get(request_id)
+        if (sent is not None and not output.logprobs and output.error is None and not output.is_finished()
+                and len(output.prompt_logprobs) == sent[1]):
+            tokens, sent[0] = sent[0], len(generated)
+            return [request_id, _STATUS_INDEX[output.status], generated[tokens:]]
+        tokens, prompt = sent if sent is not None else (0, 0)
+        if output.is_finished():
+            self._sent.pop(request_id, None)
+        else:
+            self._sent[request_id] = [len(generated), len(output.prompt_logprobs)]
         top = output.top_logprobs[tokens:] if output.top_logprobs else None
         prompt_top = output.prompt_top_logprobs[prompt:] if output.prompt_top_logprobs else None
-        return [output.request_id, _STATUS_INDEX[output.status], output.generated_tokens[tokens:],
+        return [request_id, _STATUS_INDEX[output.status], generated[tokens:],
                 output.logprobs[tokens:], top, output.prompt_logprobs[prompt:], prompt_top, output.error,
                 output.created_time, output.finished_time]
 
@@ -79,7 +90,7 @@ class OutputAssembly:
     the latest output of a choice is the one it reads (output_inbox.py)."""
 
     __slots__ = ("request_id", "prompt_ids", "tokens", "logprobs", "top_logprobs", "prompt_logprobs",
-                 "prompt_top_logprobs")
+                 "prompt_top_logprobs", "created")
 
     def __init__(self, request_id: str, prompt_ids: list[int]):
         self.request_id, self.prompt_ids = request_id, prompt_ids
@@ -88,9 +99,16 @@ class OutputAssembly:
         self.top_logprobs: list = []
         self.prompt_logprobs: list = []
         self.prompt_top_logprobs: list = []
+        self.created = 0.0  # the request's created_time, from its first row
 
     def add(self, row: list) -> GenerationOutput:
+        if len(row) == 3:  # tokens only (OutputDeltas.row)
+            self.tokens += row[2]
+            return GenerationOutput(self.request_id, self.prompt_ids, self.tokens, self.logprobs, self.top_logprobs,
+                                    self.prompt_logprobs, self.prompt_top_logprobs, None, STATUSES[row[1]],
+                                    self.created, None)
         _, status, tokens, logprobs, top, prompt, prompt_top, error, created, finished = row
+        self.created = created
         self.tokens += tokens
         self.logprobs += logprobs
         if top:
