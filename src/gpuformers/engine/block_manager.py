@@ -196,10 +196,11 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """After a step: register the blocks that became full and computed, so later requests can share them."""
-        if not self.allow_block_sharing:
-            return
         size = self.block_size
-        for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+        full = seq.num_computed_tokens // size
+        if not self.allow_block_sharing or full <= len(seq.block_hashes):
+            return  # (nearly every step of a decode: no block became full)
+        for index in range(len(seq.block_hashes), full):
             chunk = tuple(seq.tokens(index * size, (index + 1) * size))
             previous = seq.block_hashes[-1] if seq.block_hashes else seq.adapter_id
             h = chain_hash(previous, chunk)

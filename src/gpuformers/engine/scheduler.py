@@ -129,16 +129,19 @@ class Scheduler:
     def _continue_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
         # Sets of id(): membership in the lists would cost a scan per sequence, quadratic in the running requests.
         skipped = {id(seq) for seq in batch.sequences}  # admitted this step already (prefill_first)
+        manager = self.block_manager
+        chunk_limit, blocks_needed = manager.chunk_limit, manager.blocks_needed  # (once per step, not per request)
+        sequences, counts = batch.sequences, batch.num_tokens
         for seq in list(self.running):
             if budget[0] == 0:
                 break
-            if id(seq) in skipped:
+            if skipped and id(seq) in skipped:
                 continue  # preempted for an older sequence, or admitted this step already
             if seq.out_of_new_tokens:
                 continue  # its last token is in flight (async batching): it finishes when that step is collected
-            n = self.block_manager.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget[0]))
-            if self.block_manager.blocks_needed(seq, seq.num_computed_tokens + n):  # else its last block has room
-                while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            n = chunk_limit(seq, min(seq.num_uncomputed_tokens, budget[0]))
+            if blocks_needed(seq, seq.num_computed_tokens + n):  # else its last block has room
+                while not manager.can_allocate(seq, seq.num_computed_tokens + n):
                     victim = self.running[-1]
                     self._preempt(victim, batch, budget)
                     skipped.add(id(victim))
@@ -146,9 +149,9 @@ class Scheduler:
                         break
                 if id(seq) in skipped:
                     continue
-                self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            batch.sequences.append(seq)
-            batch.num_tokens.append(n)
+                manager.allocate(seq, seq.num_computed_tokens + n)
+            sequences.append(seq)
+            counts.append(n)
             budget[0] -= n
 
     def _admit(self, batch: ScheduledBatch, budget: list[int]) -> None:
@@ -203,19 +206,19 @@ class Scheduler:
         """The step's tokens reached the host (after `advance`): register the blocks that became full, put each
         sampled token over its placeholder, free the sequences that finished. Returns the sequences that took a
         token (finished or not)."""
-        updated = []
+        updated, commit, pending = [], self.block_manager.commit, RequestStatus.PENDING
         for seq, sample in zip(batch.sequences, sampled):
             if seq.is_finished:  # it ended (eos, stop, cancel) after this step was launched: drop the sample
                 self.num_discarded_samples += sample is not None
                 continue
-            preempted = seq.status is RequestStatus.PENDING  # preempted while this step was in flight
+            preempted = seq.status is pending  # preempted while this step was in flight
             if sample is not None:
                 seq.fill_placeholder(*sample)
                 updated.append(seq)
             # Filled first: with the next step in flight, the computed tokens already include the one this step
             # sampled (as that step's input). The one the next step samples is never computed yet, so commit never
             # hashes a placeholder.
-            self.block_manager.commit(seq)
+            commit(seq)
             if sample is None:
                 continue
             if seq.is_finished:

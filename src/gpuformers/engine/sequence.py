@@ -47,6 +47,7 @@ class RequestStatus(str, enum.Enum):
 # The statuses of a request that has ended, in a constant: asked of every request several times per engine step, and
 # naming the members in the test (an Enum class attribute each) cost four times the test itself.
 ENDED = (RequestStatus.FINISHED, RequestStatus.FAILED)
+_DECODING = RequestStatus.DECODING  # (set after every token: a global, not an Enum class attribute)
 
 
 @dataclass
@@ -350,7 +351,7 @@ class Sequence:
             self.status = RequestStatus.FINISHED
             self.num_pending_tokens = 0  # a token sampled after the end (async lookahead) is dropped
         else:
-            self.status = RequestStatus.DECODING
+            self.status = _DECODING
 
     def add_placeholder(self) -> None:
         """A step that samples this sequence was launched; its token is known on the device only."""
