@@ -27,8 +27,9 @@
 #             (bitsandbytes rows only where the package is installed)
 #   peer      benchmarks/bench_peer.py --device cuda, bf16, 100m, --compile (180)  bench_peer.txt + .json
 #             (issue 30: the compiled engine against the eager one, start-up cold; vLLM only where installed)
-#   frontend  benchmarks/bench_serving_host.py --clients 64 256 --api-server-count 4 (150)  bench_serving_host.txt
-#             (issue 31: whether 4 API servers keep up with a 5 ms step at 256 streams on the machine's 16 cores; no
+#   frontend  benchmarks/bench_serving_host.py --clients 64 256 --max-tokens 512 --api-server-count 4 (150)
+#             bench_serving_host.txt (issue 31: whether 4 API servers keep up with a 5 ms step at 256 streams of 512
+#             tokens, long enough that the requests' arrival is not most of the round, on the machine's 16 cores; no
 #             GPU work: the development machine's 2 cores cannot show it. Needs the serving packages, which the
 #             machine lacks, and the Qwen3 tokenizer: scripts/fetch_serving_wheels.sh here, then carry `.whl` and
 #             `.cache/assets/qwen3-tokenizer` and start the command with that script's install line)
@@ -117,7 +118,7 @@ for step in "${steps[@]}"; do
         peer) run_step peer 180 bench_peer.txt python benchmarks/bench_peer.py --device cuda --dtype bfloat16 \
             --shape 100m --num-requests 64 --compile --json "${OUT}/bench_peer.json" ;;
         frontend) run_step frontend 150 bench_serving_host.txt \
-            python benchmarks/bench_serving_host.py --clients 64 256 --api-server-count 4 ;;
+            python benchmarks/bench_serving_host.py --clients 64 256 --max-tokens 512 --api-server-count 4 ;;
         *) echo "unknown step ${step}; steps: tests compiled kernels generate engine load serving quant peer" \
                 "frontend" >&2
            exit 2 ;;
