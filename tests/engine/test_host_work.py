@@ -1,5 +1,5 @@
 """The engine's host-side shortcuts (benchmarks/bench_engine_host.py) give what the plain versions give:
-Sequence.tokens is token_ids[start:stop], host_tensor is torch.tensor, ScheduledBatch.sampling is fixed when first
+Sequence.tokens is token_ids[start:stop] (token_at its one item), host_tensor is torch.tensor, ScheduledBatch.sampling is fixed when first
 asked, and scheduling many running requests keeps preemption order."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def test_tokens_slices_like_token_ids_across_prompt_generated_and_placeholders()
         for stop in range(start, len(whole) + 3):
             assert seq.tokens(start, stop) == whole[start:stop], (start, stop)
     assert seq.tokens(3, 1) == []
+    assert [seq.token_at(position) for position in range(len(whole))] == whole  # a decode's one input token
 
 
 def test_tokens_returns_a_new_list():
