@@ -10,8 +10,8 @@ request, the tokens of a fixed text from an offset its prompt gives (the real Qw
 prose, code, CJK and emoji, so some characters are split over byte-level pieces). A client process (this script
 with --client: raw non-blocking sockets and one selector, no tokenizer, so its own cost stays out of this process
 and small; its CPU while streaming is reported, since on a machine of few cores it takes from the server's) opens N
-streaming requests at once (max_tokens T, ignore_eos, include_usage) and reads them to the end. The CPU time of this process's threads
-over the round comes from each thread's CPU clock:
+streaming requests at once (max_tokens T, ignore_eos, include_usage) and reads them to the end. The CPU time of this
+process's threads over the round comes from each thread's CPU clock:
 
     engine       the engine loop: scheduling, inputs, the stand-in model and sampler, publishing (and handing each
                  output to the event loop: the server's on_output callback runs in this thread)

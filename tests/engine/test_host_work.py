@@ -1,6 +1,6 @@
 """The engine's host-side shortcuts (benchmarks/bench_engine_host.py) give what the plain versions give:
-Sequence.tokens is token_ids[start:stop] (token_at its one item), host_tensor is torch.tensor, ScheduledBatch.sampling is fixed when first
-asked, and scheduling many running requests keeps preemption order."""
+Sequence.tokens is token_ids[start:stop] (token_at its one item), host_tensor is torch.tensor,
+ScheduledBatch.sampling is fixed when first asked, and scheduling many running requests keeps preemption order."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ free cores than busy processes, the kernel then runs the engine core's loop firs
 accelerator fed (or, on the CPU, computes every token). An API server that falls behind loses nothing: the core's
 messages waiting for it are read together and each request gets only its newest output (engine_client.py), and a
 job reads only each choice's newest output (output_inbox.py), so it sends several tokens in one chunk and catches
-up, while an engine slowed by its front ends would slow every stream. Where cores are free, the priority changes nothing.
+up, while an engine slowed by its front ends would slow every stream. Where cores are free, the priority changes
+nothing.
 
 CONFIG is the core's JSON file (in its private run folder): the app's settings, the port (and the inherited socket's
 file descriptor, if any), the core's pid and the facts of its model; the API key comes in $GPUFORMERS_API_KEY, not on
