@@ -352,19 +352,20 @@ def run_round(server, manager, tokenizer, device: StandInDevice, args, clients: 
             "client": report["cpu"]}
 
 
-def engine_alone(manager, tokenizer, args, clients: int, tokens: int) -> float:
-    """Output tok/s of the stand-in engine alone (run_until_done in this thread, no server) on the round's prompts:
-    what the front end is to keep up with."""
+def engine_alone(manager, tokenizer, args, clients: int, tokens: int) -> tuple[float, float]:
+    """Output tok/s of the stand-in engine alone (run_until_done in this thread, no server) on the round's prompts,
+    what the front end is to keep up with; and the thread's CPU seconds per token (the engine thread's figure when
+    nothing else runs: beside a served round's, what the front end's processes and their streaming add to it)."""
     prompts = [prompt_ids_of(tokenizer, request_body(args, index, tokens)) for index in range(clients)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for prompt in prompts:
         manager.add_request(prompt, max_new_tokens=tokens, ignore_eos=True, do_sample=False)
     manager.run_until_done()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     produced = 0
     while (output := manager.get_result(timeout=0)) is not None:
         produced += len(output.generated_tokens)
-    return produced / seconds
+    return produced / seconds, cpu / produced
 
 
 def check(answers: list[dict], bodies: list[dict], tokenizer, device: StandInDevice, tokens: int) -> None:
@@ -466,7 +467,9 @@ def main(argv=None) -> None:
     device = StandInDevice(model.config.hidden_size, script, args.device_ms / 1e3)
     install(manager, device)
     engine_alone(manager, tokenizer, args, 8, 16)  # warm up
-    alone = {clients: engine_alone(manager, tokenizer, args, clients, args.max_tokens) for clients in args.clients}
+    alone, alone_cpu = {}, {}
+    for clients in args.clients:
+        alone[clients], alone_cpu[clients] = engine_alone(manager, tokenizer, args, clients, args.max_tokens)
     if args.api_server_count > 1:
         from bench_serving_host_processes import ProcessServers
 
@@ -509,6 +512,7 @@ def main(argv=None) -> None:
         "served / engine alone": lambda r: f"**{r['tokens'] / r['wall_s'] / alone[r['clients']]:.2f}**",
         "all CPU us/token": lambda r: f"**{us(sum(r['cpu'].values()), r)}**",
         "  engine thread us/token": lambda r: us(r["cpu"]["engine"], r),
+        "  (the engine alone's thread us/token)": lambda r: f"{alone_cpu[r['clients']] * 1e6:.1f}",
         "  front end us/token (all but the engine thread)": lambda r: us(front(r), r),
         **{f"    {name} us/token": (lambda r, name=name: us(r["cpu"][name], r))
            for name in next(iter(results.values()))["cpu"] if name != "engine"},
