@@ -125,15 +125,18 @@ def measure(rows: int, block_size: int, steps: int, prompt_range: tuple[int, int
         while pending:
             deltas.row(pending.popleft())
 
+    def read_streams():  # the readers' work (a server's other thread): untimed
+        for stream in manager.outbox.streams.values():
+            while not stream.empty():
+                stream.get_nowait()
+
     while any(seq.num_output_tokens == 0 for seq in manager.scheduler.running) or manager.scheduler.waiting:
         manager.step()  # prefill everything, untimed
         core_rows()
     for _ in range(3 + generated):
         manager.step()
         core_rows()
-        for stream in manager.outbox.streams.values():
-            while not stream.empty():
-                stream.get_nowait()
+        read_streams()
     assert len(manager.scheduler.running) == rows, "every request should be decoding"
     totals = {phase: 0.0 for phase in [*PHASES, "sample (launch)", "model (stand-in)", "core rows"]}
     timed_phases(manager, totals)
@@ -145,9 +148,7 @@ def measure(rows: int, block_size: int, steps: int, prompt_range: tuple[int, int
         core_rows()
         totals["core rows"] += time.perf_counter() - rows_start
         elapsed += time.perf_counter() - start
-        for stream in manager.outbox.streams.values():  # the readers' work (a server's other thread): untimed
-            while not stream.empty():
-                stream.get_nowait()
+        read_streams()
     result = {"step": elapsed / steps * 1e3}
     result.update({phase: seconds / steps * 1e3 for phase, seconds in totals.items()})
     inside_launch = ("prepare inputs", "carry placeholders", "sample (launch)", "model (stand-in)")

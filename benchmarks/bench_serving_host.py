@@ -183,7 +183,7 @@ def run_clients(port: int, path: str, bodies: list[dict]) -> list[dict]:
     they come (parsed after the clock): about the least CPU a client can spend per chunk (a recv and an append), so
     that on a machine of few cores the clients leave the server what they can. (An asyncio stream per request took
     22.5-23.7 us of the client's CPU per token against 14.8-16.0 us this way, both with the process's start and the
-    parsing, at 256 streams of 512 tokens on 2 cores; the round's own CPU, reported, is 12-13 us.)"""
+    parsing, at 256 streams of 512 tokens on 2 cores; the round's own CPU, reported, is 7-13 us.)"""
     import selectors
 
     selector = selectors.DefaultSelector()

@@ -59,14 +59,14 @@ class OutputDeltas:
     def row(self, output: GenerationOutput) -> list:
         """The output's row; the short one (three fields instead of ten to make, pack and unpack) when all the
         request gained since its last row is tokens: the row of most streams at most engine steps."""
-        request_id, generated = output.request_id, output.generated_tokens
+        request_id, generated, finished = output.request_id, output.generated_tokens, output.is_finished()
         sent = self._sent.get(request_id)
-        if (sent is not None and not output.logprobs and output.error is None and not output.is_finished()
+        if (sent is not None and not finished and not output.logprobs and output.error is None
                 and len(output.prompt_logprobs) == sent[1]):
             tokens, sent[0] = sent[0], len(generated)
             return [request_id, _STATUS_INDEX[output.status], generated[tokens:]]
         tokens, prompt = sent if sent is not None else (0, 0)
-        if output.is_finished():
+        if finished:
             self._sent.pop(request_id, None)
         else:
             self._sent[request_id] = [len(generated), len(output.prompt_logprobs)]
@@ -103,23 +103,21 @@ class OutputAssembly:
 
     def add(self, row: list) -> GenerationOutput:
         if len(row) == 3:  # tokens only (OutputDeltas.row)
-            self.tokens += row[2]
-            return GenerationOutput(self.request_id, self.prompt_ids, self.tokens, self.logprobs, self.top_logprobs,
-                                    self.prompt_logprobs, self.prompt_top_logprobs, None, STATUSES[row[1]],
-                                    self.created, None)
-        _, status, tokens, logprobs, top, prompt, prompt_top, error, created, finished = row
-        self.created = created
+            _, status, tokens = row
+            error = finished = None
+        else:
+            _, status, tokens, logprobs, top, prompt, prompt_top, error, self.created, finished = row
+            self.logprobs += logprobs
+            if top:
+                self.top_logprobs += _pairs(top)
+            if prompt:
+                self.prompt_logprobs += prompt
+            if prompt_top:
+                self.prompt_top_logprobs += _pairs(prompt_top)
         self.tokens += tokens
-        self.logprobs += logprobs
-        if top:
-            self.top_logprobs += _pairs(top)
-        if prompt:
-            self.prompt_logprobs += prompt
-        if prompt_top:
-            self.prompt_top_logprobs += _pairs(prompt_top)
         # positional, in GenerationOutput's field order (a row per request per engine step: keywords cost 40% more)
         return GenerationOutput(self.request_id, self.prompt_ids, self.tokens, self.logprobs, self.top_logprobs,
-                                self.prompt_logprobs, self.prompt_top_logprobs, error, STATUSES[status], created,
+                                self.prompt_logprobs, self.prompt_top_logprobs, error, STATUSES[status], self.created,
                                 finished)
 
     def failed(self, message: str) -> GenerationOutput:
